@@ -1,0 +1,73 @@
+"""What an entry point learns from its environment, read once and passed down.
+
+`GPULIB_ROOT` (default `/`) puts every path gpulib touches under one root;
+`GPULIB_SIMULATE=1` (honoured only when that root is not `/`) makes writes to
+sysfs also do what the kernel would, through `gpulib.sim.kernel`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, Optional
+
+from gpulib.sysfs import Sysfs
+
+log = logging.getLogger(__name__)
+
+# Root-relative locations (DESIGN section 2.5 and 3).
+CONFIG_FILE = "etc/gpulib/gpulib.conf"
+STATE_DIR = "var/lib/gpulib"
+STATE_FILE = STATE_DIR + "/state.json"
+LOCK_FILE = STATE_DIR + "/state.lock"
+LOG_DIR = "var/log/gpulib"
+RUNNING_DOMAINS = "run/libvirt/qemu"
+DEFINED_DOMAINS = "etc/libvirt/qemu"
+MODPROBE_DIR = "etc/modprobe.d"
+CLOUDSTACK_AGENT_DIR = "etc/cloudstack/agent"
+PROC_CMDLINE = "proc/cmdline"
+
+
+class Context:
+    """The root, the sysfs access object and the files below that root."""
+
+    def __init__(self, sysfs: Sysfs) -> None:
+        self.sysfs = sysfs
+        self.root = sysfs.root
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Context:
+        env = os.environ if environ is None else environ
+        root = env.get("GPULIB_ROOT") or "/"
+        simulate = env.get("GPULIB_SIMULATE", "") == "1"
+        return cls.for_root(root, simulate=simulate)
+
+    @classmethod
+    def for_root(cls, root: str, simulate: bool = False) -> Context:
+        real_root = os.path.realpath(root) == "/"
+        if simulate and real_root:
+            # Never pretend on a real host: a simulated write there would
+            # leave the real kernel and gpulib's state disagreeing.
+            log.warning("GPULIB_SIMULATE ignored: GPULIB_ROOT is the real root")
+            simulate = False
+        if simulate:
+            from gpulib.sim.kernel import SimulatedKernel
+
+            kernel = SimulatedKernel(root)
+            return cls(Sysfs(root, kernel_write=kernel.write, simulated=True))
+        return cls(Sysfs(root))
+
+    def path(self, rel: str) -> str:
+        return self.sysfs.path(rel)
+
+    @property
+    def state_path(self) -> str:
+        return self.path(STATE_FILE)
+
+    @property
+    def lock_path(self) -> str:
+        return self.path(LOCK_FILE)
+
+    @property
+    def config_path(self) -> str:
+        return self.path(CONFIG_FILE)

@@ -1,0 +1,230 @@
+"""PCI addresses and the sysfs facts of one PCI function.
+
+Addresses are kept in canonical sysfs form (`dddd:bb:ss.f`, lowercase). The
+forms other tools want (lspci's short `bb:ss.f`, libvirt's `0x..` fields) are
+renderings of the same value.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple, Optional
+
+from gpulib.errors import InputError
+from gpulib.sysfs import Sysfs
+
+PCI_DEVICES = "sys/bus/pci/devices/"
+
+_ADDR_RE = re.compile(
+    r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
+
+
+class PciAddress(NamedTuple):
+    domain: int
+    bus: int
+    slot: int
+    function: int
+
+    @classmethod
+    def parse(cls, text: str) -> PciAddress:
+        """Accept `dddd:bb:ss.f` or lspci's `bb:ss.f` (domain 0)."""
+        m = _ADDR_RE.match(text.strip()) if isinstance(text, str) else None
+        if not m:
+            raise InputError(f"not a PCI address: {text!r} (expected dddd:bb:ss.f)")
+        domain = int(m.group(1) or "0", 16)
+        slot = int(m.group(3), 16)
+        if domain > 0xFFFF or slot > 0x1F:
+            raise InputError(f"PCI address out of range: {text!r}")
+        return cls(domain, int(m.group(2), 16), slot, int(m.group(4)))
+
+    @classmethod
+    def from_libvirt(cls, domain: str, bus: str, slot: str, function: str) -> PciAddress:
+        """From the attributes of libvirt's `<address type='pci'>`."""
+        try:
+            values = [int(v, 0) for v in (domain or "0", bus, slot, function)]
+        except (TypeError, ValueError):
+            raise InputError(
+                f"bad PCI address in XML: domain={domain!r} bus={bus!r} "
+                f"slot={slot!r} function={function!r}") from None
+        d, b, s, f = values
+        if not (0 <= d <= 0xFFFF and 0 <= b <= 0xFF and 0 <= s <= 0x1F and 0 <= f <= 7):
+            raise InputError(f"PCI address out of range: {d:04x}:{b:02x}:{s:02x}.{f}")
+        return cls(d, b, s, f)
+
+    def __str__(self) -> str:
+        return f"{self.domain:04x}:{self.bus:02x}:{self.slot:02x}.{self.function:x}"
+
+    @property
+    def lspci(self) -> str:
+        """As `lspci` prints it: the domain only when it is not 0000."""
+        short = f"{self.bus:02x}:{self.slot:02x}.{self.function:x}"
+        return short if self.domain == 0 else f"{self.domain:04x}:{short}"
+
+    def libvirt(self) -> dict[str, str]:
+        return {"domain": f"0x{self.domain:04x}", "bus": f"0x{self.bus:02x}",
+                "slot": f"0x{self.slot:02x}", "function": f"0x{self.function:x}"}
+
+    @property
+    def slot_key(self) -> tuple[int, int, int]:
+        return (self.domain, self.bus, self.slot)
+
+
+# PCI class codes (base class, subclass) that can be GPUs.
+CLASS_VGA = 0x0300
+CLASS_3D = 0x0302
+CLASS_DISPLAY_OTHER = 0x0380
+CLASS_PROCESSING_ACCEL = 0x1200
+DISPLAY_BASE_CLASS = 0x03
+
+# lspci's names for the classes a GPU report may show.
+CLASS_NAMES = {
+    0x0300: "VGA compatible controller",
+    0x0301: "XGA compatible controller",
+    0x0302: "3D controller",
+    0x0380: "Display controller",
+    0x0400: "Multimedia video controller",
+    0x0401: "Multimedia audio controller",
+    0x0403: "Audio device",
+    0x0480: "Multimedia controller",
+    0x0200: "Ethernet controller",
+    0x0207: "Infiniband controller",
+    0x0600: "Host bridge",
+    0x0604: "PCI bridge",
+    0x0880: "System peripheral",
+    0x1200: "Processing accelerators",
+    0x1201: "AI inference accelerator",
+}
+
+# Vendors whose 0x1200 devices are GPUs (compute GPUs like AMD Instinct
+# MI300X report "Processing accelerators"), and vendors that make GPUs.
+GPU_VENDORS = frozenset({0x10DE, 0x1002, 0x8086})
+
+
+def class_name(code: int) -> str:
+    """lspci's class name for a 16-bit class code (base, sub)."""
+    name = CLASS_NAMES.get(code)
+    if name is None:
+        name = f"Class {code:04x}"
+    return name
+
+
+class PciFunction:
+    """The sysfs facts of one PCI function, read eagerly (they are cheap)."""
+
+    __slots__ = ("address", "class_code", "device_id", "driver", "iommu_group", "numa_node",
+                 "pci_root", "physfn", "prog_if", "rel", "revision", "subsystem_device",
+                 "subsystem_vendor", "vendor_id")
+
+    def __init__(self, address: PciAddress) -> None:
+        self.address = address
+        self.rel = PCI_DEVICES + str(address)
+        self.vendor_id = 0
+        self.device_id = 0
+        self.class_code = 0  # 16-bit base<<8 | subclass
+        self.prog_if = 0
+        self.subsystem_vendor: Optional[int] = None
+        self.subsystem_device: Optional[int] = None
+        self.revision: Optional[int] = None
+        self.driver: Optional[str] = None
+        self.iommu_group: Optional[int] = None
+        self.numa_node = -1
+        self.pci_root: Optional[PciAddress] = None
+        self.physfn: Optional[PciAddress] = None
+
+    @classmethod
+    def read(cls, sysfs: Sysfs, address: PciAddress) -> PciFunction:
+        """Read a function; raises OSError only if the device is unreadable."""
+        fn = cls(address)
+        rel = fn.rel
+        if not sysfs.exists(rel):
+            raise FileNotFoundError(f"no PCI device {address}")
+        fn.vendor_id = sysfs.read_int(rel + "/vendor", 16) or 0
+        fn.device_id = sysfs.read_int(rel + "/device", 16) or 0
+        klass = sysfs.read_int(rel + "/class", 16) or 0
+        fn.class_code = klass >> 8
+        fn.prog_if = klass & 0xFF
+        fn.subsystem_vendor = sysfs.read_int(rel + "/subsystem_vendor", 16)
+        fn.subsystem_device = sysfs.read_int(rel + "/subsystem_device", 16)
+        fn.revision = sysfs.read_int(rel + "/revision", 16)
+        fn.driver = sysfs.link_name(rel + "/driver")
+        group = sysfs.link_name(rel + "/iommu_group")
+        fn.iommu_group = int(group) if group and group.isdigit() else None
+        numa = sysfs.read_int(rel + "/numa_node")
+        fn.numa_node = -1 if numa is None else numa
+        physfn = sysfs.link_name(rel + "/physfn")
+        if physfn:
+            try:
+                fn.physfn = PciAddress.parse(physfn)
+            except InputError:
+                fn.physfn = None
+        fn.pci_root = pci_root(sysfs, address)
+        return fn
+
+    @property
+    def is_vf(self) -> bool:
+        return self.physfn is not None
+
+    @property
+    def class_name(self) -> str:
+        return class_name(self.class_code)
+
+
+def pci_root(sysfs: Sysfs, address: PciAddress) -> Optional[PciAddress]:
+    """The top-most PCI function above `address` (its root port), or itself.
+
+    The canonical path looks like sys/devices/pci0000:80/0000:80:01.2/0000:82:00.0;
+    the first component below the host bridge is the root.
+    """
+    try:
+        real = sysfs.resolve(PCI_DEVICES + str(address))
+    except ValueError:
+        return None
+    parts = real.split("/")
+    for i, part in enumerate(parts):
+        if part.startswith("pci") and ":" in part and i + 1 < len(parts):
+            try:
+                return PciAddress.parse(parts[i + 1])
+            except InputError:
+                return None
+    return address
+
+
+def list_addresses(sysfs: Sysfs) -> list[PciAddress]:
+    """Every PCI function on the host, in address order."""
+    out = []
+    for name in sysfs.listdir(PCI_DEVICES.rstrip("/")):
+        try:
+            out.append(PciAddress.parse(name))
+        except InputError:
+            continue
+    out.sort()
+    return out
+
+
+def virtfn_links(sysfs: Sysfs, pf: PciAddress) -> list[tuple[int, PciAddress]]:
+    """A PF's VFs as (index, address), in `virtfnN` order (0, 1, 2, ... 10)."""
+    rel = PCI_DEVICES + str(pf)
+    out = []
+    for name in sysfs.listdir(rel):
+        if not name.startswith("virtfn") or not name[6:].isdigit():
+            continue
+        target = sysfs.link_name(rel + "/" + name)
+        if not target:
+            continue
+        try:
+            out.append((int(name[6:]), PciAddress.parse(target)))
+        except InputError:
+            continue
+    out.sort()
+    return out
+
+
+def iommu_group_members(sysfs: Sysfs, group: int) -> list[PciAddress]:
+    out = []
+    for name in sysfs.listdir(f"sys/kernel/iommu_groups/{group}/devices"):
+        try:
+            out.append(PciAddress.parse(name))
+        except InputError:
+            continue
+    out.sort()
+    return out
