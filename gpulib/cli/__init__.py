@@ -1,0 +1,48 @@
+"""`gpulib`: the administrator's command line (click).
+
+Every subcommand lives in its own module of this package; nothing outside the
+CLI imports it, and the hook paths never import click.
+
+Exit codes: see gpulib.errors (0 ok, 1 failed, 2 bad input, 3 busy, 4 state).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import click
+
+from gpulib import version
+from gpulib.cli.common import Env, run_main
+from gpulib.cli.discover import discover
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version(), "-V", "--version", prog_name="gpulib")
+@click.option("-v", "--verbose", count=True, help="Also log to stderr (-v info, -vv debug).")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
+    """GPUs, vGPUs and SR-IOV functions for virtual machines on this KVM host.
+
+    Every path is below $GPULIB_ROOT (default /); with GPULIB_SIMULATE=1 and
+    another root, writes to sysfs also do what the kernel would.
+    """
+    ctx.obj = Env.from_environment(verbose)
+
+
+cli.add_command(discover)
+
+
+def _register() -> None:
+    # Subcommands that arrive with later modules register here.
+    from gpulib.cli import commands
+
+    commands.register(cli)
+
+
+_register()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run_main(cli, sys.argv[1:] if argv is None else argv)

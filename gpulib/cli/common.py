@@ -1,0 +1,65 @@
+"""What every subcommand shares: the environment, JSON output, the error wrapper."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional
+
+import click
+
+from gpulib import logs
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.errors import EXIT_USAGE, GpulibError
+
+
+class Env:
+    """The host the CLI works on, read once from the environment."""
+
+    def __init__(self, ctx: Context, verbose: int = 0) -> None:
+        self.ctx = ctx
+        self.verbose = verbose
+        self._config: Optional[Config] = None
+
+    @classmethod
+    def from_environment(cls, verbose: int = 0) -> Env:
+        env = cls(Context.from_env(), verbose)
+        cfg = env.config
+        stderr_level = {0: None, 1: "info"}.get(verbose, "debug")
+        logs.setup(env.ctx, "gpulib", level=cfg.get("log", "level"),
+                   use_syslog=cfg.get_bool("log", "syslog"), stderr_level=stderr_level)
+        return env
+
+    @property
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = Config.load(self.ctx.config_path)
+        return self._config
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=False))
+
+
+def run_main(group: click.Group, args: list[str]) -> int:
+    """Run the CLI; one line on stderr for every error, exit code by kind."""
+    try:
+        group.main(args=args, prog_name="gpulib", standalone_mode=False)
+    except GpulibError as exc:
+        click.echo(f"gpulib: error: {exc.message}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("gpulib: aborted", err=True)
+        return 1
+    except click.ClickException as exc:
+        click.echo(f"gpulib: error: {exc.format_message()}", err=True)
+        return exc.exit_code if exc.exit_code else EXIT_USAGE
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,102 @@
+"""The CloudStack KVM agent's conventions: its discovery JSON (DESIGN section 5).
+
+`render(inventory)` gives exactly the document the agent parses from its stock
+`gpudiscovery.sh`: the same keys and JSON types (`enabled` is the number 0 or
+1, the agent reads it with getAsInt; `iommu_group` and `pci_root` are
+strings; counts are numbers; unknown numbers are null; `vf_profile` is never
+null). NVIDIA vendor-specific VFs carry the profile numbers the agent added
+for them (max_instances, video_ram, max_heads, max_resolution_x/y), null while
+the VF has no type.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from gpulib.discovery import Gpu, Inventory, VirtualFunction
+from gpulib.mdev import MdevType
+from gpulib.nvidia import framebuffer_mb_from_name
+from gpulib.pci import PciAddress
+
+# The agent's default hook names (agent.hooks.basedir).
+AGENT_HOOKS_DIR = "etc/cloudstack/agent/hooks"
+TRANSFORMER_HOOK = "libvirt-vm-xml-transformer.sh"
+STATE_CHANGE_HOOK = "libvirt-vm-state-change.sh"
+STOCK_DISCOVERY_SCRIPT = "usr/share/cloudstack-common/scripts/vm/hypervisor/kvm/gpudiscovery.sh"
+
+
+def _type_numbers(t: Optional[MdevType]) -> dict[str, Optional[int]]:
+    d = t.description if t is not None else None
+    res = d.max_resolution if d is not None else None
+    return {
+        "max_instances": d.max_instance if d else None,
+        "video_ram": d.framebuffer_mb if d else None,
+        "max_heads": d.num_heads if d else None,
+        "max_resolution_x": res[0] if res else None,
+        "max_resolution_y": res[1] if res else None,
+    }
+
+
+def _vf_entry(vf: VirtualFunction) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "vf_pci_address": vf.address.lspci,
+        "vf_profile": vf.device_name or f"Device {vf.fn.device_id:04x}",
+        "libvirt_address": vf.address.libvirt(),
+        "used_by_vm": vf.used_by,
+    }
+    nv = vf.nvidia
+    if nv is not None:
+        # An idle VF that gpulib's registry types at VM start reports that
+        # profile: the agent's database knows the device by it.
+        name = nv.profile_name
+        if nv.profile_type:
+            entry["vf_profile"] = name or f"NVIDIA vGPU type {nv.profile_type}"
+        entry.update({"max_instances": None, "video_ram": framebuffer_mb_from_name(name),
+                      "max_heads": None, "max_resolution_x": None, "max_resolution_y": None})
+    return entry
+
+
+def gpu_entry(gpu: Gpu) -> dict[str, Any]:
+    fn = gpu.fn
+    pf_numbers = _type_numbers(None)
+    root: PciAddress = fn.pci_root or fn.address
+    return {
+        "pci_address": fn.address.lspci,
+        "vendor_id": f"{fn.vendor_id:04x}",
+        "device_id": f"{fn.device_id:04x}",
+        "vendor": gpu.vendor_name,
+        "device": gpu.device_name,
+        "driver": fn.driver or "unknown",
+        "pci_class": fn.class_name,
+        "iommu_group": str(fn.iommu_group) if fn.iommu_group is not None else "null",
+        "pci_root": str(root),
+        "numa_node": fn.numa_node,
+        "sriov_totalvfs": gpu.sriov_totalvfs,
+        "sriov_numvfs": gpu.sriov_numvfs,
+        **pf_numbers,
+        "full_passthrough": {
+            "enabled": 1 if gpu.passthrough_enabled else 0,
+            "libvirt_address": fn.address.libvirt(),
+            "used_by_vm": gpu.used_by,
+        },
+        "vgpu_instances": [
+            {
+                "mdev_uuid": v.uuid,
+                "profile_name": v.mdev_type.profile_name,
+                **_type_numbers(v.mdev_type),
+                "libvirt_address": v.parent.libvirt(),
+                "used_by_vm": v.used_by,
+            }
+            for v in gpu.vgpus
+        ],
+        "vf_instances": [_vf_entry(vf) for vf in gpu.offered_vfs],
+    }
+
+
+def render(inventory: Inventory) -> dict[str, Any]:
+    return {"gpus": [gpu_entry(g) for g in inventory.gpus]}
+
+
+def dumps(inventory: Inventory) -> str:
+    return json.dumps(render(inventory), indent=2) + "\n"

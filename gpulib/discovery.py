@@ -1,0 +1,349 @@
+"""A typed model of a host's GPUs, built from sysfs and libvirt's files.
+
+Discovery never writes sysfs. A device that cannot be read fully is still
+listed with what could be read and the error noted: the CloudStack agent marks
+every device missing from a report as failed, so a partial failure must never
+empty the report.
+
+What counts as a GPU: display-class functions (0x03xx: VGA, XGA, 3D, Display
+controller) that are not BMC or emulated adapters, and processing accelerators
+(0x1200) of GPU vendors; `[discovery] include/exclude` in gpulib.conf adjust
+that per address or vendor:device. Virtual functions are never GPUs: they are
+listed under their physical function.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from gpulib import mdev, nvidia
+from gpulib.config import Config, Match
+from gpulib.errors import GpulibError
+from gpulib.pci import (
+    CLASS_PROCESSING_ACCEL,
+    DISPLAY_BASE_CLASS,
+    GPU_VENDORS,
+    PciAddress,
+    PciFunction,
+    iommu_group_members,
+    list_addresses,
+    virtfn_links,
+)
+from gpulib.pciids import PciNames
+from gpulib.sysfs import Sysfs
+from gpulib.usage import Usage, read_usage
+
+log = logging.getLogger(__name__)
+
+# Display adapters that are not GPUs: server BMCs and emulated/paravirtual
+# devices (ASPEED, Matrox G200 BMC parts, QEMU/Bochs stdvga, Red Hat virtio/QXL,
+# Cirrus, VMware SVGA, VirtualBox).
+NOT_GPU_VENDORS = frozenset({0x1A03, 0x102B, 0x1234, 0x1AF4, 0x1B36, 0x1013, 0x15AD, 0x80EE})
+BRIDGE_BASE_CLASS = 0x06
+
+
+def is_gpu_function(fn: PciFunction, include: Optional[Match] = None,
+                    exclude: Optional[Match] = None) -> bool:
+    if fn.is_vf:
+        return False
+    if exclude and exclude.matches(fn.address, fn.vendor_id, fn.device_id):
+        return False
+    if include and include.matches(fn.address, fn.vendor_id, fn.device_id):
+        return True
+    if fn.vendor_id in NOT_GPU_VENDORS:
+        return False
+    if fn.class_code >> 8 == DISPLAY_BASE_CLASS:
+        return True
+    return fn.class_code == CLASS_PROCESSING_ACCEL and fn.vendor_id in GPU_VENDORS
+
+
+class NvidiaVf:
+    """A VF's vendor-specific vGPU state."""
+
+    __slots__ = ("creatable", "current_name", "current_type", "recorded_name", "recorded_type")
+
+    def __init__(self, current_type: int, creatable: dict[int, str],
+                 current_name: Optional[str]) -> None:
+        self.current_type = current_type
+        self.creatable = creatable
+        self.current_name = current_name
+        # The type gpulib's registry gives this VF when a VM starts (0 = none).
+        self.recorded_type = 0
+        self.recorded_name: Optional[str] = None
+
+    @property
+    def profile_type(self) -> int:
+        """The type the VF has, else the one it will get at VM start."""
+        return self.current_type or self.recorded_type
+
+    @property
+    def profile_name(self) -> Optional[str]:
+        return self.current_name if self.current_type else self.recorded_name
+
+
+class VirtualFunction:
+    def __init__(self, index: int, fn: PciFunction) -> None:
+        self.index = index
+        self.fn = fn
+        self.mdev_parent = False
+        self.mdev_types: list[mdev.MdevType] = []
+        self.nvidia: Optional[NvidiaVf] = None
+        self.used_by: Optional[str] = None
+        self.device_name = ""
+
+    @property
+    def address(self) -> PciAddress:
+        return self.fn.address
+
+
+class Vgpu:
+    """A live mdev on a GPU (on the PF or one of its VFs)."""
+
+    __slots__ = ("live", "mdev_type", "parent", "used_by", "uuid")
+
+    def __init__(self, uuid: str, parent: PciAddress, mdev_type: mdev.MdevType,
+                 used_by: Optional[str], live: bool = True) -> None:
+        self.uuid = uuid
+        self.parent = parent
+        self.mdev_type = mdev_type
+        self.used_by = used_by
+        self.live = live
+
+
+class Gpu:
+    def __init__(self, fn: PciFunction) -> None:
+        self.fn = fn
+        self.vendor_name = ""
+        self.device_name = ""
+        self.sriov_totalvfs = 0
+        self.sriov_numvfs = 0
+        self.vfs: list[VirtualFunction] = []
+        self.mdev_parent = False
+        self.mdev_types: list[mdev.MdevType] = []
+        self.vgpus: list[Vgpu] = []
+        self.group_members: list[PciAddress] = []
+        self.used_by: Optional[str] = None
+        self.errors: list[str] = []
+
+    @property
+    def address(self) -> PciAddress:
+        return self.fn.address
+
+    @property
+    def mode(self) -> str:
+        """How the GPU is offered: mdev, sriov-mdev, nvidia-vf, sriov, passthrough."""
+        if self.mdev_parent:
+            return "mdev"
+        if any(vf.mdev_parent for vf in self.vfs):
+            return "sriov-mdev"
+        if any(vf.nvidia is not None for vf in self.vfs):
+            return "nvidia-vf"
+        if self.vfs:
+            return "sriov"
+        return "passthrough"
+
+    @property
+    def offered_vfs(self) -> list[VirtualFunction]:
+        """VFs offered as instances: a VF whose capacity is offered as mdev
+        types is not also a free VF (its mdevs are the instances)."""
+        return [vf for vf in self.vfs if not vf.mdev_parent]
+
+    @property
+    def passthrough_enabled(self) -> bool:
+        return not self.vgpus and not self.offered_vfs
+
+
+class Inventory:
+    def __init__(self, gpus: list[Gpu], usage: Usage) -> None:
+        self.gpus = gpus
+        self.usage = usage
+
+    def gpu(self, address: PciAddress) -> Optional[Gpu]:
+        for g in self.gpus:
+            if g.address == address:
+                return g
+        return None
+
+    def owner_of(self, address: PciAddress) -> Optional[tuple[Gpu, Optional[VirtualFunction]]]:
+        """The GPU (and VF) a PCI address belongs to."""
+        for g in self.gpus:
+            if g.address == address:
+                return g, None
+            for vf in g.vfs:
+                if vf.address == address:
+                    return g, vf
+        return None
+
+
+def learned_names_key(vendor_id: int, device_id: int) -> str:
+    return f"{vendor_id:04x}:{device_id:04x}"
+
+
+class Known:
+    """What gpulib itself knows beyond sysfs (from its state file).
+
+    learned:     'vvvv:dddd' -> {type id: name}, NVIDIA names seen before
+    allocations: vm -> [(kind, id)], the first source of "who uses what"
+    vf_types:    VF address -> (type id, name) the VF gets at VM start
+    registry:    mdev uuid -> (parent address, type id) of vGPUs gpulib keeps
+    """
+
+    def __init__(self, learned: Optional[dict[str, dict[str, str]]] = None,
+                 allocations: Optional[dict[str, list[tuple[str, str]]]] = None,
+                 vf_types: Optional[dict[str, tuple[int, Optional[str]]]] = None,
+                 registry: Optional[dict[str, tuple[str, str]]] = None) -> None:
+        self.learned = learned or {}
+        self.allocations = allocations or {}
+        self.vf_types = vf_types or {}
+        self.registry = registry or {}
+
+
+class Discovery:
+    """Builds an Inventory from sysfs, libvirt's files and what gpulib knows."""
+
+    def __init__(self, sysfs: Sysfs, config: Optional[Config] = None,
+                 known: Optional[Known] = None) -> None:
+        self.sysfs = sysfs
+        self.config = config or Config()
+        known = known or Known()
+        self.learned = known.learned
+        self.allocations = known.allocations
+        self.vf_types = known.vf_types
+        self.registry = known.registry
+        self.names = PciNames(sysfs)
+        # Names seen in creatable lists during this scan, for the state file.
+        self.new_names: dict[str, dict[str, str]] = {}
+
+    def run(self) -> Inventory:
+        sysfs = self.sysfs
+        include = self.config.match("discovery", "include")
+        exclude = self.config.match("discovery", "exclude")
+        usage = read_usage(sysfs, self.allocations)
+        live = mdev.live_mdevs(sysfs)
+        # vGPUs gpulib keeps but the kernel does not have now (after a reboot):
+        # listed as instances, recreated when a VM starts, never reported missing.
+        for uuid, (parent, type_id) in self.registry.items():
+            if uuid not in live:
+                try:
+                    live[uuid] = mdev.Mdev(uuid, PciAddress.parse(parent), type_id, live=False)
+                except GpulibError:
+                    continue
+        gpus: list[Gpu] = []
+        for address in list_addresses(sysfs):
+            try:
+                fn = PciFunction.read(sysfs, address)
+            except OSError as exc:
+                log.warning("cannot read PCI device %s: %s", address, exc)
+                continue
+            if not is_gpu_function(fn, include, exclude):
+                continue
+            gpus.append(self._gpu(fn, usage, live))
+        return Inventory(gpus, usage)
+
+    def _gpu(self, fn: PciFunction, usage: Usage, live: dict[str, mdev.Mdev]) -> Gpu:
+        sysfs = self.sysfs
+        gpu = Gpu(fn)
+        steps = (
+            ("names", lambda: self._names(gpu)),
+            ("sriov", lambda: self._sriov(gpu)),
+            ("iommu group", lambda: self._group(gpu)),
+            ("mdev types", lambda: self._mdev_types(gpu)),
+            ("virtual functions", lambda: self._vfs(gpu, usage)),
+        )
+        for what, step in steps:
+            try:
+                step()
+            except OSError as exc:
+                gpu.errors.append(f"{what}: {exc.strerror or exc}")
+                log.warning("GPU %s: cannot read %s: %s", fn.address, what, exc)
+        parents = {gpu.address: None} if gpu.mdev_parent else {}
+        for vf in gpu.vfs:
+            if vf.mdev_parent:
+                parents[vf.address] = None
+        if parents:
+            types: dict[tuple[PciAddress, str], mdev.MdevType] = {}
+            for t in gpu.mdev_types:
+                types[(t.parent, t.type_id)] = t
+            for vf in gpu.vfs:
+                for t in vf.mdev_types:
+                    types[(t.parent, t.type_id)] = t
+            for m in sorted(live.values(), key=lambda m: (m.parent, m.type_id, m.uuid)):
+                if m.parent in parents:
+                    t = types.get((m.parent, m.type_id)) or mdev.MdevType(sysfs, m.parent,
+                                                                           m.type_id)
+                    gpu.vgpus.append(Vgpu(m.uuid, m.parent, t, usage.vm_for_mdev(m.uuid),
+                                          m.live))
+        gpu.used_by = usage.vm_for_pci(fn.address)
+        return gpu
+
+    def _names(self, gpu: Gpu) -> None:
+        fn = gpu.fn
+        gpu.vendor_name = self.names.vendor(fn.vendor_id, fn.address)
+        gpu.device_name = self.names.device(fn.vendor_id, fn.device_id, fn.address)
+
+    def _sriov(self, gpu: Gpu) -> None:
+        rel = gpu.fn.rel
+        gpu.sriov_totalvfs = self.sysfs.read_int(rel + "/sriov_totalvfs") or 0
+        gpu.sriov_numvfs = self.sysfs.read_int(rel + "/sriov_numvfs") or 0
+
+    def _group(self, gpu: Gpu) -> None:
+        if gpu.fn.iommu_group is not None:
+            gpu.group_members = iommu_group_members(self.sysfs, gpu.fn.iommu_group)
+
+    def _mdev_types(self, gpu: Gpu) -> None:
+        gpu.mdev_parent = mdev.is_parent(self.sysfs, gpu.address)
+        if gpu.mdev_parent:
+            gpu.mdev_types = mdev.list_types(self.sysfs, gpu.address)
+
+    def _vfs(self, gpu: Gpu, usage: Usage) -> None:
+        sysfs = self.sysfs
+        key = learned_names_key(gpu.fn.vendor_id, gpu.fn.device_id)
+        names: dict[int, str] = {int(k): v for k, v in self.learned.get(key, {}).items()
+                                 if k.isdigit()}
+        nvidia_vfs: list[VirtualFunction] = []
+        for index, address in virtfn_links(sysfs, gpu.address):
+            try:
+                fn = PciFunction.read(sysfs, address)
+            except OSError as exc:
+                gpu.errors.append(f"VF {address}: {exc}")
+                fn = PciFunction(address)
+            vf = VirtualFunction(index, fn)
+            vf.used_by = usage.vm_for_pci(address)
+            vf.mdev_parent = mdev.is_parent(sysfs, address)
+            if vf.mdev_parent:
+                vf.mdev_types = mdev.list_types(sysfs, address)
+            if gpu.fn.vendor_id == nvidia.NVIDIA_VENDOR and nvidia.is_vendor_vf(sysfs, address):
+                creatable = nvidia.creatable_types(sysfs, address)
+                for tid, name in creatable.items():
+                    if names.get(tid) != name:
+                        names[tid] = name
+                        self.new_names.setdefault(key, {})[str(tid)] = name
+                current = nvidia.current_type(sysfs, address) or 0
+                vf.nvidia = NvidiaVf(current, creatable, None)
+                recorded = self.vf_types.get(str(address))
+                if recorded is not None:
+                    vf.nvidia.recorded_type = recorded[0]
+                    if recorded[1]:
+                        names.setdefault(recorded[0], recorded[1])
+                nvidia_vfs.append(vf)
+            gpu.vfs.append(vf)
+        for vf in nvidia_vfs:
+            assert vf.nvidia is not None
+            if vf.nvidia.current_type:
+                vf.nvidia.current_name = names.get(vf.nvidia.current_type)
+            elif vf.nvidia.recorded_type:
+                vf.nvidia.recorded_name = names.get(vf.nvidia.recorded_type)
+        if gpu.vfs:
+            # VFs of one device id share a name; look it up once.
+            cache: dict[tuple[int, int], str] = {}
+            for vf in gpu.vfs:
+                ids = (vf.fn.vendor_id or gpu.fn.vendor_id, vf.fn.device_id or gpu.fn.device_id)
+                if ids not in cache:
+                    cache[ids] = self.names.device(ids[0], ids[1], vf.address)
+                vf.device_name = cache[ids]
+
+
+def discover(sysfs: Sysfs, config: Optional[Config] = None,
+             known: Optional[Known] = None) -> Inventory:
+    return Discovery(sysfs, config, known).run()

@@ -1,0 +1,58 @@
+"""Where gpulib's log goes: syslog on a real host, else `var/log/gpulib/gpulib.log`.
+
+Never stdout or stderr by default: the CloudStack agent merges the hooks'
+stderr into the XML it reads back, and libvirt shows a hook's stderr to the
+user as an error. Under a test or simulated root the log file below that root
+is used, so nothing reaches the real host's syslog.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+from gpulib.context import LOG_DIR, Context
+
+_FORMAT = "%(name)s[%(process)d]: %(levelname)s %(message)s"
+_configured = False
+
+
+def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = True,
+          stderr_level: Optional[str] = None) -> None:
+    """Configure the root logger once per process."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    root = logging.getLogger()
+    root.setLevel(min(_level(level), _level(stderr_level) if stderr_level else logging.CRITICAL))
+    handler: Optional[logging.Handler] = None
+    if use_syslog and ctx.root == "/" and os.path.exists("/dev/log"):
+        from logging.handlers import SysLogHandler
+
+        try:
+            handler = SysLogHandler(address="/dev/log", facility=SysLogHandler.LOG_DAEMON)
+            handler.setFormatter(logging.Formatter(f"{program}: " + _FORMAT))
+        except OSError:
+            handler = None
+    if handler is None:
+        try:
+            os.makedirs(ctx.path(LOG_DIR), exist_ok=True)
+            handler = logging.FileHandler(ctx.path(LOG_DIR + "/gpulib.log"), encoding="utf-8")
+            handler.setFormatter(logging.Formatter(f"%(asctime)s {program}: " + _FORMAT))
+        except OSError:
+            handler = logging.NullHandler()
+    handler.setLevel(_level(level))
+    root.addHandler(handler)
+    if stderr_level:
+        err = logging.StreamHandler(sys.stderr)
+        err.setLevel(_level(stderr_level))
+        err.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(err)
+
+
+def _level(name: Optional[str]) -> int:
+    return {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+            "error": logging.ERROR}.get((name or "info").lower(), logging.INFO)

@@ -1,0 +1,298 @@
+"""Mediated devices (kernel ABI: Documentation/driver-api/vfio-mediated-device).
+
+Parents appear as `sys/class/mdev_bus/<parent>`; their types as
+`<parent>/mdev_supported_types/<type>/{name,description,available_instances,
+device_api,create,devices/}`; live mdevs as `sys/bus/mdev/devices/<uuid>`
+with an `mdev_type` link and a `remove` file.
+
+Reading is lazy per type: a large host has thousands of type directories and
+most callers need only the few types that have live devices.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+import time
+import uuid as uuidlib
+from typing import Optional
+
+from gpulib.errors import DeviceError, InputError, NotAvailableError
+from gpulib.pci import PCI_DEVICES, PciAddress
+from gpulib.sysfs import Sysfs
+
+log = logging.getLogger(__name__)
+
+MDEV_DEVICES = "sys/bus/mdev/devices"
+MDEV_BUS = "sys/class/mdev_bus"
+TYPES_DIR = "mdev_supported_types"
+
+_TYPE_ID_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,128}$")
+_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+_NUM = {
+    "max_instance": re.compile(r"max_instance=(\d+)"),
+    "framebuffer": re.compile(r"framebuffer=(\d+)\s*([MG])?"),
+    "num_heads": re.compile(r"num_heads=(\d+)"),
+    "max_resolution": re.compile(r"max_resolution=(\d+)x(\d+)"),
+}
+# Intel GVT-g writes "resolution: 1920x1200" lines instead.
+_GVT_RES = re.compile(r"^resolution:\s*(\d+)x(\d+)", re.M)
+
+
+def check_uuid(text: str) -> str:
+    """Canonical lowercase UUID, or InputError naming the bad value."""
+    value = text.strip().lower() if isinstance(text, str) else ""
+    if not _UUID_RE.match(value):
+        raise InputError(f"not a UUID: {text!r} (expected 8-4-4-4-12 hex digits)")
+    return value
+
+
+def check_type_id(text: str) -> str:
+    """A type id safe to use as a path component (no '/', no '..')."""
+    if not isinstance(text, str) or not _TYPE_ID_RE.match(text) or ".." in text:
+        raise InputError(f"not a vGPU type id: {text!r}")
+    return text
+
+
+def new_uuid() -> str:
+    return str(uuidlib.uuid4())
+
+
+class Description:
+    """The numbers CloudStack wants, parsed from a type's `description`."""
+
+    __slots__ = ("framebuffer_mb", "max_instance", "max_resolution", "num_heads")
+
+    def __init__(self, text: Optional[str]) -> None:
+        self.max_instance: Optional[int] = None
+        self.framebuffer_mb: Optional[int] = None
+        self.num_heads: Optional[int] = None
+        self.max_resolution: Optional[tuple[int, int]] = None
+        if not text:
+            return
+        m = _NUM["max_instance"].search(text)
+        if m:
+            self.max_instance = int(m.group(1))
+        m = _NUM["framebuffer"].search(text)
+        if m:
+            self.framebuffer_mb = int(m.group(1)) * (1024 if m.group(2) == "G" else 1)
+        m = _NUM["num_heads"].search(text)
+        if m:
+            self.num_heads = int(m.group(1))
+        m = _NUM["max_resolution"].search(text) or _GVT_RES.search(text)
+        if m:
+            self.max_resolution = (int(m.group(1)), int(m.group(2)))
+
+
+class MdevType:
+    """One directory under a parent's mdev_supported_types."""
+
+    def __init__(self, sysfs: Sysfs, parent: PciAddress, type_id: str) -> None:
+        self._sysfs = sysfs
+        self.parent = parent
+        self.type_id = type_id
+        self.rel = f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{type_id}"
+        self._name: Optional[str] = None
+        self._name_read = False
+        self._description: Optional[Description] = None
+        self._description_text: Optional[str] = None
+
+    def __repr__(self) -> str:
+        return f"MdevType({self.parent}, {self.type_id!r})"
+
+    @property
+    def name(self) -> Optional[str]:
+        """The `name` file (kernels before 6.1 may lack it)."""
+        if not self._name_read:
+            self._name_read = True
+            self._name = self._sysfs.read(self.rel + "/name") or None
+        return self._name
+
+    @property
+    def profile_name(self) -> str:
+        """What the stock discovery script calls the profile: name, else the id."""
+        return self.name or self.type_id
+
+    @property
+    def description_text(self) -> Optional[str]:
+        self._load_description()
+        return self._description_text
+
+    @property
+    def description(self) -> Description:
+        self._load_description()
+        assert self._description is not None
+        return self._description
+
+    def _load_description(self) -> None:
+        if self._description is None:
+            self._description_text = self._sysfs.read(self.rel + "/description")
+            self._description = Description(self._description_text)
+
+    @property
+    def available_instances(self) -> Optional[int]:
+        return self._sysfs.read_int(self.rel + "/available_instances")
+
+    @property
+    def device_api(self) -> Optional[str]:
+        return self._sysfs.read(self.rel + "/device_api")
+
+    def live_uuids(self) -> list[str]:
+        return sorted(self._sysfs.listdir(self.rel + "/devices"))
+
+
+class Mdev:
+    """A mediated device; `live` is False for one known only to gpulib's registry."""
+
+    __slots__ = ("live", "parent", "type_id", "uuid")
+
+    def __init__(self, uuid: str, parent: PciAddress, type_id: str, live: bool = True) -> None:
+        self.uuid = uuid
+        self.parent = parent
+        self.type_id = type_id
+        self.live = live
+
+    def __repr__(self) -> str:
+        return f"Mdev({self.uuid}, {self.parent}, {self.type_id!r})"
+
+
+def is_parent(sysfs: Sysfs, address: PciAddress) -> bool:
+    return sysfs.isdir(f"{PCI_DEVICES}{address}/{TYPES_DIR}")
+
+
+def list_types(sysfs: Sysfs, parent: PciAddress) -> list[MdevType]:
+    names = sysfs.listdir(f"{PCI_DEVICES}{parent}/{TYPES_DIR}")
+    return [MdevType(sysfs, parent, n) for n in sorted(names)]
+
+
+def list_parents(sysfs: Sysfs) -> list[PciAddress]:
+    out = []
+    for name in sysfs.listdir(MDEV_BUS):
+        try:
+            out.append(PciAddress.parse(name))
+        except InputError:
+            continue
+    return sorted(out)
+
+
+def live_mdevs(sysfs: Sysfs) -> dict[str, Mdev]:
+    """Every live mdev by UUID, from `sys/bus/mdev/devices` and its links."""
+    out: dict[str, Mdev] = {}
+    for name in sysfs.listdir(MDEV_DEVICES):
+        found = read_mdev(sysfs, name)
+        if found is not None:
+            out[found.uuid] = found
+    return out
+
+
+def read_mdev(sysfs: Sysfs, uuid: str) -> Optional[Mdev]:
+    """A live mdev, or None if no such device exists."""
+    rel = f"{MDEV_DEVICES}/{uuid}"
+    if not sysfs.exists(rel):
+        return None
+    try:
+        # <parent dir>/<uuid>: the parent is the directory holding the device.
+        real = sysfs.resolve(rel)
+        parent = PciAddress.parse(real.rstrip("/").split("/")[-2])
+    except (ValueError, InputError):
+        return None
+    type_id = sysfs.link_name(rel + "/mdev_type")
+    if not type_id:
+        return None
+    return Mdev(uuid.lower(), parent, type_id)
+
+
+# -- lifecycle ---------------------------------------------------------------------
+
+_CREATE_ERRORS = {
+    errno.EEXIST: "an mdev with UUID {uuid} already exists",
+    errno.ENOSPC: "no available instances of {type} on {parent}",
+    errno.EDQUOT: "no available instances of {type} on {parent}",
+    errno.EUSERS: "no available instances of {type} on {parent}",
+    errno.EINVAL: "the kernel rejected UUID {uuid} for {type} on {parent} (invalid argument)",
+    errno.ENODEV: "parent {parent} or type {type} disappeared",
+    errno.EBUSY: "{parent} is busy; try again",
+}
+
+
+def _type_label(t: MdevType) -> str:
+    return f"{t.type_id} ({t.name})" if t.name else t.type_id
+
+
+def find_type(sysfs: Sysfs, parent: PciAddress, type_id: str) -> MdevType:
+    check_type_id(type_id)
+    if not sysfs.exists(f"{PCI_DEVICES}{parent}"):
+        raise DeviceError(f"no PCI device {parent}")
+    if not is_parent(sysfs, parent):
+        raise DeviceError(f"{parent} offers no mdev types (is the vendor vGPU driver loaded?)")
+    t = MdevType(sysfs, parent, type_id)
+    if not sysfs.isdir(t.rel):
+        offered = ", ".join(x.type_id for x in list_types(sysfs, parent)) or "none"
+        raise DeviceError(f"{parent} does not offer mdev type {type_id} (offered: {offered})")
+    return t
+
+
+def create(sysfs: Sysfs, parent: PciAddress, type_id: str, uuid: Optional[str] = None,
+           settle_seconds: float = 2.0) -> Mdev:
+    """Create an mdev and confirm it appeared; remove it again if it came up wrong."""
+    t = find_type(sysfs, parent, type_id)
+    value = check_uuid(uuid) if uuid else new_uuid()
+    existing = read_mdev(sysfs, value)
+    if existing is not None:
+        if existing.parent == parent and existing.type_id == type_id:
+            return existing
+        raise DeviceError(f"an mdev with UUID {value} already exists on {existing.parent} "
+                          f"as {existing.type_id}")
+    available = t.available_instances
+    if available is not None and available <= 0:
+        raise NotAvailableError(f"No available instances of {_type_label(t)} on {parent}")
+    try:
+        sysfs.write(t.rel + "/create", value)
+    except OSError as exc:
+        template = _CREATE_ERRORS.get(exc.errno or 0)
+        if template is None:
+            raise DeviceError(f"creating mdev {value} of {_type_label(t)} on {parent} failed: "
+                              f"{exc.strerror}") from None
+        msg = template.format(uuid=value, type=_type_label(t), parent=parent)
+        cls = NotAvailableError if exc.errno in (errno.ENOSPC, errno.EDQUOT,
+                                                 errno.EUSERS) else DeviceError
+        raise cls(msg[0].upper() + msg[1:]) from None
+    deadline = time.monotonic() + settle_seconds
+    while True:
+        made = read_mdev(sysfs, value)
+        if made is not None:
+            break
+        if time.monotonic() >= deadline:
+            raise DeviceError(f"mdev {value} did not appear after writing to {t.rel}/create")
+        time.sleep(0.05)
+    if made.parent != parent or made.type_id != type_id:
+        # Roll back: never leave a device that is not what was asked for.
+        remove(sysfs, value)
+        raise DeviceError(f"mdev {value} appeared on {made.parent} as {made.type_id}, "
+                          f"not {parent} {type_id}; removed it")
+    log.info("created mdev %s type %s on %s", value, type_id, parent)
+    return made
+
+
+def remove(sysfs: Sysfs, uuid: str, retry_seconds: float = 0.0) -> bool:
+    """Remove a live mdev; False if it was not live. EBUSY retried while in use."""
+    value = check_uuid(uuid)
+    rel = f"{MDEV_DEVICES}/{value}"
+    if not sysfs.exists(rel):
+        return False
+    deadline = time.monotonic() + retry_seconds
+    while True:
+        try:
+            sysfs.write(rel + "/remove", "1")
+            break
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno == errno.EBUSY and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            reason = "still in use by a VM" if exc.errno == errno.EBUSY else exc.strerror
+            raise DeviceError(f"removing mdev {value} failed: {reason}") from None
+    log.info("removed mdev %s", value)
+    return True

@@ -1,0 +1,108 @@
+"""gpulib's own renderings of an Inventory: the native JSON and the human table.
+
+The native document (`gpulib discover --format json`, schema version 1) holds
+everything discovery knows, where the CloudStack one keeps the agent's shape:
+
+    {"schema": 1, "gpus": [{
+        "address", "vendor_id", "device_id", "vendor", "device", "class",
+        "class_name", "driver", "iommu_group", "iommu_group_members", "numa_node",
+        "pci_root", "mode" (mdev | sriov-mdev | nvidia-vf | sriov | passthrough),
+        "used_by", "sriov": {"totalvfs", "numvfs"},
+        "mdev_types": [{"parent", "type_id", "name", "description", "device_api",
+                        "available_instances", "max_instances", "framebuffer_mb",
+                        "num_heads", "max_resolution"}],
+        "vgpus": [{"uuid", "parent", "type_id", "profile", "used_by",
+                   "live" (false: in gpulib's registry, recreated at VM start)}],
+        "vfs": [{"index", "address", "device", "driver", "iommu_group", "used_by",
+                 "mdev_parent", "nvidia": {"current_type", "current_name",
+                                           "creatable": {id: name}} | null}],
+        "errors": [...]}]}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from gpulib.discovery import Gpu, Inventory
+from gpulib.mdev import MdevType
+
+SCHEMA = 1
+
+
+def _type(t: MdevType) -> dict[str, Any]:
+    d = t.description
+    return {
+        "parent": str(t.parent), "type_id": t.type_id, "name": t.name,
+        "description": t.description_text, "device_api": t.device_api,
+        "available_instances": t.available_instances, "max_instances": d.max_instance,
+        "framebuffer_mb": d.framebuffer_mb, "num_heads": d.num_heads,
+        "max_resolution": f"{d.max_resolution[0]}x{d.max_resolution[1]}"
+        if d.max_resolution else None,
+    }
+
+
+def gpu_document(gpu: Gpu) -> dict[str, Any]:
+    fn = gpu.fn
+    types = list(gpu.mdev_types)
+    for vf in gpu.vfs:
+        types.extend(vf.mdev_types)
+    return {
+        "address": str(fn.address),
+        "vendor_id": f"{fn.vendor_id:04x}", "device_id": f"{fn.device_id:04x}",
+        "vendor": gpu.vendor_name, "device": gpu.device_name,
+        "class": f"0x{fn.class_code:04x}", "class_name": fn.class_name,
+        "driver": fn.driver, "iommu_group": fn.iommu_group,
+        "iommu_group_members": [str(a) for a in gpu.group_members],
+        "numa_node": fn.numa_node,
+        "pci_root": str(fn.pci_root) if fn.pci_root else None,
+        "mode": gpu.mode, "used_by": gpu.used_by,
+        "sriov": {"totalvfs": gpu.sriov_totalvfs, "numvfs": gpu.sriov_numvfs},
+        "mdev_types": [_type(t) for t in types],
+        "vgpus": [{"uuid": v.uuid, "parent": str(v.parent), "type_id": v.mdev_type.type_id,
+                   "profile": v.mdev_type.profile_name, "used_by": v.used_by,
+                   "live": v.live}
+                  for v in gpu.vgpus],
+        "vfs": [{
+            "index": vf.index, "address": str(vf.address), "device": vf.device_name,
+            "driver": vf.fn.driver, "iommu_group": vf.fn.iommu_group, "used_by": vf.used_by,
+            "mdev_parent": vf.mdev_parent,
+            "nvidia": None if vf.nvidia is None else {
+                "current_type": vf.nvidia.current_type,
+                "current_name": vf.nvidia.current_name,
+                "creatable": {str(k): v for k, v in vf.nvidia.creatable.items()}},
+        } for vf in gpu.vfs],
+        "errors": list(gpu.errors),
+    }
+
+
+def document(inventory: Inventory) -> dict[str, Any]:
+    return {"schema": SCHEMA, "gpus": [gpu_document(g) for g in inventory.gpus]}
+
+
+def _instances(gpu: Gpu) -> str:
+    if gpu.vgpus or gpu.mode in ("mdev", "sriov-mdev"):
+        used = sum(1 for v in gpu.vgpus if v.used_by)
+        return f"{len(gpu.vgpus)} vGPU ({used} used)"
+    vfs = gpu.offered_vfs
+    if vfs:
+        used = sum(1 for vf in vfs if vf.used_by)
+        return f"{len(vfs)} VF ({used} used)"
+    return "-"
+
+
+def table(inventory: Inventory, width: Optional[int] = None) -> str:
+    header = ("ADDRESS", "DEVICE", "DRIVER", "MODE", "NUMA", "IOMMU", "INSTANCES", "USED BY")
+    rows = [header]
+    for g in inventory.gpus:
+        users = sorted({u for u in [g.used_by, *(v.used_by for v in g.vgpus),
+                                    *(vf.used_by for vf in g.vfs)] if u})
+        device = g.device_name if len(g.device_name) <= 34 else g.device_name[:33] + "…"
+        rows.append((str(g.address), device, g.fn.driver or "-", g.mode,
+                     str(g.fn.numa_node), str(g.fn.iommu_group if g.fn.iommu_group is not None
+                                               else "-"),
+                     _instances(g), ", ".join(users) or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if not inventory.gpus:
+        lines.append("(no GPUs found)")
+    return "\n".join(lines) + "\n"

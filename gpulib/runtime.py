@@ -1,0 +1,60 @@
+"""Discovery with gpulib's own knowledge folded in, as the CLI and hooks need it.
+
+Discovery proper is pure (sysfs + libvirt files -> Inventory). Here it gets
+what only the state file knows: allocations (the first source of "who uses
+what"), the registry of VF types (so an idle VF that gpulib will give a type
+at VM start still reports that profile), and NVIDIA type names learned
+earlier (so a fully used card, whose creatable list is empty, still names its
+profiles). Newly seen names are written back under the lock, best effort.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.discovery import Discovery, Inventory, Known
+from gpulib.errors import GpulibError
+from gpulib.state import State, StateStore
+
+log = logging.getLogger(__name__)
+
+
+def allocations_view(state: State) -> dict[str, list[tuple[str, str]]]:
+    return {vm: [(d.kind, d.id) for d in a.devices] for vm, a in state.allocations.items()}
+
+
+def known_from_state(state: State) -> Known:
+    return Known(
+        learned=state.type_names,
+        allocations=allocations_view(state),
+        vf_types={a: (r.type_id, r.name) for a, r in state.vf_types.items()},
+        registry={u: (r.parent, r.type_id) for u, r in state.vgpus.items()})
+
+
+def discover_host(ctx: Context, config: Optional[Config] = None,
+                  state: Optional[State] = None, learn: bool = True) -> Inventory:
+    store = StateStore.for_context(ctx)
+    if state is None:
+        try:
+            state = store.load()
+        except GpulibError as exc:
+            # A state file we cannot use must not hide the host's GPUs.
+            log.error("discovery without gpulib state: %s", exc)
+            state = State()
+    disc = Discovery(ctx.sysfs, config, known_from_state(state))
+    inventory = disc.run()
+    if learn and disc.new_names:
+        _remember_names(StateStore.for_context(ctx, timeout=2.0), disc.new_names)
+    return inventory
+
+
+def _remember_names(store: StateStore, names: dict[str, dict[str, str]]) -> None:
+    try:
+        with store.transaction() as st:
+            for key, by_id in names.items():
+                st.type_names.setdefault(key, {}).update(by_id)
+    except (GpulibError, OSError) as exc:
+        log.info("could not record learned vGPU type names: %s", exc)

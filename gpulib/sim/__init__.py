@@ -1,0 +1,1 @@
+"""The simulated kernel and fake hosts: what tests, the demo and snapshot replay run on."""

@@ -1,0 +1,344 @@
+"""Build fake hosts laid out the way the kernel and libvirt lay out a real one.
+
+Every link is a real relative symlink, as sysfs has them: the bus view
+`sys/bus/pci/devices/<bdf>` points into `sys/devices/pci<dddd:bb>/...`,
+functions have `driver`, `iommu_group`, `physfn`/`virtfnN` links, mdev parents
+appear under `sys/class/mdev_bus`, live mdevs under `sys/bus/mdev/devices`.
+Tests, the demo and `gpulib snapshot` replay all use this builder; the
+simulated kernel (`gpulib.sim.kernel`) then acts on such trees, or on any
+tree shaped like sysfs.
+
+Methods are named by intent (`add_gpu`, `populate_mdev_parent`,
+`enable_sriov`, `add_running_domain`) so a test reads as the host it builds.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+from gpulib.pci import PciAddress
+
+Addr = Union[str, PciAddress]
+
+PCI_IDS_HEADER = "# pci.ids subset written by gpulib's fake host builder\n"
+
+
+def _addr(a: Addr) -> PciAddress:
+    return a if isinstance(a, PciAddress) else PciAddress.parse(a)
+
+
+def _write(path: str, content: str, mode: int = 0o644) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(content)
+    os.chmod(path, mode)
+
+
+def _symlink(target_abs: str, link_abs: str) -> None:
+    """A relative symlink at link_abs pointing to target_abs."""
+    os.makedirs(os.path.dirname(link_abs), exist_ok=True)
+    rel = os.path.relpath(target_abs, os.path.dirname(link_abs))
+    if os.path.lexists(link_abs):
+        os.unlink(link_abs)
+    os.symlink(rel, link_abs)
+
+
+class FakeHost:
+    """A host tree below `root`. All addresses are `dddd:bb:ss.f` strings or PciAddress."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self._next_group = 0
+        self._names: dict[int, tuple[str, dict[int, str]]] = {}
+        os.makedirs(self.p("sys/bus/pci/devices"), exist_ok=True)
+        os.makedirs(self.p("sys/kernel/iommu_groups"), exist_ok=True)
+        os.makedirs(self.p("sys/class/mdev_bus"), exist_ok=True)
+        os.makedirs(self.p("run/libvirt/qemu"), exist_ok=True)
+        os.makedirs(self.p("etc/libvirt/qemu"), exist_ok=True)
+        if not os.path.exists(self.p("proc/cmdline")):
+            self.set_cmdline("BOOT_IMAGE=/vmlinuz root=/dev/sda1 ro quiet intel_iommu=on iommu=pt")
+
+    # -- paths -----------------------------------------------------------------
+    def p(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def device_dir(self, address: Addr) -> str:
+        """Canonical directory of a function (follows the bus link)."""
+        return os.path.realpath(self.p(f"sys/bus/pci/devices/{_addr(address)}"))
+
+    def new_iommu_group(self) -> int:
+        existing = [int(n) for n in os.listdir(self.p("sys/kernel/iommu_groups")) if n.isdigit()]
+        self._next_group = max([self._next_group, *[g + 1 for g in existing]])
+        group = self._next_group
+        self._next_group += 1
+        return group
+
+    # -- names (a pci.ids subset under the root) ----------------------------------
+    def name_ids(self, vendor: int, vendor_name: str, device: int, device_name: str) -> None:
+        entry = self._names.setdefault(vendor, (vendor_name, {}))
+        entry[1][device] = device_name
+        lines = [PCI_IDS_HEADER]
+        for v in sorted(self._names):
+            vname, devs = self._names[v]
+            lines.append(f"{v:04x}  {vname}\n")
+            for d in sorted(devs):
+                lines.append(f"\t{d:04x}  {devs[d]}\n")
+        _write(self.p("usr/share/misc/pci.ids"), "".join(lines))
+
+    # -- PCI topology ------------------------------------------------------------
+    def add_function(self, address: Addr, vendor: int, device: int, klass: int,
+                     driver: Optional[str] = None, iommu_group: Optional[int] = None,
+                     numa_node: int = -1, parent: Optional[Addr] = None,
+                     subsystem: tuple[int, int] = (0, 0), revision: int = 0xA1,
+                     vendor_name: Optional[str] = None,
+                     device_name: Optional[str] = None) -> str:
+        """Add a PCI function (below a bridge `parent`, or the host bridge)."""
+        a = _addr(address)
+        if parent is not None:
+            base = self.device_dir(parent)
+        else:
+            base = self.p(f"sys/devices/pci{a.domain:04x}:{a.bus:02x}")
+        d = os.path.join(base, str(a))
+        os.makedirs(d, exist_ok=True)
+        attrs = {
+            "vendor": f"0x{vendor:04x}", "device": f"0x{device:04x}", "class": f"0x{klass:06x}",
+            "subsystem_vendor": f"0x{subsystem[0]:04x}", "subsystem_device": f"0x{subsystem[1]:04x}",
+            "revision": f"0x{revision:02x}", "numa_node": str(numa_node),
+            "enable": "1", "reset_method": "flr",
+            "modalias": f"pci:v{vendor:08X}d{device:08X}sv{subsystem[0]:08X}"
+                        f"sd{subsystem[1]:08X}bc{klass >> 16:02X}sc{(klass >> 8) & 0xFF:02X}"
+                        f"i{klass & 0xFF:02X}",
+        }
+        for name, value in attrs.items():
+            _write(os.path.join(d, name), value + "\n")
+        uevent = [f"PCI_CLASS={klass:X}", f"PCI_ID={vendor:04X}:{device:04X}",
+                  f"PCI_SUBSYS_ID={subsystem[0]:04X}:{subsystem[1]:04X}", f"PCI_SLOT_NAME={a}"]
+        if driver:
+            uevent.insert(0, f"DRIVER={driver}")
+        _write(os.path.join(d, "uevent"), "\n".join(uevent) + "\n")
+        _symlink(d, self.p(f"sys/bus/pci/devices/{a}"))
+        _symlink(self.p("sys/bus/pci"), os.path.join(d, "subsystem"))
+        if driver:
+            self.bind_driver(a, driver)
+        if iommu_group is not None:
+            self.set_iommu_group(a, iommu_group)
+        if vendor_name and device_name:
+            self.name_ids(vendor, vendor_name, device, device_name)
+        return d
+
+    def add_bridge(self, address: Addr, parent: Optional[Addr] = None,
+                   vendor: int = 0x8086, device: int = 0x2030, numa_node: int = -1,
+                   iommu_group: Optional[int] = None) -> str:
+        """A PCIe root port or switch port (class 0x0604) that GPUs sit behind."""
+        return self.add_function(address, vendor, device, 0x060400, driver="pcieport",
+                                 numa_node=numa_node, parent=parent, iommu_group=iommu_group)
+
+    def bind_driver(self, address: Addr, driver: Optional[str]) -> None:
+        a = _addr(address)
+        d = self.device_dir(a)
+        link = os.path.join(d, "driver")
+        if os.path.lexists(link):
+            old = os.path.basename(os.readlink(link))
+            back = self.p(f"sys/bus/pci/drivers/{old}/{a}")
+            if os.path.lexists(back):
+                os.unlink(back)
+            os.unlink(link)
+        if driver:
+            drv = self.p(f"sys/bus/pci/drivers/{driver}")
+            os.makedirs(drv, exist_ok=True)
+            _symlink(drv, link)
+            _symlink(d, os.path.join(drv, str(a)))
+
+    def set_iommu_group(self, address: Addr, group: int) -> None:
+        a = _addr(address)
+        d = self.device_dir(a)
+        g = self.p(f"sys/kernel/iommu_groups/{group}")
+        os.makedirs(os.path.join(g, "devices"), exist_ok=True)
+        _write(os.path.join(g, "type"), "DMA\n")
+        _symlink(g, os.path.join(d, "iommu_group"))
+        _symlink(d, os.path.join(g, "devices", str(a)))
+        self._next_group = max(self._next_group, group + 1)
+
+    # -- SR-IOV ------------------------------------------------------------------
+    def set_sriov_capability(self, pf: Addr, totalvfs: int, vf_device: int,
+                             offset: int = 1, stride: int = 1) -> None:
+        """The PF's SR-IOV attributes, before any VF exists (sriov_numvfs 0)."""
+        d = self.device_dir(pf)
+        for name, value in (("sriov_totalvfs", totalvfs), ("sriov_numvfs", 0),
+                            ("sriov_offset", offset), ("sriov_stride", stride)):
+            _write(os.path.join(d, name), f"{value}\n")
+        _write(os.path.join(d, "sriov_vf_device"), f"{vf_device:x}\n")
+        _write(os.path.join(d, "sriov_drivers_autoprobe"), "1\n")
+
+    def vf_address(self, pf: Addr, index: int) -> PciAddress:
+        """Routing-ID arithmetic the kernel uses: PF rid + offset + index * stride."""
+        a = _addr(pf)
+        d = self.device_dir(a)
+        offset = int(open(os.path.join(d, "sriov_offset")).read())
+        stride = int(open(os.path.join(d, "sriov_stride")).read())
+        rid = (a.bus << 8 | a.slot << 3 | a.function) + offset + index * stride
+        return PciAddress(a.domain, rid >> 8, (rid >> 3) & 0x1F, rid & 7)
+
+    def enable_sriov(self, pf: Addr, numvfs: int, vf_driver: Optional[str] = None) -> list[str]:
+        """Create `numvfs` VFs as the kernel does on `echo N > sriov_numvfs`."""
+        a = _addr(pf)
+        d = self.device_dir(a)
+
+        def read(name: str) -> str:
+            with open(os.path.join(d, name)) as fh:
+                return fh.read().strip()
+
+        vendor = int(read("vendor"), 16)
+        klass = int(read("class"), 16)
+        numa = int(read("numa_node"))
+        vf_device = int(read("sriov_vf_device"), 16)
+        subsystem = (int(read("subsystem_vendor"), 16), int(read("subsystem_device"), 16))
+        parent_dir = os.path.dirname(d)
+        out = []
+        for i in range(numvfs):
+            va = self.vf_address(a, i)
+            vd = os.path.join(parent_dir, str(va))
+            os.makedirs(vd, exist_ok=True)
+            self.add_function(va, vendor, vf_device, klass, driver=vf_driver,
+                              iommu_group=self.new_iommu_group(), numa_node=numa,
+                              parent=None if os.path.basename(parent_dir).startswith("pci")
+                              else os.path.basename(parent_dir),
+                              subsystem=(subsystem[0], 0))
+            _symlink(d, os.path.join(self.device_dir(va), "physfn"))
+            _symlink(self.device_dir(va), os.path.join(d, f"virtfn{i}"))
+            out.append(str(va))
+        _write(os.path.join(d, "sriov_numvfs"), f"{numvfs}\n")
+        return out
+
+    # -- mdev ---------------------------------------------------------------------
+    def populate_mdev_parent(self, parent: Addr, types: list[dict[str, object]]) -> None:
+        """Make `parent` an mdev parent offering `types`.
+
+        Each type: {"type_id", "name" (optional), "description" (optional),
+        "available_instances", "device_api" (default vfio-pci)}.
+        """
+        a = _addr(parent)
+        d = self.device_dir(a)
+        for t in types:
+            td = os.path.join(d, "mdev_supported_types", str(t["type_id"]))
+            os.makedirs(os.path.join(td, "devices"), exist_ok=True)
+            if t.get("name") is not None:
+                _write(os.path.join(td, "name"), f"{t['name']}\n", 0o444)
+            if t.get("description") is not None:
+                _write(os.path.join(td, "description"), f"{t['description']}\n", 0o444)
+            _write(os.path.join(td, "available_instances"),
+                   f"{t.get('available_instances', 1)}\n", 0o444)
+            _write(os.path.join(td, "device_api"), f"{t.get('device_api', 'vfio-pci')}\n", 0o444)
+            _write(os.path.join(td, "create"), "", 0o200)
+        _symlink(d, self.p(f"sys/class/mdev_bus/{a}"))
+
+    def add_mdev(self, uuid: str, parent: Addr, type_id: str,
+                 consume: bool = True) -> str:
+        """A live mdev as the kernel creates it (links, remove, iommu group)."""
+        a = _addr(parent)
+        d = self.device_dir(a)
+        td = os.path.join(d, "mdev_supported_types", type_id)
+        md = os.path.join(d, uuid)
+        os.makedirs(md, exist_ok=True)
+        _symlink(td, os.path.join(md, "mdev_type"))
+        _write(os.path.join(md, "remove"), "", 0o200)
+        _write(os.path.join(md, "uevent"), f"MDEV_TYPE={type_id}\n")
+        drv = self.p("sys/bus/mdev/drivers/vfio_mdev")
+        os.makedirs(drv, exist_ok=True)
+        _symlink(drv, os.path.join(md, "driver"))
+        _symlink(self.p("sys/bus/mdev"), os.path.join(md, "subsystem"))
+        self.set_mdev_group(md, self.new_iommu_group())
+        _symlink(md, self.p(f"sys/bus/mdev/devices/{uuid}"))
+        _symlink(md, os.path.join(td, "devices", uuid))
+        if consume:
+            avail = os.path.join(td, "available_instances")
+            with open(avail) as fh:
+                n = int(fh.read().strip() or 0)
+            _write(avail, f"{max(n - 1, 0)}\n", 0o444)
+        return md
+
+    def set_mdev_group(self, mdev_dir: str, group: int) -> None:
+        g = self.p(f"sys/kernel/iommu_groups/{group}")
+        os.makedirs(os.path.join(g, "devices"), exist_ok=True)
+        _symlink(g, os.path.join(mdev_dir, "iommu_group"))
+        _symlink(mdev_dir, os.path.join(g, "devices", os.path.basename(mdev_dir)))
+
+    # -- NVIDIA vendor-specific vGPU -------------------------------------------------
+    def add_nvidia_vf_types(self, vf: Addr, types: dict[int, str], current: int = 0,
+                            extra_files: bool = True) -> None:
+        """`nvidia/creatable_vgpu_types` and `current_vgpu_type` on a VF."""
+        d = os.path.join(self.device_dir(vf), "nvidia")
+        lines = ["ID    : vGPU Name"] + [f"{tid:<5d} : {name}" for tid, name in types.items()]
+        _write(os.path.join(d, "creatable_vgpu_types"), "\n".join(lines) + "\n", 0o444)
+        _write(os.path.join(d, "current_vgpu_type"), f"{current}\n", 0o644)
+        if extra_files:
+            _write(os.path.join(d, "vgpu_params"), "", 0o644)
+
+    # -- host files -----------------------------------------------------------------
+    def set_cmdline(self, cmdline: str) -> None:
+        _write(self.p("proc/cmdline"), cmdline + "\n", 0o444)
+
+    def load_module(self, name: str) -> None:
+        os.makedirs(self.p(f"sys/module/{name}"), exist_ok=True)
+
+    def add_iommu_unit(self, name: str = "dmar0") -> None:
+        os.makedirs(self.p(f"sys/class/iommu/{name}"), exist_ok=True)
+
+    def write_file(self, rel: str, content: str, mode: int = 0o644) -> None:
+        _write(self.p(rel), content, mode)
+
+    # -- libvirt domains ----------------------------------------------------------------
+    @staticmethod
+    def domain_xml(name: str, uuid: str, pci: tuple[Addr, ...] = (),
+                   mdevs: tuple[str, ...] = (), domain_id: Optional[int] = None,
+                   vnc_password: Optional[str] = None, managed: bool = True) -> str:
+        hostdevs = []
+        for a in pci:
+            lv = _addr(a).libvirt()
+            hostdevs.append(
+                f"    <hostdev mode='subsystem' type='pci' managed='{'yes' if managed else 'no'}'>\n"
+                "      <driver name='vfio'/>\n      <source>\n"
+                f"        <address domain='{lv['domain']}' bus='{lv['bus']}' "
+                f"slot='{lv['slot']}' function='{lv['function']}'/>\n"
+                "      </source>\n    </hostdev>\n")
+        for u in mdevs:
+            hostdevs.append(
+                "    <hostdev mode='subsystem' type='mdev' managed='no' model='vfio-pci' "
+                "display='off'>\n      <source>\n"
+                f"        <address uuid='{u}'/>\n      </source>\n    </hostdev>\n")
+        id_attr = f" id='{domain_id}'" if domain_id is not None else ""
+        graphics = (f"    <graphics type='vnc' port='-1' autoport='yes' passwd='{vnc_password}'/>\n"
+                    if vnc_password else "")
+        return (f"<domain type='kvm'{id_attr}>\n  <name>{name}</name>\n  <uuid>{uuid}</uuid>\n"
+                "  <memory unit='KiB'>1048576</memory>\n  <vcpu placement='static'>1</vcpu>\n"
+                "  <os>\n    <type arch='x86_64' machine='pc'>hvm</type>\n  </os>\n"
+                "  <devices>\n    <emulator>/usr/bin/qemu-system-x86_64</emulator>\n"
+                + graphics + "".join(hostdevs) + "  </devices>\n</domain>\n")
+
+    def add_defined_domain(self, name: str, uuid: str, **kw: object) -> str:
+        xml = self.domain_xml(name, uuid, **kw)  # type: ignore[arg-type]
+        path = self.p(f"etc/libvirt/qemu/{name}.xml")
+        _write(path, "<!--\nWARNING: THIS IS AN AUTO-GENERATED FILE.\n-->\n" + xml, 0o600)
+        return path
+
+    def add_running_domain(self, name: str, uuid: str, pid: int = 4242,
+                           **kw: object) -> str:
+        """`run/libvirt/qemu/<name>.xml` as libvirtd writes it: a <domstatus>."""
+        kw.setdefault("domain_id", 1)
+        xml = self.domain_xml(name, uuid, **kw)  # type: ignore[arg-type]
+        status = (f"<domstatus state='running' reason='booted' pid='{pid}'>\n"
+                  "  <monitor path='/var/lib/libvirt/qemu/domain-1/monitor.sock' type='unix'/>\n"
+                  "  <vcpus>\n    <vcpu id='0' pid='4243'/>\n  </vcpus>\n"
+                  + "".join("  " + line + "\n" for line in xml.splitlines())
+                  + "</domstatus>\n")
+        path = self.p(f"run/libvirt/qemu/{name}.xml")
+        _write(path, status, 0o600)
+        self.add_defined_domain(name, uuid, **{k: v for k, v in kw.items()
+                                               if k != "domain_id"})
+        return path
+
+    def stop_domain(self, name: str) -> None:
+        path = self.p(f"run/libvirt/qemu/{name}.xml")
+        if os.path.exists(path):
+            os.unlink(path)

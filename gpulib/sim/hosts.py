@@ -1,0 +1,241 @@
+"""Sample hosts built from real GPU models' sysfs facts (`data/models.json`).
+
+* `demo`: one of each layout an operator meets — a T4 (mdev on the PF), an
+  A100 (SR-IOV, mdev on each VF), an A10 and an L40S (NVIDIA vendor-specific
+  vGPU on VFs), a GeForce with its HDMI audio function in the same IOMMU
+  group, an Intel iGPU with GVT-g types, AMD Instinct cards (one on PCI
+  domain 0001), an AMD MxGPU card with plain SR-IOV VFs, and what is not a
+  GPU: the server's ASPEED BMC display and a NIC. Addresses match the
+  CloudStack agent fixtures, so their domain XML works against this host.
+* `large`: 8 GPUs x 16 VFs x 24 vGPU types with 64 running VMs, the size the
+  discovery budget is measured on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid as uuidlib
+from typing import Any, Callable, Optional
+
+from gpulib.sim.fakehost import FakeHost
+
+_DATA = os.path.join(os.path.dirname(__file__), "data")
+
+# UUIDs the CloudStack fixtures name (vgpu-mdev.xml, vgpu-mdev-display.xml):
+# known to gpulib's registry but not live, as after a host reboot.
+DEMO_POOL_MDEVS = ("6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5d", "a3d5f7e9-1b2c-4d6e-8f0a-2c4e6a8b0d13")
+DEMO_T4 = "0000:af:00.0"
+DEMO_A10 = "0000:41:00.0"
+DEMO_A10_VF_TYPE = (594, "NVIDIA A10-6Q")
+
+
+def models() -> dict[str, dict[str, Any]]:
+    with open(os.path.join(_DATA, "models.json"), encoding="utf-8") as fh:
+        data: dict[str, dict[str, Any]] = json.load(fh)
+    return data
+
+
+def add_model(host: FakeHost, model: dict[str, Any], address: str, numa: int,
+              parent: Optional[str] = None, driver: Optional[str] = None,
+              group: Optional[int] = None) -> str:
+    """One function of a catalog model; returns its address."""
+    host.add_function(
+        address, model["vendor"], model["device"], model["class"],
+        driver=driver if driver is not None else model.get("driver"),
+        iommu_group=host.new_iommu_group() if group is None else group,
+        numa_node=numa, parent=parent, subsystem=tuple(model.get("subsystem", (0, 0))),
+        revision=model.get("revision", 0xA1), vendor_name=model["vendor_name"],
+        device_name=model["device_name"])
+    return address
+
+
+def add_sriov_gpu(host: FakeHost, model: dict[str, Any], address: str, numa: int,
+                  parent: Optional[str], numvfs: int) -> list[str]:
+    add_model(host, model, address, numa, parent)
+    host.set_sriov_capability(address, model.get("sriov_totalvfs", numvfs),
+                              model.get("vf_device", model["device"]),
+                              offset=model.get("vf_offset", 1))
+    vf_driver = model.get("vf_driver", model.get("driver"))
+    vfs = host.enable_sriov(address, numvfs, vf_driver=vf_driver)
+    if model.get("vf_device_name"):
+        host.name_ids(model["vendor"], model["vendor_name"], model["vf_device"],
+                      model["vf_device_name"])
+    return vfs
+
+
+def _numa(bus: int) -> int:
+    return 0 if bus < 0x80 else 1
+
+
+def build_demo(root: str) -> FakeHost:
+    m = models()
+    host = FakeHost(root)
+    host.add_iommu_unit("dmar0")
+    host.add_iommu_unit("dmar1")
+    for mod in ("vfio", "vfio_pci", "vfio_iommu_type1", "nvidia", "nvidia_vgpu_vfio", "kvm",
+                "kvm_intel", "i915", "kvmgt", "mdev"):
+        host.load_module(mod)
+    host.write_file("etc/modprobe.d/blacklist-nouveau.conf",
+                    "blacklist nouveau\noptions nouveau modeset=0\n")
+    host.write_file("etc/os-release", 'ID=debian\nVERSION_ID="12"\nPRETTY_NAME="Debian 12"\n')
+
+    # Intel iGPU with GVT-g (mdev on the PF), host bridge bus 00.
+    host.add_function("0000:00:00.0", 0x8086, 0x3E30, 0x060000, numa_node=0,
+                      iommu_group=host.new_iommu_group())
+    add_model(host, m["uhd630"], "0000:00:02.0", 0)
+    host.populate_mdev_parent("0000:00:02.0", m["uhd630"]["mdev_types"])
+
+    # The BMC's display adapter behind a bridge: not a GPU.
+    host.add_bridge("0000:00:1c.0", numa_node=0, iommu_group=host.new_iommu_group())
+    add_model(host, m["aspeed"], "0000:02:00.0", 0, parent="0000:00:1c.0")
+
+    # AMD Instinct MI210 for passthrough (Display controller class).
+    host.add_bridge("0000:16:01.0", numa_node=0, iommu_group=host.new_iommu_group())
+    add_model(host, m["mi210"], "0000:17:00.0", 0, parent="0000:16:01.0", driver="vfio-pci")
+    # A NIC on the same socket: not a GPU.
+    host.add_bridge("0000:16:02.0", numa_node=0, iommu_group=host.new_iommu_group())
+    add_model(host, m["x710"], "0000:18:00.0", 0, parent="0000:16:02.0")
+
+    # GeForce RTX 3070 + HDMI audio in one IOMMU group, both on vfio-pci.
+    host.add_bridge("0000:3a:00.0", numa_node=0, iommu_group=host.new_iommu_group())
+    group = host.new_iommu_group()
+    add_model(host, m["rtx3070"], "0000:3b:00.0", 0, parent="0000:3a:00.0", group=group)
+    audio = dict(m["rtx3070"], **m["rtx3070"]["audio"])
+    add_model(host, audio, "0000:3b:00.1", 0, parent="0000:3a:00.0", group=group)
+
+    # A10 with vendor-specific vGPU VFs (the layout of Ubuntu 24.04 hosts).
+    host.add_bridge("0000:40:03.1", numa_node=0, iommu_group=host.new_iommu_group())
+    vfs = add_sriov_gpu(host, m["a10"], DEMO_A10, 0, "0000:40:03.1", 8)
+    a10_types = {int(k): v for k, v in m["a10"]["nvidia_vf_types"].items()}
+    for vf in vfs:
+        host.add_nvidia_vf_types(vf, a10_types)
+
+    # A T4 bound to vfio-pci: the common whole-GPU passthrough case.
+    host.add_bridge("0000:64:00.0", numa_node=0, iommu_group=host.new_iommu_group())
+    add_model(host, m["t4"], "0000:65:00.0", 0, parent="0000:64:00.0", driver="vfio-pci")
+
+    # L40S with vendor-specific VFs; one VF already carries L40S-6Q for a running VM.
+    host.add_bridge("0000:80:01.2", numa_node=1, iommu_group=host.new_iommu_group())
+    vfs = add_sriov_gpu(host, m["l40s"], "0000:82:00.0", 1, "0000:80:01.2", 8)
+    l40s_types = {int(k): v for k, v in m["l40s"]["nvidia_vf_types"].items()}
+    for i, vf in enumerate(vfs):
+        if i == 0:
+            host.add_nvidia_vf_types(vf, {}, current=1151)
+        else:
+            host.add_nvidia_vf_types(vf, {k: v for k, v in l40s_types.items() if k == 1151})
+    host.add_running_domain("i-4-20-VM", "5a0f1c2e-9b3d-4e7a-8c6f-1d2e3f4a5b6c",
+                            pci=(vfs[0],), managed=False)
+
+    # T4: mdev on the PF. Its pool vGPUs are in the registry but not live.
+    host.add_bridge("0000:ae:00.0", numa_node=1, iommu_group=host.new_iommu_group())
+    add_model(host, m["t4"], DEMO_T4, 1, parent="0000:ae:00.0")
+    host.set_sriov_capability(DEMO_T4, 16, 0, offset=4)
+    host.populate_mdev_parent(DEMO_T4, m["t4"]["mdev_types"])
+
+    # AMD MxGPU (V620): plain SR-IOV VFs on vfio-pci.
+    host.add_bridge("0000:c0:01.1", numa_node=1, iommu_group=host.new_iommu_group())
+    add_sriov_gpu(host, m["v620"], "0000:c1:00.0", 1, "0000:c0:01.1", 4)
+
+    # A100: SR-IOV with mdev types on each VF; one live vGPU used by a defined VM.
+    host.add_bridge("0000:c9:00.0", numa_node=1, iommu_group=host.new_iommu_group())
+    vfs = add_sriov_gpu(host, m["a100"], "0000:ca:00.0", 1, "0000:c9:00.0", 4)
+    for vf in vfs:
+        host.populate_mdev_parent(vf, m["a100"]["vf_mdev_types"])
+    live = "3f0d5c4e-8a2b-4c1d-9e6f-7a8b9c0d1e2f"
+    host.add_mdev(live, vfs[0], "nvidia-470")
+    for vf in vfs[1:]:
+        # One type per physical GPU while time-sliced vGPUs run.
+        _only_type_left(host, vf, "nvidia-470")
+    host.add_defined_domain("i-3-12-VM", "2b7e4c1d-6f3a-4d8e-9b0c-5e1f2a3d4c6b", mdevs=(live,))
+
+    # AMD Instinct MI300X (Processing accelerators) on PCI domain 0001.
+    host.add_bridge("0001:d5:00.0", numa_node=1, iommu_group=host.new_iommu_group())
+    add_model(host, m["mi300x"], "0001:d6:00.0", 1, parent="0001:d5:00.0")
+
+    _write_demo_state(host)
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "# Demo host: the T4's desktop vGPUs are a pool gpulib keeps alive.\n"
+                    "[pool t4-desktops]\nparents = 10de:1eb8\ntype = nvidia-232\n"
+                    "count = 2\n")
+    return host
+
+
+def _only_type_left(host: FakeHost, parent: str, keep: str) -> None:
+    base = os.path.join(host.device_dir(parent), "mdev_supported_types")
+    for t in os.listdir(base):
+        if t != keep:
+            with open(os.path.join(base, t, "available_instances"), "w") as fh:
+                fh.write("0\n")
+
+
+def _write_demo_state(host: FakeHost) -> None:
+    created = "2026-01-19T07:00:00Z"
+    state = {
+        "version": 1,
+        "vgpus": {u: {"parent": DEMO_T4, "type_id": "nvidia-232", "pool": "t4-desktops",
+                      "on_demand": False, "vm": None, "created": created}
+                  for u in DEMO_POOL_MDEVS},
+        "vf_types": {"0000:41:00.4": {"type_id": DEMO_A10_VF_TYPE[0],
+                                      "name": DEMO_A10_VF_TYPE[1], "pool": None,
+                                      "on_demand": False, "vm": None}},
+        "type_names": {},
+        "allocations": {},
+        "unmanaged": [],
+    }
+    host.write_file("var/lib/gpulib/state.json", json.dumps(state, indent=1, sort_keys=True)
+                    + "\n", 0o600)
+    os.chmod(host.p("var/lib/gpulib"), 0o700)
+
+
+def large_types() -> list[dict[str, Any]]:
+    """24 time-sliced L40S-class types as an mdev-era driver lists them on each VF."""
+    sizes = [(1, "B"), (2, "B"), (1, "Q"), (2, "Q"), (3, "Q"), (4, "Q"), (6, "Q"), (8, "Q"),
+             (12, "Q"), (16, "Q"), (24, "Q"), (48, "Q"), (1, "A"), (2, "A"), (3, "A"),
+             (4, "A"), (6, "A"), (8, "A"), (12, "A"), (16, "A"), (24, "A"), (48, "A"),
+             (4, "C"), (8, "C")]
+    out = []
+    for i, (gb, series) in enumerate(sizes):
+        out.append({
+            "type_id": f"nvidia-{1145 + i}", "name": f"NVIDIA L40S-{gb}{series}",
+            "description": f"num_heads=4, frl_config=60, framebuffer={gb * 1024}M, "
+                           f"max_resolution=7680x4320, max_instance={48 // gb}",
+            "available_instances": 1})
+    return out
+
+
+def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64) -> FakeHost:
+    m = models()
+    model = dict(m["l40s"], sriov_totalvfs=32)
+    host = FakeHost(root)
+    host.add_iommu_unit("dmar0")
+    types = large_types()
+    live_by_gpu = vms // gpus
+    n = 0
+    for g in range(gpus):
+        bus = 0x11 + g * 0x20
+        root_port = f"0000:{bus - 1:02x}:01.0"
+        host.add_bridge(root_port, numa_node=_numa(bus), iommu_group=host.new_iommu_group())
+        pf = f"0000:{bus:02x}:00.0"
+        vfs = add_sriov_gpu(host, model, pf, _numa(bus), root_port, vfs_per_gpu)
+        for vf in vfs:
+            host.populate_mdev_parent(vf, types)
+        for i in range(live_by_gpu):
+            u = str(uuidlib.UUID(int=(g << 64) | i | (0x4 << 76)))
+            host.add_mdev(u, vfs[i], "nvidia-1150")
+            host.add_running_domain(f"i-2-{100 + n}-VM", str(uuidlib.UUID(int=n + 1)),
+                                    mdevs=(u,), pid=10000 + n)
+            n += 1
+    return host
+
+
+SAMPLE_HOSTS: dict[str, Callable[[str], FakeHost]] = {"demo": build_demo, "large": build_large}
+
+
+def build(name: str, root: str) -> FakeHost:
+    try:
+        builder = SAMPLE_HOSTS[name]
+    except KeyError:
+        raise ValueError(f"unknown sample host {name!r} (known: "
+                         f"{', '.join(sorted(SAMPLE_HOSTS))})") from None
+    return builder(root)

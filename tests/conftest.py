@@ -1,0 +1,68 @@
+"""Session-wide test setup.
+
+The guard below fails any test that opens, lists or writes anything under the
+real /sys (or the real /var/lib/gpulib): every test works on a fake host
+below a temporary root. A test that needs the real machine (the libvirtd
+test reading libvirt's schema, say) never needs /sys.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+GOLDEN = REPO / "tests" / "golden"
+
+_FORBIDDEN = ("/sys/", "/var/lib/gpulib", "/proc/cmdline")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--regen-golden", action="store_true", default=False,
+                     help="rewrite golden files from the current output instead of comparing")
+
+
+@pytest.fixture
+def regen_golden(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--regen-golden")) or \
+        os.environ.get("GPULIB_REGEN_GOLDEN") == "1"
+
+
+def _forbidden(path: Any) -> bool:
+    try:
+        text = os.fsdecode(path) if not isinstance(path, int) else ""
+    except TypeError:
+        return False
+    if not text.startswith("/"):
+        return False
+    text = os.path.normpath(text)
+    return text == "/sys" or any(text.startswith(p.rstrip("/") + "/") or text == p.rstrip("/")
+                                 for p in _FORBIDDEN)
+
+
+@pytest.fixture(autouse=True)
+def _no_real_sys(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail a test the moment it touches the real /sys."""
+    touched: list[str] = []
+
+    def guard(name: str, real: Any) -> Any:
+        def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if _forbidden(path):
+                touched.append(f"{name}({os.fsdecode(path)!r})")
+                raise AssertionError(f"test touched the real host: {name}({path!r})")
+            return real(path, *args, **kwargs)
+        return wrapper
+
+    for name in ("open", "listdir", "readlink", "scandir", "stat", "lstat"):
+        monkeypatch.setattr(os, name, guard(f"os.{name}", getattr(os, name)))
+    monkeypatch.setattr(builtins, "open", guard("open", builtins.open))
+    # Tests that spawn gpulib processes get a root that is not "/" by default.
+    monkeypatch.setenv("GPULIB_ROOT", "/nonexistent-gpulib-test-root")
+    yield
+    assert not touched, f"real host touched: {touched}"
