@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
-_VENDOR_DEVICE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}$")
-_POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_TYPE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_VENDOR_DEVICE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\Z")
+_POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+_TYPE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 
 # section -> key -> (default, kind); the example config is generated from it.
 DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 from gpulib.sysfs import Sysfs
 

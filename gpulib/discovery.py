@@ -15,7 +15,7 @@ listed under their physical function.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 from gpulib import mdev, nvidia
 from gpulib.config import Config, Match
@@ -232,19 +232,23 @@ class Discovery:
         gpus: list[Gpu] = []
         for address in list_addresses(sysfs):
             try:
-                fn = PciFunction.read(sysfs, address)
+                fn = PciFunction.read_ids(sysfs, address)
+                if not is_gpu_function(fn, include, exclude):
+                    continue
             except OSError as exc:
                 log.warning("cannot read PCI device %s: %s", address, exc)
                 continue
-            if not is_gpu_function(fn, include, exclude):
-                continue
+            try:
+                fn.read_details(sysfs)
+            except OSError as exc:
+                log.warning("GPU %s: cannot read all attributes: %s", address, exc)
             gpus.append(self._gpu(fn, usage, live))
         return Inventory(gpus, usage)
 
     def _gpu(self, fn: PciFunction, usage: Usage, live: dict[str, mdev.Mdev]) -> Gpu:
         sysfs = self.sysfs
         gpu = Gpu(fn)
-        steps = (
+        steps: tuple[tuple[str, Callable[[], None]], ...] = (
             ("names", lambda: self._names(gpu)),
             ("sriov", lambda: self._sriov(gpu)),
             ("iommu group", lambda: self._group(gpu)),
@@ -304,7 +308,7 @@ class Discovery:
         nvidia_vfs: list[VirtualFunction] = []
         for index, address in virtfn_links(sysfs, gpu.address):
             try:
-                fn = PciFunction.read(sysfs, address)
+                fn = PciFunction.read(sysfs, address, vf_of=gpu.fn)
             except OSError as exc:
                 gpu.errors.append(f"VF {address}: {exc}")
                 fn = PciFunction(address)

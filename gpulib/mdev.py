@@ -28,8 +28,8 @@ MDEV_DEVICES = "sys/bus/mdev/devices"
 MDEV_BUS = "sys/class/mdev_bus"
 TYPES_DIR = "mdev_supported_types"
 
-_TYPE_ID_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,128}$")
-_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+_TYPE_ID_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,128}\Z")
+_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 _NUM = {
     "max_instance": re.compile(r"max_instance=(\d+)"),
     "framebuffer": re.compile(r"framebuffer=(\d+)\s*([MG])?"),

@@ -7,6 +7,7 @@ renderings of the same value.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import NamedTuple, Optional
 
@@ -28,7 +29,7 @@ class PciAddress(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> PciAddress:
         """Accept `dddd:bb:ss.f` or lspci's `bb:ss.f` (domain 0)."""
-        m = _ADDR_RE.match(text.strip()) if isinstance(text, str) else None
+        m = _ADDR_RE.fullmatch(text) if isinstance(text, str) else None
         if not m:
             raise InputError(f"not a PCI address: {text!r} (expected dddd:bb:ss.f)")
         domain = int(m.group(1) or "0", 16)
@@ -132,33 +133,66 @@ class PciFunction:
         self.physfn: Optional[PciAddress] = None
 
     @classmethod
-    def read(cls, sysfs: Sysfs, address: PciAddress) -> PciFunction:
-        """Read a function; raises OSError only if the device is unreadable."""
+    def read(cls, sysfs: Sysfs, address: PciAddress, vf_of: Optional[PciFunction] = None
+             ) -> PciFunction:
+        """Read a function; raises OSError only if the device is unreadable.
+
+        `vf_of`: the PF of a VF being read; the VF shares its PCI root, which
+        saves resolving a link per VF on hosts with hundreds of them.
+        """
         fn = cls(address)
         rel = fn.rel
-        if not sysfs.exists(rel):
+        klass = sysfs.read_int(rel + "/class", 16)
+        if klass is None and not sysfs.exists(rel):
             raise FileNotFoundError(f"no PCI device {address}")
+        fn.class_code = (klass or 0) >> 8
+        fn.prog_if = (klass or 0) & 0xFF
         fn.vendor_id = sysfs.read_int(rel + "/vendor", 16) or 0
         fn.device_id = sysfs.read_int(rel + "/device", 16) or 0
+        fn.read_details(sysfs, vf_of)
+        return fn
+
+    @classmethod
+    def read_ids(cls, sysfs: Sysfs, address: PciAddress) -> PciFunction:
+        """Only class, vendor, device and physfn: enough to decide if it is a GPU."""
+        fn = cls(address)
+        rel = fn.rel
         klass = sysfs.read_int(rel + "/class", 16) or 0
         fn.class_code = klass >> 8
         fn.prog_if = klass & 0xFF
-        fn.subsystem_vendor = sysfs.read_int(rel + "/subsystem_vendor", 16)
-        fn.subsystem_device = sysfs.read_int(rel + "/subsystem_device", 16)
-        fn.revision = sysfs.read_int(rel + "/revision", 16)
-        fn.driver = sysfs.link_name(rel + "/driver")
-        group = sysfs.link_name(rel + "/iommu_group")
-        fn.iommu_group = int(group) if group and group.isdigit() else None
-        numa = sysfs.read_int(rel + "/numa_node")
-        fn.numa_node = -1 if numa is None else numa
+        fn.vendor_id = sysfs.read_int(rel + "/vendor", 16) or 0
+        fn.device_id = sysfs.read_int(rel + "/device", 16) or 0
         physfn = sysfs.link_name(rel + "/physfn")
         if physfn:
             try:
                 fn.physfn = PciAddress.parse(physfn)
             except InputError:
                 fn.physfn = None
-        fn.pci_root = pci_root(sysfs, address)
         return fn
+
+    def read_details(self, sysfs: Sysfs, vf_of: Optional[PciFunction] = None) -> None:
+        rel = self.rel
+        self.driver = sysfs.link_name(rel + "/driver")
+        group = sysfs.link_name(rel + "/iommu_group")
+        self.iommu_group = int(group) if group and group.isdigit() else None
+        numa = sysfs.read_int(rel + "/numa_node")
+        self.numa_node = -1 if numa is None else numa
+        if vf_of is not None:
+            self.physfn = vf_of.address
+            self.pci_root = vf_of.pci_root
+            return
+        physfn = sysfs.link_name(rel + "/physfn")
+        if physfn:
+            try:
+                self.physfn = PciAddress.parse(physfn)
+            except InputError:
+                self.physfn = None
+        self.pci_root = pci_root(sysfs, self.address)
+
+    def read_subsystem(self, sysfs: Sysfs) -> None:
+        self.subsystem_vendor = sysfs.read_int(self.rel + "/subsystem_vendor", 16)
+        self.subsystem_device = sysfs.read_int(self.rel + "/subsystem_device", 16)
+        self.revision = sysfs.read_int(self.rel + "/revision", 16)
 
     @property
     def is_vf(self) -> bool:
@@ -175,11 +209,18 @@ def pci_root(sysfs: Sysfs, address: PciAddress) -> Optional[PciAddress]:
     The canonical path looks like sys/devices/pci0000:80/0000:80:01.2/0000:82:00.0;
     the first component below the host bridge is the root.
     """
+    # The bus link's own target names the chain ("../../../devices/pci0000:80/
+    # 0000:80:01.2/0000:82:00.0"): one readlink instead of a realpath walk.
     try:
-        real = sysfs.resolve(PCI_DEVICES + str(address))
-    except ValueError:
+        target = os.readlink(sysfs.path(PCI_DEVICES + str(address)))
+    except OSError:
         return None
-    parts = real.split("/")
+    if "/devices/pci" not in target:
+        try:
+            target = sysfs.resolve(PCI_DEVICES + str(address))
+        except ValueError:
+            return None
+    parts = target.split("/")
     for i, part in enumerate(parts):
         if part.startswith("pci") and ":" in part and i + 1 < len(parts):
             try:

@@ -18,8 +18,16 @@ from gpulib.cli.common import Env, run_main
 from gpulib.cli.discover import discover
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    # Looked up only when asked: importlib.metadata costs more than discovery.
+    if value and not ctx.resilient_parsing:
+        click.echo(f"gpulib {version()}")
+        ctx.exit(0)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(version(), "-V", "--version", prog_name="gpulib")
+@click.option("-V", "--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_print_version, help="Show the version and exit.")
 @click.option("-v", "--verbose", count=True, help="Also log to stderr (-v info, -vv debug).")
 @click.pass_context
 def cli(ctx: click.Context, verbose: int) -> None:

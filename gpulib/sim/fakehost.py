@@ -103,7 +103,8 @@ class FakeHost:
         os.makedirs(d, exist_ok=True)
         attrs = {
             "vendor": f"0x{vendor:04x}", "device": f"0x{device:04x}", "class": f"0x{klass:06x}",
-            "subsystem_vendor": f"0x{subsystem[0]:04x}", "subsystem_device": f"0x{subsystem[1]:04x}",
+            "subsystem_vendor": f"0x{subsystem[0]:04x}",
+            "subsystem_device": f"0x{subsystem[1]:04x}",
             "revision": f"0x{revision:02x}", "numa_node": str(numa_node),
             "enable": "1", "reset_method": "flr",
             "modalias": f"pci:v{vendor:08X}d{device:08X}sv{subsystem[0]:08X}"
@@ -175,8 +176,10 @@ class FakeHost:
         """Routing-ID arithmetic the kernel uses: PF rid + offset + index * stride."""
         a = _addr(pf)
         d = self.device_dir(a)
-        offset = int(open(os.path.join(d, "sriov_offset")).read())
-        stride = int(open(os.path.join(d, "sriov_stride")).read())
+        with open(os.path.join(d, "sriov_offset")) as fh:
+            offset = int(fh.read())
+        with open(os.path.join(d, "sriov_stride")) as fh:
+            stride = int(fh.read())
         rid = (a.bus << 8 | a.slot << 3 | a.function) + offset + index * stride
         return PciAddress(a.domain, rid >> 8, (rid >> 3) & 0x1F, rid & 7)
 
@@ -296,8 +299,9 @@ class FakeHost:
         hostdevs = []
         for a in pci:
             lv = _addr(a).libvirt()
+            flag = "yes" if managed else "no"
             hostdevs.append(
-                f"    <hostdev mode='subsystem' type='pci' managed='{'yes' if managed else 'no'}'>\n"
+                f"    <hostdev mode='subsystem' type='pci' managed='{flag}'>\n"
                 "      <driver name='vfio'/>\n      <source>\n"
                 f"        <address domain='{lv['domain']}' bus='{lv['bus']}' "
                 f"slot='{lv['slot']}' function='{lv['function']}'/>\n"

@@ -1,0 +1,50 @@
+"""Test helpers that build hosts: thin, intent-named wrappers over the builder."""
+
+from __future__ import annotations
+
+import os
+
+from gpulib.context import Context
+from gpulib.sim.fakehost import FakeHost
+from gpulib.sim.hosts import build_demo, models
+
+
+def demo_host(tmp: str) -> FakeHost:
+    return build_demo(os.path.join(tmp, "demo"))
+
+
+def empty_host(tmp: str) -> FakeHost:
+    return FakeHost(os.path.join(tmp, "host"))
+
+
+def t4_host(tmp: str, live: tuple[str, ...] = ()) -> FakeHost:
+    """One T4 with mdev types on the PF (NVIDIA time-sliced vGPU)."""
+    host = empty_host(tmp)
+    m = models()["t4"]
+    host.add_bridge("0000:3a:00.0", numa_node=0, iommu_group=host.new_iommu_group())
+    host.add_function("0000:3b:00.0", m["vendor"], m["device"], m["class"], driver="nvidia",
+                      iommu_group=host.new_iommu_group(), numa_node=0, parent="0000:3a:00.0",
+                      vendor_name=m["vendor_name"], device_name=m["device_name"])
+    host.populate_mdev_parent("0000:3b:00.0", m["mdev_types"])
+    for u in live:
+        host.add_mdev(u, "0000:3b:00.0", "nvidia-232")
+    return host
+
+
+def a10_host(tmp: str, numvfs: int = 4) -> FakeHost:
+    """One A10 with NVIDIA vendor-specific vGPU VFs."""
+    host = empty_host(tmp)
+    m = models()["a10"]
+    host.add_bridge("0000:40:03.1", numa_node=0, iommu_group=host.new_iommu_group())
+    host.add_function("0000:41:00.0", m["vendor"], m["device"], m["class"], driver="nvidia",
+                      iommu_group=host.new_iommu_group(), numa_node=0, parent="0000:40:03.1",
+                      vendor_name=m["vendor_name"], device_name=m["device_name"])
+    host.set_sriov_capability("0000:41:00.0", 32, m["vf_device"], offset=4)
+    types = {int(k): v for k, v in m["nvidia_vf_types"].items()}
+    for vf in host.enable_sriov("0000:41:00.0", numvfs, vf_driver="nvidia"):
+        host.add_nvidia_vf_types(vf, types)
+    return host
+
+
+def simulated(host: FakeHost) -> Context:
+    return Context.for_root(host.root, simulate=True)

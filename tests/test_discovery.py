@@ -1,0 +1,302 @@
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpulib import cloudstack, report
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.discovery import discover
+from gpulib.runtime import discover_host
+from gpulib.sim.fakehost import FakeHost
+from gpulib.sysfs import Sysfs
+from tests import handmade
+from tests.conftest import GOLDEN
+from tests.hosts import demo_host, t4_host
+
+# -- the agent's parsing rules ---------------------------------------------------------
+
+ADDRESS_KEYS = {"domain", "bus", "slot", "function"}
+
+
+def check_libvirt_address(a: Any) -> None:
+    assert set(a) == ADDRESS_KEYS
+    for k in ADDRESS_KEYS:
+        assert isinstance(a[k], str) and a[k].startswith("0x"), a
+
+
+def check_number_or_null(v: Any) -> None:
+    assert v is None or (isinstance(v, int) and not isinstance(v, bool)), v
+
+
+def check_agent_document(doc: Any) -> None:
+    """What CloudStack's KVM agent requires of gpudiscovery.sh output."""
+    assert set(doc) == {"gpus"}
+    for g in doc["gpus"]:
+        for key in ("pci_address", "vendor_id", "device_id", "vendor", "device", "driver",
+                    "pci_class", "iommu_group", "pci_root"):
+            assert isinstance(g[key], str), (key, g[key])
+        assert len(g["vendor_id"]) == 4 and g["vendor_id"] == g["vendor_id"].lower()
+        assert len(g["device_id"]) == 4 and g["device_id"] == g["device_id"].lower()
+        for key in ("numa_node", "sriov_totalvfs", "sriov_numvfs"):
+            assert isinstance(g[key], int) and not isinstance(g[key], bool)
+        for key in ("max_instances", "video_ram", "max_heads", "max_resolution_x",
+                    "max_resolution_y"):
+            check_number_or_null(g[key])
+        fp = g["full_passthrough"]
+        # getAsInt: a JSON number 0 or 1, never true/false
+        assert type(fp["enabled"]) is int and fp["enabled"] in (0, 1)
+        check_libvirt_address(fp["libvirt_address"])
+        assert fp["used_by_vm"] is None or isinstance(fp["used_by_vm"], str)
+        for v in g["vgpu_instances"]:
+            assert isinstance(v["mdev_uuid"], str) and isinstance(v["profile_name"], str)
+            for key in ("max_instances", "video_ram", "max_heads", "max_resolution_x",
+                        "max_resolution_y"):
+                check_number_or_null(v[key])
+            check_libvirt_address(v["libvirt_address"])
+        for vf in g["vf_instances"]:
+            assert isinstance(vf["vf_pci_address"], str)
+            assert isinstance(vf["vf_profile"], str) and vf["vf_profile"]
+            check_libvirt_address(vf["libvirt_address"])
+        expected_enabled = 1 if not g["vgpu_instances"] and not g["vf_instances"] else 0
+        assert fp["enabled"] == expected_enabled
+
+
+def cloudstack_doc(root: str, config: Optional[Config] = None) -> dict[str, Any]:
+    ctx = Context.for_root(root)
+    doc = json.loads(cloudstack.dumps(discover_host(ctx, config)))
+    check_agent_document(doc)
+    return doc
+
+
+def by_address(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {g["pci_address"]: g for g in doc["gpus"]}
+
+
+# -- a tree gpulib did not build -------------------------------------------------------
+
+@pytest.fixture
+def handmade_root(tmp_path: Path) -> str:
+    root = str(tmp_path / "hand")
+    handmade.build(root)
+    return root
+
+
+def test_handmade_tree_reports_exactly_its_gpus(handmade_root: str) -> None:
+    gpus = by_address(cloudstack_doc(handmade_root))
+    # No BMC VGA (ASPEED, Matrox), no NIC, no audio, no Gaudi, no VF as a GPU.
+    assert sorted(gpus) == ["0001:d6:00.0", "0001:e6:00.0", "65:00.0", "82:00.0", "ca:00.0"]
+
+
+def test_pci_domain_0001_is_written_with_its_domain(handmade_root: str) -> None:
+    g = by_address(cloudstack_doc(handmade_root))["0001:d6:00.0"]
+    assert g["full_passthrough"]["libvirt_address"] == {
+        "domain": "0x0001", "bus": "0xd6", "slot": "0x00", "function": "0x0"}
+    assert g["pci_class"] == "Display controller"
+    assert g["pci_root"] == "0001:d5:00.0"
+    assert g["numa_node"] == 1
+    # used by a defined (not running) domain; the commented-out hostdev is not a user
+    assert g["full_passthrough"]["used_by_vm"] == "vm-defined"
+    accel = by_address(cloudstack_doc(handmade_root))["0001:e6:00.0"]
+    assert accel["pci_class"] == "Processing accelerators"
+    assert accel["full_passthrough"]["used_by_vm"] is None
+
+
+def test_mdev_on_vf_numbers_come_from_the_type_description(handmade_root: str) -> None:
+    g = by_address(cloudstack_doc(handmade_root))["ca:00.0"]
+    assert g["vf_instances"] == []  # its VFs offer mdev types: their mdevs are the instances
+    [v] = g["vgpu_instances"]
+    assert v["mdev_uuid"] == "0b1c2d3e-4f50-4617-8293-a4b5c6d7e8f9"
+    assert (v["profile_name"], v["max_instances"], v["video_ram"], v["max_heads"],
+            v["max_resolution_x"], v["max_resolution_y"]) == ("GRID A100-8C", 5, 8192, 1,
+                                                              4096, 2160)
+    assert v["libvirt_address"]["function"] == "0x5"
+    assert v["used_by_vm"] == "vm-running"
+    assert g["full_passthrough"]["enabled"] == 0
+
+
+def test_vendor_vfs_in_virtfn_order_with_profile_from_current_type(handmade_root: str) -> None:
+    g = by_address(cloudstack_doc(handmade_root))["82:00.0"]
+    addrs = [vf["vf_pci_address"] for vf in g["vf_instances"]]
+    assert addrs == ["82:00.4", "82:00.5", "82:00.6", "82:00.7", "82:01.0", "82:01.1",
+                     "82:01.2", "82:01.3", "82:01.4", "82:01.5", "82:01.6"]
+    first = g["vf_instances"][0]
+    assert first["vf_profile"] == "NVIDIA L40S-6Q"
+    assert first["video_ram"] == 6144
+    assert first["used_by_vm"] == "vm-running"
+    assert g["vf_instances"][1]["vf_profile"] == "Device 26b9"  # no pci.ids: lspci's fallback
+
+
+def test_passthrough_gpu_used_by_running_vm(handmade_root: str) -> None:
+    g = by_address(cloudstack_doc(handmade_root))["65:00.0"]
+    assert g["full_passthrough"] == {
+        "enabled": 1, "used_by_vm": "vm-running",
+        "libvirt_address": {"domain": "0x0000", "bus": "0x65", "slot": "0x00",
+                            "function": "0x0"}}
+    assert (g["vendor"], g["device"]) == ("Vendor 10de", "Device 2484")
+    assert g["iommu_group"] == "7"
+
+
+def test_config_include_and_exclude(handmade_root: str, tmp_path: Path) -> None:
+    conf = tmp_path / "gpulib.conf"
+    conf.write_text("[discovery]\ninclude = 0000:03:00.0\nexclude = 10de:26b9, 0000:65:00.0\n")
+    gpus = by_address(cloudstack_doc(handmade_root, Config.load(str(conf))))
+    assert "03:00.0" in gpus and "82:00.0" not in gpus and "65:00.0" not in gpus
+
+
+# -- names ------------------------------------------------------------------------------
+
+def test_names_from_udev_database_win_over_pci_ids(tmp_path: Path) -> None:
+    host = t4_host(str(tmp_path))
+    host.write_file("run/udev/data/+pci:0000:3b:00.0",
+                    "E:ID_VENDOR_FROM_DATABASE=NVIDIA Corp. (udev)\n"
+                    "E:ID_MODEL_FROM_DATABASE=Tesla T4 (udev)\n")
+    [g] = cloudstack_doc(host.root)["gpus"]
+    assert (g["vendor"], g["device"]) == ("NVIDIA Corp. (udev)", "Tesla T4 (udev)")
+
+
+def test_names_from_pci_ids_under_the_root(tmp_path: Path) -> None:
+    [g] = cloudstack_doc(t4_host(str(tmp_path)).root)["gpus"]
+    assert (g["vendor"], g["device"]) == ("NVIDIA Corporation", "TU104GL [Tesla T4]")
+
+
+# -- partial failures never empty the report -------------------------------------------
+
+def test_unreadable_attribute_degrades_only_that_device(handmade_root: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Sysfs.read_bytes
+
+    def flaky(self: Sysfs, rel: str) -> Optional[bytes]:
+        if "0000:ca:00.0" in rel and rel.endswith("sriov_totalvfs"):
+            raise PermissionError(13, "Permission denied")
+        return real(self, rel)
+
+    monkeypatch.setattr(Sysfs, "read_bytes", flaky)
+    ctx = Context.for_root(handmade_root)
+    inv = discover_host(ctx)
+    assert len(inv.gpus) == 5
+    broken = [g for g in inv.gpus if str(g.address) == "0000:ca:00.0"][0]
+    assert broken.errors and "sriov" in broken.errors[0]
+    check_agent_document(cloudstack.render(inv))
+
+
+def test_device_vanishing_mid_scan(handmade_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpulib import discovery
+    real = discovery.list_addresses
+
+    def listing_then_vanish(sysfs: Sysfs) -> Any:
+        out = real(sysfs)
+        shutil.rmtree(os.path.realpath(os.path.join(handmade_root,
+                                                    "sys/bus/pci/devices/0000:65:00.1")))
+        os.unlink(os.path.join(handmade_root, "sys/bus/pci/devices/0000:65:00.0"))
+        return out
+
+    monkeypatch.setattr(discovery, "list_addresses", listing_then_vanish)
+    doc = cloudstack_doc(handmade_root)
+    assert "ca:00.0" in by_address(doc) and "82:00.0" in by_address(doc)
+
+
+# -- golden output of the sample host -----------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["cloudstack", "json"])
+def test_demo_host_golden(tmp_path: Path, fmt: str, regen_golden: bool) -> None:
+    host = demo_host(str(tmp_path))
+    inv = discover_host(Context.for_root(host.root), learn=False)
+    doc = cloudstack.render(inv) if fmt == "cloudstack" else report.document(inv)
+    text = json.dumps(doc, indent=2) + "\n"
+    golden = GOLDEN / "discovery" / f"demo-{fmt}.json"
+    if regen_golden:
+        golden.write_text(text)
+    assert text == golden.read_text()
+    if fmt == "cloudstack":
+        check_agent_document(doc)
+
+
+def test_demo_host_reports_registry_vgpus_after_reboot(tmp_path: Path) -> None:
+    host = demo_host(str(tmp_path))
+    gpus = by_address(cloudstack_doc(host.root))
+    t4 = gpus["af:00.0"]
+    assert sorted(v["mdev_uuid"] for v in t4["vgpu_instances"]) == sorted(
+        ["6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5d", "a3d5f7e9-1b2c-4d6e-8f0a-2c4e6a8b0d13"])
+    assert gpus["41:00.0"]["vf_instances"][0]["vf_profile"] == "NVIDIA A10-6Q"
+    assert "02:00.0" not in gpus and "18:00.0" not in gpus and "3b:00.1" not in gpus
+
+
+def test_table_lists_every_gpu(tmp_path: Path) -> None:
+    host = demo_host(str(tmp_path))
+    inv = discover_host(Context.for_root(host.root), learn=False)
+    lines = report.table(inv).splitlines()
+    assert lines[0].startswith("ADDRESS")
+    assert len(lines) == 1 + len(inv.gpus)
+
+
+# -- properties over random hosts -------------------------------------------------------
+
+gpu_specs = st.lists(st.tuples(st.integers(0, 6),            # VFs
+                               st.booleans(),                # mdev types on the VFs
+                               st.integers(0, 3),            # live mdevs
+                               st.sampled_from([0x030000, 0x030200, 0x038000, 0x120000])),
+                     min_size=1, max_size=4)
+
+
+def build_random_host(root: str, specs: list[tuple[int, bool, int, int]]) -> FakeHost:
+    host = FakeHost(root)
+    types = [{"type_id": f"nvidia-{i}", "name": f"GRID X-{i}Q",
+              "description": f"num_heads=4, framebuffer={i * 1024}M, max_instance={16 // i}",
+              "available_instances": 4} for i in (1, 2)]
+    n = 0
+    for i, (nvfs, vf_mdev, live, klass) in enumerate(specs):
+        bus = 0x10 + i * 0x10
+        pf = f"{i % 2:04x}:{bus:02x}:00.0"
+        host.add_function(pf, 0x10DE if klass != 0x120000 else 0x1002, 0x2000 + i, klass,
+                          driver="nvidia", iommu_group=host.new_iommu_group())
+        parents = [pf]
+        if nvfs:
+            host.set_sriov_capability(pf, 16, 0x2000 + i, offset=4)
+            vfs = host.enable_sriov(pf, nvfs, vf_driver="nvidia")
+            if vf_mdev:
+                parents = vfs
+        for p in parents:
+            if p != pf or not nvfs:
+                host.populate_mdev_parent(p, types)
+        for j in range(live):
+            if parents == [pf] and nvfs:
+                break
+            host.add_mdev(f"{n:08x}-0000-4000-8000-000000000000", parents[j % len(parents)],
+                          "nvidia-1")
+            n += 1
+    return host
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(gpu_specs)
+def test_every_vf_and_mdev_appears_once_under_its_gpu(tmp_path_factory: pytest.TempPathFactory,
+                                                      specs: list[tuple[int, bool, int, int]]) -> None:
+    root = str(tmp_path_factory.mktemp("rnd"))
+    host = build_random_host(root, specs)
+    inv = discover(Sysfs(host.root))
+    doc = cloudstack.render(inv)
+    check_agent_document(doc)
+    gpu_addrs = {g["pci_address"] for g in doc["gpus"]}
+    assert len(doc["gpus"]) == len(specs)
+    seen_vfs = []
+    seen_mdevs = []
+    for g, spec in zip(doc["gpus"], sorted(
+            specs, key=lambda s: s[0] * 0)):  # order is by address; counts checked below
+        del spec
+        seen_vfs += [vf["vf_pci_address"] for vf in g["vf_instances"]]
+        seen_mdevs += [v["mdev_uuid"] for v in g["vgpu_instances"]]
+    live = os.listdir(os.path.join(host.root, "sys/bus/mdev/devices")) \
+        if os.path.isdir(os.path.join(host.root, "sys/bus/mdev/devices")) else []
+    assert sorted(seen_mdevs) == sorted(live)
+    assert len(seen_vfs) == len(set(seen_vfs))
+    assert not gpu_addrs & set(seen_vfs)
+    expected_vfs = sum(n for n, vf_mdev, _, _ in specs if not vf_mdev)
+    assert len(seen_vfs) == expected_vfs
