@@ -1,4 +1,4 @@
-"""Registration of the subcommands beyond `discover`."""
+"""Registration of the subcommands beyond `discover` (one module each)."""
 
 from __future__ import annotations
 
@@ -6,4 +6,7 @@ import click
 
 
 def register(group: click.Group) -> None:
-    del group
+    from gpulib.cli import doctor, snapshot
+
+    group.add_command(doctor.doctor)
+    group.add_command(snapshot.snapshot)
