@@ -1,0 +1,726 @@
+"""gpulib's own state: one versioned JSON file, changed only under one lock.
+
+The file (`var/lib/gpulib/state.json` below the root, DESIGN sections 3 and
+6.4) records what gpulib knows that the host cannot tell it again after a
+reboot or a crash: the mdevs it created (uuid -> parent, type), the vGPU type
+it gave NVIDIA VFs, the vGPU type names it learned, which VM holds which
+devices, and the devices the operator took away from gpulib.
+
+Rules this module keeps:
+
+* Every change happens inside `StateStore.transaction()`, under one OS lock
+  (`filelock.FileLock` on `state.lock`: flock(2), so a process that dies
+  releases it), waited for with a timeout well inside the CloudStack agent's
+  30 s hook timeout. Expiry raises `LockTimeout` (exit code 3).
+* Writes are atomic: a temp file in the same directory (`.state.json.<pid>.
+  <random>.tmp`), written, flushed, fsynced, renamed over the file with
+  os.replace, then the directory is fsynced. A reader therefore sees the old
+  or the new document, never a mix, and may read without the lock.
+* A corrupt file (not JSON, not an object, wrong types, truncated) is moved
+  aside to `state.json.corrupt-<UTC timestamp>` under the lock, logged at
+  ERROR, and rebuilt with the caller's `rebuild` hook. A plain `load()` of a
+  corrupt file logs and returns an empty state; it never moves anything.
+* A file written by a newer gpulib (`version` above `SCHEMA_VERSION`) is
+  refused with `StateVersionError` (a `StateError`, exit code 4) and never
+  overwritten or moved.
+* The output is deterministic (sorted keys, ASCII, indent 1): the same
+  state always gives the same bytes, and diffs stay readable.
+
+This module imports filelock only when it takes the lock, so read-only users
+(`gpulib discover`, `gpulib status`) do not pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from gpulib.errors import InputError, LockTimeout, StateError
+
+if TYPE_CHECKING:
+    from gpulib.context import Context
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+DEFAULT_LOCK_TIMEOUT = 20.0
+"""Seconds to wait for the state lock: well inside the agent's 30 s hook timeout."""
+
+STALE_TEMP_AGE = 60.0
+"""A temp file older than this (or whose writer is gone) is a crash leftover."""
+
+DEVICE_KINDS = ("mdev", "vf", "pci")
+ALLOCATION_STATUSES = ("pending", "active")
+
+_VM_NAME_MAX = 255
+_UUID_RE = re.compile(
+    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_PCI_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
+_MODEL_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{4}")
+_TYPE_NUMBER_RE = re.compile(r"[0-9]+")
+
+
+class StateVersionError(StateError):
+    """The state file was written by a newer gpulib: refuse it, never touch it."""
+
+
+class CorruptStateError(StateError):
+    """The state document cannot be understood (bad JSON, bad shape, bad values)."""
+
+
+# --------------------------------------------------------------------------
+# Input validation at the boundary (DESIGN section 8).
+
+
+def _show(text: str, limit: int = 64) -> str:
+    """A short, one-line rendering of untrusted text for an error message."""
+    if len(text) > limit:
+        return repr(text[:limit]) + f"... ({len(text)} characters)"
+    return repr(text)
+
+
+def validate_vm_name(name: str) -> str:
+    """Return `name` if it is usable as a VM name, else raise InputError.
+
+    Refused: non-strings, the empty name, `.` and `..`, names containing `/`,
+    a newline, NUL or any other control or line-break character (C0, DEL, C1,
+    U+2028, U+2029: the name appears in one-line messages), names that are not valid
+    UTF-8 text, and names longer than 255 characters (or 255 bytes in UTF-8:
+    libvirt keeps `<name>.xml` files, and file names stop at 255 bytes).
+    """
+    if not isinstance(name, str):
+        raise InputError(f"VM name must be text, not {type(name).__name__}")
+    if not name:
+        raise InputError("VM name is empty")
+    if len(name) > _VM_NAME_MAX:
+        raise InputError(f"VM name is longer than {_VM_NAME_MAX} characters: {_show(name)}")
+    if "/" in name:
+        raise InputError(f"VM name contains '/': {_show(name)}")
+    if "\n" in name or "\r" in name:
+        raise InputError(f"VM name contains a newline: {_show(name)}")
+    if "\x00" in name:
+        raise InputError(f"VM name contains a NUL character: {_show(name)}")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029" for c in name):
+        raise InputError(f"VM name contains a control character: {_show(name)}")
+    if name in (".", ".."):
+        raise InputError(f"VM name cannot be {name!r}")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"VM name is not valid UTF-8: {_show(name)}") from None
+    if len(encoded) > _VM_NAME_MAX:
+        raise InputError(f"VM name is longer than {_VM_NAME_MAX} bytes in UTF-8: {_show(name)}")
+    return name
+
+
+def validate_uuid(text: str) -> str:
+    """Return `text` as a canonical lowercase 8-4-4-4-12 UUID, else raise InputError.
+
+    Either case is accepted (libvirt and the kernel accept both); braces,
+    `urn:uuid:` prefixes, missing dashes and surrounding blanks are not.
+    """
+    if not isinstance(text, str):
+        raise InputError(f"UUID must be text, not {type(text).__name__}")
+    if not _UUID_RE.fullmatch(text):
+        raise InputError(f"not a UUID: {_show(text)} (expected 8-4-4-4-12 hex digits)")
+    return text.lower()
+
+
+def utc_now() -> str:
+    """The current time as ISO 8601 UTC with second precision (`...T12:00:00Z`)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# --------------------------------------------------------------------------
+# The typed document.
+
+
+@dataclass
+class VgpuRecord:
+    """An mdev gpulib created or adopted, so it can be recreated after a reboot."""
+
+    parent: str  # the parent device's name, a PCI address for GPUs
+    type_id: str  # the mdev type, e.g. 'nvidia-558'
+    pool: Optional[str] = None  # the declared pool it belongs to, if any
+    on_demand: bool = False  # created for one VM: destroyed when that VM stops
+    vm: Optional[str] = None  # the VM using it
+    created: str = field(default_factory=utc_now)  # ISO 8601 UTC
+
+
+@dataclass
+class VfRecord:
+    """The NVIDIA vendor-specific vGPU type gpulib gave a VF."""
+
+    type_id: int  # the numeric `current_vgpu_type`
+    name: Optional[str] = None  # its name, e.g. 'NVIDIA A10-4Q', when known
+    pool: Optional[str] = None
+    on_demand: bool = False
+    vm: Optional[str] = None
+
+
+@dataclass
+class Device:
+    """One device an allocation holds."""
+
+    kind: str  # 'mdev' | 'vf' | 'pci'
+    id: str  # mdev uuid, or PCI address 'dddd:bb:ss.f' for 'vf' and 'pci'
+    on_demand: bool = False
+
+
+@dataclass
+class Allocation:
+    """The devices one VM holds, pending until the VM has started."""
+
+    vm: str
+    domain_uuid: Optional[str] = None
+    status: str = "pending"  # 'pending' | 'active'
+    since: str = field(default_factory=utc_now)
+    devices: list[Device] = field(default_factory=list)
+
+
+# Shape checks. Each raises CorruptStateError naming the place in the document.
+
+
+def _where(path: str, key: str) -> str:
+    return f"{path}[{key!r}]" if path else key
+
+
+def _typename(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _get(obj: dict[str, Any], key: str, path: str, default: Any = ...) -> Any:
+    if key in obj:
+        return obj[key]
+    if default is ...:
+        raise CorruptStateError(f"{path}: missing {key!r}")
+    return default
+
+
+def _as_dict(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CorruptStateError(f"{path}: expected an object, got {_typename(value)}")
+    return value
+
+
+def _as_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise CorruptStateError(f"{path}: expected a string, got {_typename(value)}")
+    return value
+
+
+def _as_opt_str(value: Any, path: str) -> Optional[str]:
+    return None if value is None else _as_str(value, path)
+
+
+def _as_bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise CorruptStateError(f"{path}: expected true or false, got {_typename(value)}")
+    return value
+
+
+def _as_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CorruptStateError(f"{path}: expected an integer, got {_typename(value)}")
+    return value
+
+
+def _as_component(value: Any, path: str) -> str:
+    """A name that ends up as one sysfs path component: no '/', no '..'."""
+    text = _as_str(value, path)
+    if not text or "/" in text or "\x00" in text or text in (".", ".."):
+        raise CorruptStateError(f"{path}: not a usable name: {_show(text)}")
+    return text
+
+
+def _as_uuid(value: Any, path: str) -> str:
+    text = _as_str(value, path)
+    if not _UUID_RE.fullmatch(text) or text != text.lower():
+        raise CorruptStateError(f"{path}: not a canonical UUID: {_show(text)}")
+    return text
+
+
+def _as_pci(value: Any, path: str) -> str:
+    text = _as_str(value, path)
+    if not _PCI_RE.fullmatch(text):
+        raise CorruptStateError(f"{path}: not a PCI address dddd:bb:ss.f: {_show(text)}")
+    return text
+
+
+def _as_vm(value: Any, path: str) -> str:
+    text = _as_str(value, path)
+    try:
+        return validate_vm_name(text)
+    except InputError as e:
+        raise CorruptStateError(f"{path}: {e.message}") from None
+
+
+def _as_opt_vm(value: Any, path: str) -> Optional[str]:
+    return None if value is None else _as_vm(value, path)
+
+
+def _vgpu_from_json(value: Any, path: str) -> VgpuRecord:
+    d = _as_dict(value, path)
+    return VgpuRecord(
+        parent=_as_component(_get(d, "parent", path), _where(path, "parent")),
+        type_id=_as_component(_get(d, "type_id", path), _where(path, "type_id")),
+        pool=_as_opt_str(_get(d, "pool", path, None), _where(path, "pool")),
+        on_demand=_as_bool(_get(d, "on_demand", path, False), _where(path, "on_demand")),
+        vm=_as_opt_vm(_get(d, "vm", path, None), _where(path, "vm")),
+        created=_as_str(_get(d, "created", path), _where(path, "created")),
+    )
+
+
+def _vgpu_to_json(r: VgpuRecord) -> dict[str, Any]:
+    return {"parent": r.parent, "type_id": r.type_id, "pool": r.pool,
+            "on_demand": r.on_demand, "vm": r.vm, "created": r.created}
+
+
+def _vf_from_json(value: Any, path: str) -> VfRecord:
+    d = _as_dict(value, path)
+    type_id = _as_int(_get(d, "type_id", path), _where(path, "type_id"))
+    if type_id < 0:
+        raise CorruptStateError(f"{_where(path, 'type_id')}: negative vGPU type {type_id}")
+    return VfRecord(
+        type_id=type_id,
+        name=_as_opt_str(_get(d, "name", path, None), _where(path, "name")),
+        pool=_as_opt_str(_get(d, "pool", path, None), _where(path, "pool")),
+        on_demand=_as_bool(_get(d, "on_demand", path, False), _where(path, "on_demand")),
+        vm=_as_opt_vm(_get(d, "vm", path, None), _where(path, "vm")),
+    )
+
+
+def _vf_to_json(r: VfRecord) -> dict[str, Any]:
+    return {"type_id": r.type_id, "name": r.name, "pool": r.pool,
+            "on_demand": r.on_demand, "vm": r.vm}
+
+
+def _device_from_json(value: Any, path: str) -> Device:
+    d = _as_dict(value, path)
+    kind = _as_str(_get(d, "kind", path), _where(path, "kind"))
+    if kind not in DEVICE_KINDS:
+        raise CorruptStateError(f"{_where(path, 'kind')}: unknown device kind {_show(kind)}")
+    raw_id = _get(d, "id", path)
+    dev_id = (_as_uuid(raw_id, _where(path, "id")) if kind == "mdev"
+              else _as_pci(raw_id, _where(path, "id")))
+    return Device(kind=kind, id=dev_id,
+                  on_demand=_as_bool(_get(d, "on_demand", path, False),
+                                     _where(path, "on_demand")))
+
+
+def _allocation_from_json(value: Any, path: str, key: str) -> Allocation:
+    d = _as_dict(value, path)
+    vm = _as_vm(_get(d, "vm", path), _where(path, "vm"))
+    if vm != key:
+        raise CorruptStateError(f"{path}: records VM {_show(vm)} under the key {_show(key)}")
+    domain_uuid = _get(d, "domain_uuid", path, None)
+    status = _as_str(_get(d, "status", path), _where(path, "status"))
+    if status not in ALLOCATION_STATUSES:
+        raise CorruptStateError(f"{_where(path, 'status')}: unknown status {_show(status)}")
+    devices = _get(d, "devices", path)
+    if not isinstance(devices, list):
+        raise CorruptStateError(
+            f"{_where(path, 'devices')}: expected a list, got {_typename(devices)}")
+    return Allocation(
+        vm=vm,
+        domain_uuid=None if domain_uuid is None else _as_uuid(domain_uuid,
+                                                              _where(path, "domain_uuid")),
+        status=status,
+        since=_as_str(_get(d, "since", path), _where(path, "since")),
+        devices=[_device_from_json(dev, f"{_where(path, 'devices')}[{i}]")
+                 for i, dev in enumerate(devices)],
+    )
+
+
+def _allocation_to_json(a: Allocation) -> dict[str, Any]:
+    return {"vm": a.vm, "domain_uuid": a.domain_uuid, "status": a.status, "since": a.since,
+            "devices": [{"kind": d.kind, "id": d.id, "on_demand": d.on_demand}
+                        for d in a.devices]}
+
+
+_KNOWN_KEYS = frozenset({"version", "vgpus", "vf_types", "type_names", "allocations",
+                         "unmanaged"})
+
+
+@dataclass
+class State:
+    """The typed state document.
+
+    `extra` keeps top-level keys this version does not know (a hand edit, a
+    tool that annotates the file) so that a rewrite does not drop them.
+    """
+
+    vgpus: dict[str, VgpuRecord] = field(default_factory=dict)  # mdev uuid -> record
+    vf_types: dict[str, VfRecord] = field(default_factory=dict)  # VF address -> record
+    # 'vvvv:dddd' of the GPU model -> {numeric vGPU type id: name}
+    type_names: dict[str, dict[str, str]] = field(default_factory=dict)
+    allocations: dict[str, Allocation] = field(default_factory=dict)  # VM name -> allocation
+    unmanaged: set[str] = field(default_factory=set)  # PCI addresses the operator unmanaged
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document (plain dicts, lists and scalars)."""
+        doc: dict[str, Any] = dict(self.extra)
+        doc.update({
+            "version": SCHEMA_VERSION,
+            "vgpus": {k: _vgpu_to_json(v) for k, v in self.vgpus.items()},
+            "vf_types": {k: _vf_to_json(v) for k, v in self.vf_types.items()},
+            "type_names": {k: dict(v) for k, v in self.type_names.items()},
+            "allocations": {k: _allocation_to_json(v) for k, v in self.allocations.items()},
+            "unmanaged": sorted(self.unmanaged),
+        })
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> State:
+        """Build a State from a parsed document.
+
+        Raises StateVersionError for a document from a newer gpulib and
+        CorruptStateError (both StateError) for anything malformed.
+        """
+        d = _as_dict(doc, "state")
+        version = _get(d, "version", "state")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise CorruptStateError(f"version: expected an integer, got {_typename(version)}")
+        if version > SCHEMA_VERSION:
+            raise StateVersionError(
+                f"state is version {version}, this gpulib understands up to "
+                f"{SCHEMA_VERSION}: upgrade gpulib")
+        if version < 1:
+            raise CorruptStateError(f"version: {version} is not a state version")
+
+        state = cls()
+        for key, value in _as_dict(d.get("vgpus", {}), "vgpus").items():
+            path = _where("vgpus", key)
+            state.vgpus[_as_uuid(key, path)] = _vgpu_from_json(value, path)
+        for key, value in _as_dict(d.get("vf_types", {}), "vf_types").items():
+            path = _where("vf_types", key)
+            state.vf_types[_as_pci(key, path)] = _vf_from_json(value, path)
+        for key, value in _as_dict(d.get("type_names", {}), "type_names").items():
+            path = _where("type_names", key)
+            if not _MODEL_RE.fullmatch(key):
+                raise CorruptStateError(f"{path}: not a GPU model vvvv:dddd")
+            names: dict[str, str] = {}
+            for number, name in _as_dict(value, path).items():
+                if not _TYPE_NUMBER_RE.fullmatch(number):
+                    raise CorruptStateError(f"{_where(path, number)}: not a numeric type id")
+                names[number] = _as_str(name, _where(path, number))
+            state.type_names[key] = names
+        for key, value in _as_dict(d.get("allocations", {}), "allocations").items():
+            path = _where("allocations", key)
+            state.allocations[_as_vm(key, path)] = _allocation_from_json(value, path, key)
+        unmanaged = d.get("unmanaged", [])
+        if not isinstance(unmanaged, list):
+            raise CorruptStateError(f"unmanaged: expected a list, got {_typename(unmanaged)}")
+        state.unmanaged = {_as_pci(a, f"unmanaged[{i}]") for i, a in enumerate(unmanaged)}
+        state.extra = {k: v for k, v in d.items() if k not in _KNOWN_KEYS}
+        return state
+
+    def copy(self) -> State:
+        """A deep copy (through the JSON text, so nothing is shared)."""
+        return State.from_json(json.loads(dumps(self)))
+
+
+def dumps(state: State) -> str:
+    """The deterministic text of a state file: sorted keys, ASCII, indent 1."""
+    return json.dumps(state.to_json(), sort_keys=True, indent=1, ensure_ascii=True,
+                      allow_nan=False) + "\n"
+
+
+# --------------------------------------------------------------------------
+# The file and its lock.
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, belongs to someone else
+    return True
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+class StateStore:
+    """The state file and its lock.
+
+    `load()` reads without the lock (every read sees a whole document);
+    `transaction()` is the only way to change the file.
+    """
+
+    def __init__(self, state_path: str, lock_path: str, timeout: float = DEFAULT_LOCK_TIMEOUT,
+                 rebuild: Optional[Callable[[], State]] = None) -> None:
+        self.state_path = os.path.abspath(state_path)
+        self.lock_path = os.path.abspath(lock_path)
+        self.timeout = timeout
+        self.rebuild: Callable[[], State] = rebuild or State
+        self._in_transaction = False
+
+    @classmethod
+    def for_context(cls, ctx: Context, **kw: Any) -> StateStore:
+        """The store below the context's root (`var/lib/gpulib/state.json`)."""
+        return cls(ctx.state_path, ctx.lock_path, **kw)
+
+    # -- reading ---------------------------------------------------------
+
+    def exists(self) -> bool:
+        return os.path.exists(self.state_path)
+
+    def _read(self) -> Optional[bytes]:
+        """The file's bytes, or None when there is no file."""
+        try:
+            with open(self.state_path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StateError(f"cannot read state file {self.state_path}: {_reason(e)}") from None
+
+    def _parse(self, raw: bytes) -> State:
+        """Raises StateVersionError (newer file) or CorruptStateError."""
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise CorruptStateError("not UTF-8 text") from None
+        except RecursionError:
+            raise CorruptStateError("nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, and the int digits limit
+            raise CorruptStateError(f"not JSON ({e})") from None
+        if isinstance(doc, dict):
+            version = doc.get("version")
+            if isinstance(version, int) and not isinstance(version, bool) \
+                    and version > SCHEMA_VERSION:
+                raise StateVersionError(
+                    f"state file {self.state_path} is version {version}, this gpulib "
+                    f"understands up to {SCHEMA_VERSION}: upgrade gpulib")
+        try:
+            return State.from_json(doc)
+        except RecursionError:
+            raise CorruptStateError("nested too deeply") from None
+
+    def load(self) -> State:
+        """The current state, read without the lock.
+
+        A missing file is an empty state. A corrupt file is logged and read as
+        an empty state (the next transaction moves it aside and rebuilds). A
+        file from a newer gpulib raises StateVersionError.
+        """
+        raw = self._read()
+        if raw is None:
+            return State()
+        try:
+            return self._parse(raw)
+        except CorruptStateError as e:
+            log.error("state file %s is corrupt (%s): reading it as empty; the next "
+                      "change will move it aside and rebuild it", self.state_path, e.message)
+            return State()
+
+    # -- writing ---------------------------------------------------------
+
+    def _ensure_dirs(self) -> None:
+        for directory in {os.path.dirname(self.state_path), os.path.dirname(self.lock_path)}:
+            if os.path.isdir(directory):
+                continue
+            try:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+                os.chmod(directory, 0o700)
+            except OSError as e:
+                raise StateError(
+                    f"cannot create state directory {directory}: {_reason(e)}") from None
+
+    def _temp_prefix(self) -> str:
+        return "." + os.path.basename(self.state_path) + "."
+
+    def _write(self, text: str) -> None:
+        """Replace the file atomically with `text` (the caller holds the lock)."""
+        directory = os.path.dirname(self.state_path)
+        tmp = os.path.join(directory, f"{self._temp_prefix()}{os.getpid()}."
+                                      f"{os.urandom(4).hex()}.tmp")
+        data = text.encode("ascii")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.state_path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise StateError(
+                f"cannot write state file {self.state_path}: {_reason(e)}") from None
+        try:
+            _fsync_dir(directory)
+        except OSError as e:
+            # The new file is in place and visible: the change happened.
+            log.warning("state written, but syncing %s failed: %s", directory, _reason(e))
+
+    def _remove_stale_temp_files(self) -> None:
+        """Remove temp files left by writers that died (the caller holds the lock)."""
+        directory = os.path.dirname(self.state_path)
+        prefix = self._temp_prefix()
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            return
+        now = time.time()
+        for name in names:
+            if not (name.startswith(prefix) and name.endswith(".tmp")):
+                continue
+            path = os.path.join(directory, name)
+            pid_text = name[len(prefix):].split(".", 1)[0]
+            pid = int(pid_text) if pid_text.isdigit() else 0
+            try:
+                age = now - os.lstat(path).st_mtime
+                if age > STALE_TEMP_AGE or not _pid_alive(pid):
+                    os.unlink(path)
+                    log.info("removed stale state temp file %s", path)
+            except OSError:
+                continue
+
+    def _move_aside(self) -> str:
+        """Rename the corrupt file out of the way; return its new name."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = f"{self.state_path}.corrupt-{stamp}"
+        n = 1
+        while os.path.lexists(aside):
+            aside = f"{self.state_path}.corrupt-{stamp}-{n}"
+            n += 1
+        try:
+            os.replace(self.state_path, aside)
+            _fsync_dir(os.path.dirname(self.state_path))
+        except OSError as e:
+            raise StateError(f"state file {self.state_path} is corrupt and cannot be moved "
+                             f"aside: {_reason(e)}") from None
+        return aside
+
+    def _rebuilt(self, reason: str) -> State:
+        """The state from the rebuild hook, checked; the corrupt file stays if it fails."""
+        try:
+            state = self.rebuild()
+            if not isinstance(state, State):
+                raise TypeError(f"rebuild returned {type(state).__name__}, not State")
+            State.from_json(json.loads(dumps(state)))
+        except Exception as e:
+            log.error("state file %s is corrupt (%s) and rebuilding it failed: %s",
+                      self.state_path, reason, e)
+            raise StateError(f"state file {self.state_path} is corrupt ({reason}) and "
+                             f"rebuilding it failed: {e}") from e
+        return state
+
+    def _acquire(self) -> Any:
+        import filelock
+
+        self._ensure_dirs()
+        if not os.path.lexists(self.lock_path):
+            try:
+                os.close(os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            except OSError as e:
+                raise StateError(f"cannot create state lock {self.lock_path}: "
+                                 f"{_reason(e)}") from None
+        lock = filelock.FileLock(self.lock_path, timeout=self.timeout)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise LockTimeout(f"state lock busy: {self.lock_path} held by another gpulib "
+                              f"process for {self.timeout:g} s") from None
+        except OSError as e:
+            raise StateError(f"cannot take state lock {self.lock_path}: {_reason(e)}") from None
+        return lock
+
+    @contextmanager
+    def transaction(self) -> Iterator[State]:
+        """Lock, load, yield the state to change, write it if it changed, unlock.
+
+        An exception inside the block discards every change. A corrupt file
+        is moved aside and replaced by the rebuild hook's state (written
+        before the block runs, so a failing block does not lose it). A file
+        from a newer gpulib raises StateVersionError and stays as it is.
+        """
+        if self._in_transaction:
+            raise RuntimeError("StateStore.transaction() is not reentrant")
+        self._in_transaction = True
+        try:
+            lock = self._acquire()
+            try:
+                self._remove_stale_temp_files()
+                state, before = self._load_locked()
+                yield state
+                try:
+                    after = dumps(state)
+                    State.from_json(json.loads(after))
+                except (StateError, TypeError, ValueError) as e:
+                    raise StateError(f"refusing to write an invalid state to "
+                                     f"{self.state_path}: {e}") from e
+                if after != before:
+                    self._write(after)
+            finally:
+                lock.release()
+        finally:
+            self._in_transaction = False
+
+    def _load_locked(self) -> tuple[State, str]:
+        """The state and the text it serialises to (the caller holds the lock)."""
+        raw = self._read()
+        if raw is None:
+            state = State()
+            return state, dumps(state)
+        try:
+            state = self._parse(raw)
+        except CorruptStateError as e:
+            state = self._rebuilt(e.message)
+            aside = self._move_aside()
+            log.error("state file %s was corrupt (%s): moved it aside to %s and rebuilt it",
+                      self.state_path, e.message, aside)
+            text = dumps(state)
+            self._write(text)
+            return state, text
+        return state, dumps(state)
+
+
+__all__ = [
+    "ALLOCATION_STATUSES",
+    "DEFAULT_LOCK_TIMEOUT",
+    "DEVICE_KINDS",
+    "SCHEMA_VERSION",
+    "Allocation",
+    "CorruptStateError",
+    "Device",
+    "State",
+    "StateStore",
+    "StateVersionError",
+    "VfRecord",
+    "VgpuRecord",
+    "dumps",
+    "utc_now",
+    "validate_uuid",
+    "validate_vm_name",
+]

@@ -1,0 +1,826 @@
+"""gpulib.state: the state file, its lock, atomic writes, corruption and crashes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpulib.context import Context
+from gpulib.errors import EXIT_BUSY, EXIT_STATE, InputError, LockTimeout, StateError
+from gpulib.state import (
+    SCHEMA_VERSION,
+    Allocation,
+    CorruptStateError,
+    Device,
+    State,
+    StateStore,
+    StateVersionError,
+    VfRecord,
+    VgpuRecord,
+    dumps,
+    validate_uuid,
+    validate_vm_name,
+)
+
+HELPER = Path(__file__).resolve().parent / "helpers" / "state_worker.py"
+FORK = multiprocessing.get_context("fork")
+STAMP = "2024-01-01T00:00:00Z"
+
+
+def make_store(directory: str | os.PathLike[str], **kw: Any) -> StateStore:
+    d = os.path.join(os.fspath(directory), "var", "lib", "gpulib")
+    return StateStore(os.path.join(d, "state.json"), os.path.join(d, "state.lock"), **kw)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> StateStore:
+    return make_store(tmp_path)
+
+
+def read_bytes(path: str) -> Optional[bytes]:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def write_raw(store: StateStore, data: bytes) -> None:
+    os.makedirs(os.path.dirname(store.state_path), exist_ok=True)
+    with open(store.state_path, "wb") as f:
+        f.write(data)
+
+
+def temp_files(store: StateStore) -> list[str]:
+    name = os.path.basename(store.state_path)
+    return sorted(n for n in os.listdir(os.path.dirname(store.state_path))
+                  if n.startswith(f".{name}.") and n.endswith(".tmp"))
+
+
+def sample_state() -> State:
+    s = State()
+    s.vgpus["6f3a1c2e-0b1d-4c5e-9f00-112233445566"] = VgpuRecord(
+        parent="0000:41:00.4", type_id="nvidia-558", pool="a10-4q", on_demand=False,
+        vm="i-2-10-VM", created=STAMP)
+    s.vgpus["00000000-0000-0000-0000-000000000001"] = VgpuRecord(
+        parent="0000:81:00.0", type_id="i915-GVTg_V5_4", on_demand=True, created=STAMP)
+    s.vf_types["0000:41:00.5"] = VfRecord(type_id=558, name="NVIDIA A10-4Q", pool="p",
+                                          vm="i-2-11-VM")
+    s.vf_types["0001:c1:1f.7"] = VfRecord(type_id=0, name=None)
+    s.type_names["10de:2236"] = {"558": "NVIDIA A10-4Q", "559": "NVIDIA A10-6Q"}
+    s.allocations["i-2-10-VM"] = Allocation(
+        vm="i-2-10-VM", domain_uuid="a1b2c3d4-0000-4000-8000-000000000000", status="active",
+        since=STAMP, devices=[Device("mdev", "6f3a1c2e-0b1d-4c5e-9f00-112233445566"),
+                              Device("vf", "0000:41:00.5", on_demand=True)])
+    s.allocations["vm with ünïcode"] = Allocation(vm="vm with ünïcode", domain_uuid=None,
+                                                  status="pending", since=STAMP, devices=[])
+    s.unmanaged = {"0000:03:00.0", "0000:01:00.0"}
+    return s
+
+
+# ---------------------------------------------------------------------------
+# Hypothesis strategies for states and mutations.
+
+uuids = st.uuids().map(str)
+pci_addrs = st.builds(lambda d, b, s, f: f"{d:04x}:{b:02x}:{s:02x}.{f}",
+                      st.integers(0, 0xFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F),
+                      st.integers(0, 7))
+vm_names = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs", "Cc"),
+                           blacklist_characters="/\u2028\u2029"),
+    min_size=1, max_size=24).filter(lambda s: s not in (".", ".."))
+any_text = st.text(max_size=16)  # anything JSON can carry, lone surrogates included
+opt_text = st.none() | any_text
+components = st.from_regex(r"[A-Za-z0-9_.:-]{1,16}", fullmatch=True).filter(
+    lambda s: s not in (".", ".."))
+models = st.from_regex(r"[0-9a-f]{4}:[0-9a-f]{4}", fullmatch=True)
+type_numbers = st.integers(0, 100000).map(str)
+
+vgpu_records = st.builds(VgpuRecord, parent=components, type_id=components, pool=opt_text,
+                         on_demand=st.booleans(), vm=st.none() | vm_names, created=any_text)
+vf_records = st.builds(VfRecord, type_id=st.integers(0, 2**31), name=opt_text, pool=opt_text,
+                       on_demand=st.booleans(), vm=st.none() | vm_names)
+devices = (st.builds(Device, kind=st.just("mdev"), id=uuids, on_demand=st.booleans())
+           | st.builds(Device, kind=st.sampled_from(["vf", "pci"]), id=pci_addrs,
+                       on_demand=st.booleans()))
+allocations = st.builds(Allocation, vm=vm_names, domain_uuid=st.none() | uuids,
+                        status=st.sampled_from(["pending", "active"]), since=any_text,
+                        devices=st.lists(devices, max_size=4))
+
+
+def _state(vgpus: dict[str, VgpuRecord], vfs: dict[str, VfRecord],
+           names: dict[str, dict[str, str]], allocs: list[Allocation],
+           unmanaged: set[str]) -> State:
+    return State(vgpus=vgpus, vf_types=vfs, type_names=names,
+                 allocations={a.vm: a for a in allocs}, unmanaged=unmanaged)
+
+
+states = st.builds(
+    _state,
+    st.dictionaries(uuids, vgpu_records, max_size=4),
+    st.dictionaries(pci_addrs, vf_records, max_size=4),
+    st.dictionaries(models, st.dictionaries(type_numbers, any_text, max_size=3), max_size=3),
+    st.lists(allocations, max_size=4),
+    st.sets(pci_addrs, max_size=4),
+)
+
+index = st.integers(0, 50)
+ops = st.one_of(
+    st.tuples(st.just("vgpu"), uuids, vgpu_records),
+    st.tuples(st.just("del_vgpu"), index),
+    st.tuples(st.just("vf"), pci_addrs, vf_records),
+    st.tuples(st.just("del_vf"), index),
+    st.tuples(st.just("type_name"), models, type_numbers, any_text),
+    st.tuples(st.just("alloc"), allocations),
+    st.tuples(st.just("del_alloc"), index),
+    st.tuples(st.just("add_device"), index, devices),
+    st.tuples(st.just("activate"), index),
+    st.tuples(st.just("unmanage"), pci_addrs),
+    st.tuples(st.just("manage"), index),
+)
+
+
+def _pick(keys: Any, i: int) -> Optional[str]:
+    ordered = sorted(keys)
+    return ordered[i % len(ordered)] if ordered else None
+
+
+def apply_op(s: State, op: tuple[Any, ...]) -> None:
+    """Apply one mutation; ops are deep-copied so two states never share records."""
+    name, *args = copy.deepcopy(op)
+    if name == "vgpu":
+        s.vgpus[args[0]] = args[1]
+    elif name == "vf":
+        s.vf_types[args[0]] = args[1]
+    elif name == "type_name":
+        s.type_names.setdefault(args[0], {})[args[1]] = args[2]
+    elif name == "alloc":
+        s.allocations[args[0].vm] = args[0]
+    elif name == "unmanage":
+        s.unmanaged.add(args[0])
+    else:
+        table: dict[str, Any] = {"del_vgpu": s.vgpus, "del_vf": s.vf_types,
+                                 "del_alloc": s.allocations, "add_device": s.allocations,
+                                 "activate": s.allocations, "manage": s.unmanaged}
+        target = table[name]
+        key = _pick(target, args[0])
+        if key is None:
+            return
+        if name == "add_device":
+            s.allocations[key].devices.append(args[1])
+        elif name == "activate":
+            s.allocations[key].status = "active"
+        elif name == "manage":
+            s.unmanaged.discard(key)
+        else:
+            del target[key]
+
+
+class Boom(Exception):
+    pass
+
+
+HYPOTHESIS = settings(max_examples=60, deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------
+# Round trip, determinism, missing file, modes.
+
+
+def test_round_trip_through_the_file(store: StateStore) -> None:
+    with store.transaction() as s:
+        assert s == State()
+        new = sample_state()
+        s.vgpus, s.vf_types, s.type_names = new.vgpus, new.vf_types, new.type_names
+        s.allocations, s.unmanaged = new.allocations, new.unmanaged
+    assert store.load() == sample_state()
+    assert make_store(Path(store.state_path).parents[3]).load() == sample_state()
+    doc = json.loads(read_bytes(store.state_path) or b"")
+    assert doc["version"] == SCHEMA_VERSION == 1
+    assert doc["unmanaged"] == ["0000:01:00.0", "0000:03:00.0"]
+    assert doc["allocations"]["i-2-10-VM"]["devices"][1] == {
+        "kind": "vf", "id": "0000:41:00.5", "on_demand": True}
+    with store.transaction() as s:
+        assert s == sample_state()
+
+
+@HYPOTHESIS
+@given(states)
+def test_json_round_trip_property(s: State) -> None:
+    text = dumps(s)
+    back = State.from_json(json.loads(text))
+    assert back == s
+    assert dumps(back) == text
+
+
+def test_output_is_deterministic(tmp_path: Path) -> None:
+    a = sample_state()
+    b = State()
+    # Same content, every mapping filled in the opposite order.
+    for k in reversed(list(a.vgpus)):
+        b.vgpus[k] = a.vgpus[k]
+    for k in reversed(list(a.vf_types)):
+        b.vf_types[k] = a.vf_types[k]
+    b.type_names = {"10de:2236": {"559": "NVIDIA A10-6Q", "558": "NVIDIA A10-4Q"}}
+    for k in reversed(list(a.allocations)):
+        b.allocations[k] = a.allocations[k]
+    b.unmanaged = set(sorted(a.unmanaged, reverse=True))
+    assert dumps(a) == dumps(b)
+
+    texts = []
+    for name, s in (("a", a), ("b", b)):
+        st_ = make_store(tmp_path / name)
+        with st_.transaction() as cur:
+            cur.__dict__.update(s.copy().__dict__)
+        texts.append(read_bytes(st_.state_path))
+    assert texts[0] == texts[1] == dumps(a).encode("ascii")
+    text = texts[0] or b""
+    assert text.endswith(b"}\n") and text.count(b"\n") > 20  # indented, one item a line
+
+    def keys_sorted(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        assert keys == sorted(keys)
+        return dict(pairs)
+
+    json.loads(text, object_pairs_hook=keys_sorted)
+
+
+def test_missing_file_is_empty_and_not_written(store: StateStore) -> None:
+    assert not store.exists()
+    assert store.load() == State()
+    with store.transaction() as s:
+        assert s == State()
+    assert not store.exists()  # nothing changed, nothing written
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    assert store.exists()
+    assert store.load().unmanaged == {"0000:01:00.0"}
+    # A transaction that changes nothing does not rewrite the file.
+    before = os.stat(store.state_path)
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    after = os.stat(store.state_path)
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+
+
+def test_modes_even_with_umask_zero(store: StateStore) -> None:
+    old = os.umask(0)
+    try:
+        with store.transaction() as s:
+            s.unmanaged.add("0000:01:00.0")
+    finally:
+        os.umask(old)
+    directory = os.path.dirname(store.state_path)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(store.state_path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(store.lock_path).st_mode) == 0o600
+    # Every rewrite keeps 0600 (a new temp file each time).
+    os.umask(0)
+    try:
+        with store.transaction() as s:
+            s.unmanaged.add("0000:02:00.0")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(store.state_path).st_mode) == 0o600
+
+
+def test_for_context_uses_the_root(tmp_path: Path) -> None:
+    ctx = Context.for_root(str(tmp_path))
+    s = StateStore.for_context(ctx, timeout=1.5)
+    assert s.state_path == str(tmp_path / "var/lib/gpulib/state.json")
+    assert s.lock_path == str(tmp_path / "var/lib/gpulib/state.lock")
+    assert s.timeout == 1.5
+
+
+# ---------------------------------------------------------------------------
+# Newer versions and corrupt files.
+
+
+NEWER = json.dumps({"version": 2, "vgpus": {"x": 1}, "whatever": [1, 2]}).encode()
+
+
+def test_newer_version_refused_by_load(store: StateStore) -> None:
+    write_raw(store, NEWER)
+    with pytest.raises(StateVersionError) as e:
+        store.load()
+    assert e.value.message == (f"state file {store.state_path} is version 2, this gpulib "
+                               f"understands up to 1: upgrade gpulib")
+    assert isinstance(e.value, StateError) and e.value.exit_code == EXIT_STATE
+
+
+def test_newer_version_refused_by_transaction_file_untouched(store: StateStore) -> None:
+    write_raw(store, NEWER)
+    past = time.time() - 1000
+    os.utime(store.state_path, (past, past))
+    before = os.stat(store.state_path)
+    listing = sorted(os.listdir(os.path.dirname(store.state_path)))
+    rebuilt: list[int] = []
+
+    def rebuild() -> State:
+        rebuilt.append(1)
+        return State()
+
+    ran = False
+    other = make_store(Path(store.state_path).parents[3], rebuild=rebuild)
+    match = "is version 2, this gpulib understands up to 1"
+    with pytest.raises(StateVersionError, match=match), other.transaction():
+        ran = True
+    assert not ran and not rebuilt
+    after = os.stat(store.state_path)
+    assert read_bytes(store.state_path) == NEWER
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    listing_after = sorted(os.listdir(os.path.dirname(store.state_path)))
+    assert [n for n in listing_after if n != "state.lock"] == listing
+
+
+VALID = dumps(sample_state()).encode()
+CORRUPT = {
+    "empty": b"",
+    "not-json": b"this is not json\n",
+    "truncated": VALID[: len(VALID) // 2],
+    "truncated-end": VALID[:-3],
+    "array": b"[]\n",
+    "string": b'"state"\n',
+    "null": b"null",
+    "no-version": b'{"vgpus": {}}',
+    "version-string": b'{"version": "1"}',
+    "version-bool": b'{"version": true}',
+    "version-zero": b'{"version": 0}',
+    "vgpus-list": b'{"version": 1, "vgpus": []}',
+    "type-id-bool": json.dumps({"version": 1, "vf_types": {"0000:41:00.5": {
+        "type_id": True, "name": None}}}).encode(),
+    "bad-uuid-key": json.dumps({"version": 1, "vgpus": {"not-a-uuid": {
+        "parent": "0000:41:00.0", "type_id": "nvidia-1", "created": STAMP}}}).encode(),
+    "path-in-type": json.dumps({"version": 1, "vgpus": {str(uuid.UUID(int=1)): {
+        "parent": "0000:41:00.0", "type_id": "../../x", "created": STAMP}}}).encode(),
+    "bad-vm-name": json.dumps({"version": 1, "allocations": {"a/b": {
+        "vm": "a/b", "status": "active", "since": STAMP, "devices": []}}}).encode(),
+    "bad-status": json.dumps({"version": 1, "allocations": {"a": {
+        "vm": "a", "status": "running", "since": STAMP, "devices": []}}}).encode(),
+    "not-utf8": b'{"version": 1, "x": "\xff\xfe"}',
+    "deep": b"[" * 200000,
+    "nan": b'{"version": 1, "vf_types": {"0000:01:00.1": {"type_id": NaN}}}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPT))
+def test_corrupt_file_moved_aside_and_rebuilt(store: StateStore, name: str,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    raw = CORRUPT[name]
+    write_raw(store, raw)
+    rebuilt_state = sample_state()
+    calls: list[int] = []
+
+    def rebuild() -> State:
+        calls.append(1)
+        return rebuilt_state.copy()
+
+    s2 = make_store(Path(store.state_path).parents[3], rebuild=rebuild)
+    with caplog.at_level(logging.ERROR, logger="gpulib.state"), s2.transaction() as s:
+        assert s == rebuilt_state
+        s.unmanaged.add("0000:09:00.0")
+    assert calls == [1]
+    directory = os.path.dirname(store.state_path)
+    aside = [n for n in os.listdir(directory) if n.startswith("state.json.corrupt-")]
+    assert len(aside) == 1
+    assert len(aside[0]) == len("state.json.corrupt-20240101T000000Z")
+    with open(os.path.join(directory, aside[0]), "rb") as f:
+        assert f.read() == raw
+    expected = rebuilt_state.copy()
+    expected.unmanaged.add("0000:09:00.0")
+    assert store.load() == expected
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and store.state_path in errors[-1].getMessage()
+    assert "corrupt" in errors[-1].getMessage() and aside[0] in errors[-1].getMessage()
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPT))
+def test_load_of_corrupt_file_is_empty_and_moves_nothing(
+        store: StateStore, name: str, caplog: pytest.LogCaptureFixture) -> None:
+    write_raw(store, CORRUPT[name])
+    directory = os.path.dirname(store.state_path)
+    listing = sorted(os.listdir(directory))
+    with caplog.at_level(logging.ERROR, logger="gpulib.state"):
+        assert store.load() == State()
+    assert sorted(os.listdir(directory)) == listing
+    assert read_bytes(store.state_path) == CORRUPT[name]
+    assert any(r.levelno >= logging.ERROR and "corrupt" in r.getMessage()
+               for r in caplog.records)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_every_truncation_is_detected(data: st.DataObject) -> None:
+    text = dumps(sample_state()).encode()
+    cut = data.draw(st.integers(0, len(text) - 3))  # the last two bytes are "}\n"
+    with pytest.raises(CorruptStateError):
+        StateStore("/nonexistent/s.json", "/nonexistent/s.lock")._parse(text[:cut])
+
+
+def test_corrupt_file_with_a_collision_in_the_aside_name(store: StateStore) -> None:
+    write_raw(store, b"junk")
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    write_raw(store, b"junk again")
+    with store.transaction():
+        pass
+    directory = os.path.dirname(store.state_path)
+    aside = sorted(n for n in os.listdir(directory) if ".corrupt-" in n)
+    contents = set()
+    for n in aside:
+        with open(os.path.join(directory, n), "rb") as f:
+            contents.add(f.read())
+    assert contents == {b"junk", b"junk again"}
+    assert store.load() == State()  # default rebuild: empty
+    assert store.exists()  # the rebuilt state is written even if empty
+
+
+def test_rebuild_failure_leaves_the_corrupt_file(store: StateStore) -> None:
+    write_raw(store, b"{broken")
+
+    def rebuild() -> State:
+        raise OSError("libvirt state unreadable")
+
+    s2 = make_store(Path(store.state_path).parents[3], rebuild=rebuild)
+    match = r"corrupt .* rebuilding it failed: libvirt state"
+    with pytest.raises(StateError, match=match), s2.transaction():
+        pass
+    assert read_bytes(store.state_path) == b"{broken"
+    assert not [n for n in os.listdir(os.path.dirname(store.state_path)) if "corrupt" in n]
+
+
+def test_rebuilt_state_survives_a_failing_transaction(store: StateStore) -> None:
+    write_raw(store, b"{broken")
+    s2 = make_store(Path(store.state_path).parents[3], rebuild=sample_state)
+    with pytest.raises(Boom), s2.transaction() as s:
+        s.unmanaged.clear()
+        raise Boom
+    assert store.load() == sample_state()
+
+
+# ---------------------------------------------------------------------------
+# Transactions.
+
+
+@HYPOTHESIS
+@given(st.lists(st.lists(ops, max_size=5), min_size=1, max_size=6))
+def test_committed_mutations_reload_equal(batches: list[list[tuple[Any, ...]]]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        s1 = make_store(d)
+        model = State()
+        for batch in batches:
+            with s1.transaction() as s:
+                for op in batch:
+                    apply_op(s, op)
+            for op in batch:
+                apply_op(model, op)
+            assert s1.load() == model
+            assert make_store(d).load() == model
+            if s1.exists():
+                assert read_bytes(s1.state_path) == dumps(model).encode()
+            else:
+                assert model == State()
+
+
+@HYPOTHESIS
+@given(states, st.lists(ops, min_size=1, max_size=6))
+def test_raising_transaction_leaves_file_byte_identical(
+        initial: State, batch: list[tuple[Any, ...]]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        s1 = make_store(d)
+        with s1.transaction() as s:
+            s.__dict__.update(initial.copy().__dict__)
+        before = read_bytes(s1.state_path)
+        st_before = os.stat(s1.state_path) if before is not None else None
+        with pytest.raises(Boom), s1.transaction() as s:
+            for op in batch:
+                apply_op(s, op)
+            s.unmanaged.add("0000:00:00.0")  # a change for sure
+            raise Boom
+        assert read_bytes(s1.state_path) == before
+        if st_before is not None:
+            st_after = os.stat(s1.state_path)
+            assert (st_after.st_ino, st_after.st_mtime_ns) == (st_before.st_ino,
+                                                                st_before.st_mtime_ns)
+        assert s1.load() == initial
+        assert temp_files(s1) == []
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda s: s.allocations.__setitem__("a/b", Allocation(vm="a/b", since=STAMP)),
+    lambda s: s.allocations.__setitem__("a", Allocation(vm="b", since=STAMP)),
+    lambda s: s.vgpus.__setitem__("X", VgpuRecord(parent="p", type_id="t")),
+    lambda s: s.unmanaged.add(7),
+    lambda s: s.vf_types.__setitem__("0000:01:00.1", VfRecord(type_id="3")),  # type: ignore
+    lambda s: s.type_names.__setitem__("10de:2236", {"x": "y"}),
+])
+def test_invalid_state_is_never_written(store: StateStore,
+                                        mutate: Callable[[State], None]) -> None:
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    before = read_bytes(store.state_path)
+    with pytest.raises(StateError, match="refusing to write an invalid state"), \
+            store.transaction() as s:
+        mutate(s)
+    assert read_bytes(store.state_path) == before
+
+
+def test_transaction_is_not_reentrant(store: StateStore) -> None:
+    with store.transaction(), pytest.raises(RuntimeError, match="not reentrant"), \
+            store.transaction():
+        pass
+    with store.transaction():  # usable again afterwards
+        pass
+
+
+def test_stale_temp_files_are_cleaned(store: StateStore) -> None:
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    directory = os.path.dirname(store.state_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    names = {
+        "dead": f".state.json.{dead_pid}.aaaa.tmp",
+        "old": f".state.json.{os.getpid()}.bbbb.tmp",
+        "fresh-live": f".state.json.{os.getppid()}.cccc.tmp",
+        "fresh-self": f".state.json.{os.getpid()}.dddd.tmp",
+        "unrelated": ".other.json.1.eeee.tmp",
+    }
+    for n in names.values():
+        with open(os.path.join(directory, n), "w") as f:
+            f.write("{")
+    past = time.time() - 120
+    os.utime(os.path.join(directory, names["old"]), (past, past))
+    with store.transaction():
+        pass
+    left = set(os.listdir(directory))
+    assert names["dead"] not in left and names["old"] not in left
+    assert {names["fresh-live"], names["fresh-self"], names["unrelated"]} <= left
+
+
+# ---------------------------------------------------------------------------
+# Crashes and concurrency with real processes.
+
+
+def crash_content(n: int) -> State:
+    """What the n-th write of the crash test stores: size varies with n."""
+    s = State()
+    s.type_names["10de:0001"] = {"1": f"counter-{n}"}
+    for i in range(n % 13):
+        vm = f"vm-{i}"
+        s.allocations[vm] = Allocation(vm=vm, status="active", since=STAMP,
+                                       devices=[Device("pci", f"0000:{i:02x}:00.0")] * (n % 5))
+    return s
+
+
+def _crash_child(state_path: str, lock_path: str, start: int, attempting: Any) -> None:
+    store = StateStore(state_path, lock_path, timeout=10.0)
+    n = start
+    while True:
+        attempting.value = n  # transaction n-1 has committed
+        with store.transaction() as s:
+            s.__dict__.update(crash_content(n).__dict__)
+        n += 1
+
+
+def test_sigkill_at_random_instants_never_breaks_the_file(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    with store.transaction() as s:
+        s.__dict__.update(crash_content(0).__dict__)
+    rng = random.Random(1234)
+    attempting = FORK.Value("q", 0, lock=False)
+    last = 0
+    leftovers_seen = 0
+    for _ in range(200):
+        attempting.value = last
+        child = FORK.Process(target=_crash_child,
+                             args=(store.state_path, store.lock_path, last + 1, attempting))
+        child.start()
+        deadline = time.monotonic() + 10
+        while attempting.value <= last and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert attempting.value > last, "child never started writing"
+        time.sleep(rng.uniform(0, 0.012))
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        assert child.exitcode == -signal.SIGKILL
+        n = attempting.value
+        raw = read_bytes(store.state_path)
+        assert raw is not None
+        if raw == dumps(crash_content(n)).encode():
+            last = n
+        else:
+            assert raw == dumps(crash_content(n - 1)).encode(), f"file is neither {n - 1} nor {n}"
+            last = n - 1
+        assert store.load() == crash_content(last)
+        leftovers = temp_files(store)
+        assert len(leftovers) <= 1, leftovers
+        leftovers_seen += len(leftovers)
+    assert last >= 200, "children committed almost nothing: the test tested nothing"
+    with store.transaction():
+        pass
+    assert temp_files(store) == []
+    print(f"crash test: {last} commits, {leftovers_seen} temp leftovers seen after kills")
+
+
+def _die_before_rename(state_path: str, lock_path: str) -> None:
+    def killed(*_a: Any, **_k: Any) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = killed  # in this child only
+    store = StateStore(state_path, lock_path)
+    with store.transaction() as s:
+        s.unmanaged.add("0000:02:00.0")
+
+
+def test_sigkill_between_temp_write_and_rename(store: StateStore) -> None:
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    before = read_bytes(store.state_path)
+    child = FORK.Process(target=_die_before_rename, args=(store.state_path, store.lock_path))
+    child.start()
+    child.join()
+    assert child.exitcode == -signal.SIGKILL
+    assert read_bytes(store.state_path) == before
+    leftovers = temp_files(store)
+    assert len(leftovers) == 1 and leftovers[0].startswith(f".state.json.{child.pid}.")
+    tmp = os.path.join(os.path.dirname(store.state_path), leftovers[0])
+    with open(tmp, "rb") as f:  # the temp file was complete: written and fsynced
+        assert State.from_json(json.loads(f.read())).unmanaged == {"0000:01:00.0",
+                                                                   "0000:02:00.0"}
+    with store.transaction() as s:  # the lock died with the child; the leftover goes
+        assert s.unmanaged == {"0000:01:00.0"}
+    assert temp_files(store) == []
+
+
+def test_64_processes_at_once_lose_nothing(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    go = tmp_path / "go"
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    procs = [subprocess.Popen(
+        [sys.executable, str(HELPER), "append", store.state_path, store.lock_path, str(i),
+         str(ready), str(go), "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for i in range(64)]
+    try:
+        deadline = time.monotonic() + 30
+        while len(os.listdir(ready)) < 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(os.listdir(ready)) == 64
+        go.touch()
+        results = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_out, err) in zip(procs, results):
+        assert p.returncode == 0, err.decode()
+    final = store.load()
+    assert sorted(final.allocations) == sorted(f"vm-{i}" for i in range(64))
+    assert all(a.status == "active" and len(a.devices) == 1 for a in final.allocations.values())
+    assert read_bytes(store.state_path) == dumps(final).encode()
+    assert temp_files(store) == []
+
+
+@pytest.fixture
+def lock_holder(store: StateStore) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen([sys.executable, str(HELPER), "hold", store.state_path,
+                             store.lock_path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "locked\n"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_lock_timeout(store: StateStore, lock_holder: subprocess.Popen[str]) -> None:
+    waiting = make_store(Path(store.state_path).parents[3], timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(LockTimeout) as e, waiting.transaction():
+        pytest.fail("got the lock while another process held it")
+    elapsed = time.monotonic() - start
+    assert 0.45 <= elapsed < 5, elapsed
+    assert e.value.message == (f"state lock busy: {store.lock_path} held by another gpulib "
+                               f"process for 0.5 s")
+    assert e.value.exit_code == EXIT_BUSY
+    # Reading needs no lock.
+    assert waiting.load() == State()
+
+
+def test_default_timeout_is_20_seconds() -> None:
+    assert StateStore("/x/state.json", "/x/state.lock").timeout == 20.0
+
+
+def test_killed_holder_releases_the_lock(store: StateStore,
+                                         lock_holder: subprocess.Popen[str]) -> None:
+    lock_holder.send_signal(signal.SIGKILL)
+    lock_holder.wait()
+    waiting = make_store(Path(store.state_path).parents[3], timeout=5)
+    start = time.monotonic()
+    with waiting.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    assert time.monotonic() - start < 1
+    assert store.load().unmanaged == {"0000:01:00.0"}
+
+
+# ---------------------------------------------------------------------------
+# Input validation.
+
+
+@pytest.mark.parametrize("name", ["i-2-10-VM", "a", "x" * 255, "vm with spaces", "ünï-côdé",
+                                  "r-1.2_3"])
+def test_valid_vm_names(name: str) -> None:
+    assert validate_vm_name(name) == name
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("", "empty"),
+    ("a/b", "'/'"),
+    ("../etc", "'/'"),
+    ("vm\nname", "newline"),
+    ("vm\r", "newline"),
+    ("vm\x00", "NUL"),
+    ("vm\x1b[31m", "control"),
+    ("vm\x85", "control"),
+    ("vm\u2028x", "control"),
+    ("x" * 256, "longer than 255 characters"),
+    ("é" * 200, "longer than 255 bytes"),
+    ("vm\udcff", "not valid UTF-8"),
+    (".", "cannot be"),
+    ("..", "cannot be"),
+    ("x" * 50_000_000, "longer than 255"),
+])
+def test_bad_vm_names(name: str, problem: str) -> None:
+    with pytest.raises(InputError) as e:
+        validate_vm_name(name)
+    assert problem in e.value.message
+    assert "\n" not in e.value.message and len(e.value.message) < 300
+
+
+def test_vm_name_not_text() -> None:
+    with pytest.raises(InputError, match="must be text"):
+        validate_vm_name(b"vm")  # type: ignore[arg-type]
+
+
+@given(st.uuids())
+def test_validate_uuid_canonicalises(u: uuid.UUID) -> None:
+    assert validate_uuid(str(u)) == str(u)
+    assert validate_uuid(str(u).upper()) == str(u)
+
+
+@pytest.mark.parametrize("text", [
+    "", "not-a-uuid", "6f3a1c2e0b1d4c5e9f00112233445566",
+    "{6f3a1c2e-0b1d-4c5e-9f00-112233445566}", "urn:uuid:6f3a1c2e-0b1d-4c5e-9f00-112233445566",
+    "6f3a1c2e-0b1d-4c5e-9f00-11223344556", "6f3a1c2e-0b1d-4c5e-9f00-1122334455667",
+    "6f3a1c2e-0b1d-4c5e-9f00-11223344556g", " 6f3a1c2e-0b1d-4c5e-9f00-112233445566",
+    "6f3a1c2e-0b1d-4c5e-9f00-112233445566\n", "../../../../etc/passwd", "x" * 1_000_000,
+])
+def test_bad_uuids(text: str) -> None:
+    with pytest.raises(InputError, match="not a UUID") as e:
+        validate_uuid(text)
+    assert len(e.value.message) < 300
+
+
+def test_failed_write_leaves_old_file_and_no_temp(store: StateStore,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    before = read_bytes(store.state_path)
+
+    def full(_fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(StateError) as e, store.transaction() as s:
+        s.unmanaged.add("0000:02:00.0")
+    assert e.value.message == (f"cannot write state file {store.state_path}: "
+                               f"No space left on device")
+    monkeypatch.undo()
+    assert read_bytes(store.state_path) == before
+    assert temp_files(store) == []
