@@ -14,8 +14,8 @@ from typing import Optional
 import click
 
 from gpulib import version
+from gpulib.cli.commands import LazyGroup
 from gpulib.cli.common import Env, run_main
-from gpulib.cli.discover import discover
 
 
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -25,7 +25,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
         ctx.exit(0)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-V", "--version", is_flag=True, expose_value=False, is_eager=True,
               callback=_print_version, help="Show the version and exit.")
 @click.option("-v", "--verbose", count=True, help="Also log to stderr (-v info, -vv debug).")
@@ -38,18 +38,6 @@ def cli(ctx: click.Context, verbose: int) -> None:
     """
     ctx.obj = Env.from_environment(verbose)
 
-
-cli.add_command(discover)
-
-
-def _register() -> None:
-    # Subcommands that arrive with later modules register here.
-    from gpulib.cli import commands
-
-    commands.register(cli)
-
-
-_register()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

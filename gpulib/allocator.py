@@ -1,0 +1,338 @@
+"""Choose, create and record the devices a VM gets; release them again.
+
+Every function here runs inside one `StateStore.transaction()`: the caller
+holds the lock, passes the State it got, and the allocation is written when
+the transaction ends. Concurrent VM starts are therefore serialised, and no
+device is ever given twice.
+
+Order of preference for a vGPU request:
+1. a free pool vGPU of that type (already live, or recreated now),
+2. a free pool VF that already carries the type,
+3. a new on-demand vGPU: an mdev on a parent with instances left, or an idle
+   NVIDIA vendor VF that can take the type.
+Among candidates, `spread` (default) takes the least-loaded GPU first, `pack`
+the most-loaded one that still has room.
+Devices the operator unmanaged, and devices a running or defined domain or
+another allocation uses, are never chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+from gpulib import mdev, nvidia
+from gpulib.discovery import Gpu, Inventory
+from gpulib.errors import InputError, NotAvailableError
+from gpulib.pci import PciAddress
+from gpulib.state import Allocation, Device, State, VfRecord, VgpuRecord, utc_now
+from gpulib.sysfs import Sysfs
+
+log = logging.getLogger(__name__)
+
+
+class VgpuRequest:
+    def __init__(self, profile: Optional[str] = None, type_id: Optional[str] = None,
+                 count: int = 1, numa: Optional[int] = None) -> None:
+        if (profile is None) == (type_id is None):
+            raise InputError("a vGPU request names exactly one of profile or type")
+        if not 1 <= count <= 64:
+            raise InputError(f"vGPU count must be 1..64, not {count}")
+        if type_id is not None:
+            mdev.check_type_id(type_id)
+        self.profile = profile
+        self.type_id = type_id
+        self.count = count
+        self.numa = numa
+
+    @property
+    def label(self) -> str:
+        return self.profile or self.type_id or "?"
+
+    def matches_mdev(self, t: mdev.MdevType) -> bool:
+        if self.type_id is not None:
+            return t.type_id == self.type_id
+        return t.name == self.profile or t.type_id == self.profile
+
+    def matches_vendor(self, type_id: int, name: Optional[str]) -> bool:
+        if self.type_id is not None:
+            wanted = self.type_id[7:] if self.type_id.startswith("nvidia-") else self.type_id
+            return wanted == str(type_id)
+        return name == self.profile
+
+
+class PassthroughRequest:
+    def __init__(self, model: str, count: int = 1, numa: Optional[int] = None) -> None:
+        if not 1 <= count <= 16:
+            raise InputError(f"passthrough count must be 1..16, not {count}")
+        self.model = model
+        self.count = count
+        self.numa = numa
+
+    def matches(self, gpu: Gpu) -> bool:
+        m = self.model.lower()
+        ids = f"{gpu.fn.vendor_id:04x}:{gpu.fn.device_id:04x}"
+        return m == ids or (":" not in m and m in gpu.device_name.lower())
+
+
+class Candidate:
+    """One way to satisfy one instance of a request."""
+
+    def __init__(self, gpu: Gpu, kind: str, ident: str, load: int,
+                 make: Callable[[], Device]) -> None:
+        self.gpu = gpu
+        self.kind = kind
+        self.ident = ident
+        self.load = load
+        self.make = make
+
+
+class Allocator:
+    def __init__(self, sysfs: Sysfs, state: State, inventory: Inventory,
+                 policy: str = "spread") -> None:
+        self.sysfs = sysfs
+        self.state = state
+        self.inv = inventory
+        self.policy = policy
+        self.taken: set[str] = set()
+        self.added_load: dict[PciAddress, int] = {}
+        for alloc in state.allocations.values():
+            for d in alloc.devices:
+                self.taken.add(d.id.lower())
+        usage = inventory.usage
+        self.taken.update(u for u in usage.mdev)
+        self.taken.update(str(a) for a in usage.pci)
+
+    # -- helpers ----------------------------------------------------------------------
+    def _unmanaged(self, gpu: Gpu, address: Optional[PciAddress] = None) -> bool:
+        um = self.state.unmanaged
+        return str(gpu.address) in um or (address is not None and str(address) in um)
+
+    def _load(self, gpu: Gpu) -> int:
+        used = sum(1 for v in gpu.vgpus if v.used_by or v.uuid in self.taken)
+        used += sum(1 for vf in gpu.vfs if vf.used_by or str(vf.address) in self.taken)
+        return used + self.added_load.get(gpu.address, 0)
+
+    def _numa_ok(self, gpu: Gpu, numa: Optional[int]) -> bool:
+        return numa is None or gpu.fn.numa_node == numa
+
+    def _order(self, cands: list[Candidate]) -> list[Candidate]:
+        sign = -1 if self.policy == "pack" else 1
+        return sorted(cands, key=lambda c: (sign * c.load, str(c.gpu.address), c.ident))
+
+    # -- candidates -----------------------------------------------------------------------
+    def _pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
+        out = []
+        for uuid, rec in sorted(self.state.vgpus.items()):
+            if rec.pool is None or rec.vm is not None or uuid in self.taken:
+                continue
+            try:
+                parent = PciAddress.parse(rec.parent)
+            except InputError:
+                continue
+            owner = self.inv.owner_of(parent)
+            if owner is None:
+                continue
+            gpu = owner[0]
+            if self._unmanaged(gpu, parent) or not self._numa_ok(gpu, req.numa):
+                continue
+            t = mdev.MdevType(self.sysfs, parent, rec.type_id)
+            if not req.matches_mdev(t):
+                continue
+            out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),
+                                 self._use_pool_mdev(uuid, rec, vm)))
+        for addr, vrec in sorted(self.state.vf_types.items()):
+            if vrec.pool is None or vrec.vm is not None or addr in self.taken:
+                continue
+            if not req.matches_vendor(vrec.type_id, vrec.name):
+                continue
+            owner = self.inv.owner_of(PciAddress.parse(addr))
+            if owner is None or self._unmanaged(owner[0], PciAddress.parse(addr)):
+                continue
+            if not self._numa_ok(owner[0], req.numa):
+                continue
+            out.append(Candidate(owner[0], "vf", addr, self._load(owner[0]),
+                                 self._use_pool_vf(addr, vrec, vm)))
+        return out
+
+    def _new_candidates(self, req: VgpuRequest, vm: str,
+                        uuid_for: Callable[[], str]) -> list[Candidate]:
+        out: list[Candidate] = []
+        for gpu in self.inv.gpus:
+            if self._unmanaged(gpu) or not self._numa_ok(gpu, req.numa) or gpu.used_by:
+                continue
+            types = list(gpu.mdev_types)
+            for vf in gpu.vfs:
+                if str(vf.address) not in self.taken and not vf.used_by and \
+                        not self._unmanaged(gpu, vf.address):
+                    types.extend(vf.mdev_types)
+            for t in types:
+                if not req.matches_mdev(t):
+                    continue
+                avail = t.available_instances or 0
+                if avail <= 0:
+                    continue
+                for _ in range(avail):
+                    out.append(Candidate(gpu, "mdev", f"{t.parent}/{t.type_id}",
+                                         self._load(gpu), self._new_mdev(t, vm, uuid_for)))
+            for vf in gpu.vfs:
+                nv = vf.nvidia
+                if nv is None or nv.current_type or str(vf.address) in self.taken or \
+                        vf.used_by or self._unmanaged(gpu, vf.address) or \
+                        str(vf.address) in self.state.vf_types:
+                    continue
+                for tid, name in nv.creatable.items():
+                    if req.matches_vendor(tid, name):
+                        out.append(Candidate(gpu, "vf", str(vf.address), self._load(gpu),
+                                             self._new_vf(vf.address, tid, name, vm)))
+                        break
+        return out
+
+    # -- making devices ready -------------------------------------------------------------
+    def _use_pool_mdev(self, uuid: str, rec: VgpuRecord, vm: str) -> Callable[[], Device]:
+        def make() -> Device:
+            if mdev.read_mdev(self.sysfs, uuid) is None:
+                mdev.create(self.sysfs, PciAddress.parse(rec.parent), rec.type_id, uuid)
+            rec.vm = vm
+            return Device("mdev", uuid, on_demand=False)
+        return make
+
+    def _use_pool_vf(self, addr: str, rec: VfRecord, vm: str) -> Callable[[], Device]:
+        def make() -> Device:
+            vf = PciAddress.parse(addr)
+            if nvidia.current_type(self.sysfs, vf) != rec.type_id:
+                nvidia.set_type(self.sysfs, vf, rec.type_id)
+            rec.vm = vm
+            return Device("vf", addr, on_demand=False)
+        return make
+
+    def _new_mdev(self, t: mdev.MdevType, vm: str,
+                  uuid_for: Callable[[], str]) -> Callable[[], Device]:
+        def make() -> Device:
+            uuid = uuid_for()
+            made = mdev.create(self.sysfs, t.parent, t.type_id, uuid)
+            self.state.vgpus[made.uuid] = VgpuRecord(str(t.parent), t.type_id, None, True, vm,
+                                                     utc_now())
+            return Device("mdev", made.uuid, on_demand=True)
+        return make
+
+    def _new_vf(self, vf: PciAddress, tid: int, name: Optional[str],
+                vm: str) -> Callable[[], Device]:
+        def make() -> Device:
+            nvidia.set_type(self.sysfs, vf, tid)
+            self.state.vf_types[str(vf)] = VfRecord(tid, name, None, True, vm)
+            return Device("vf", str(vf), on_demand=True)
+        return make
+
+    # -- requests ----------------------------------------------------------------------------
+    def allocate_vgpus(self, vm: str, req: VgpuRequest,
+                       uuid_for: Callable[[], str]) -> list[Device]:
+        devices: list[Device] = []
+        made: list[Device] = []
+        try:
+            for _ in range(req.count):
+                cands = self._order(self._pool_candidates(req, vm)) or \
+                    self._order(self._new_candidates(req, vm, uuid_for))
+                if not cands:
+                    raise NotAvailableError(
+                        f"no free vGPU of {req.label} for {vm}"
+                        + (f" on NUMA node {req.numa}" if req.numa is not None else "")
+                        + f" ({len(devices)} of {req.count} found)")
+                dev = cands[0].make()
+                made.append(dev)
+                self.taken.add(dev.id)
+                gpu_addr = cands[0].gpu.address
+                self.added_load[gpu_addr] = self.added_load.get(gpu_addr, 0) + 1
+                devices.append(dev)
+        except Exception:
+            # Roll back what this request created: a half-done allocation
+            # must not leave vGPUs nobody will ever release.
+            for dev in reversed(made):
+                if dev.on_demand:
+                    self.destroy(dev)
+                else:
+                    self._unassign(dev, vm)
+            raise
+        return devices
+
+    def allocate_passthrough(self, vm: str, req: PassthroughRequest) -> list[Device]:
+        out: list[Device] = []
+        for gpu in sorted(self.inv.gpus, key=lambda g: str(g.address)):
+            if len(out) == req.count:
+                break
+            if not req.matches(gpu) or self._unmanaged(gpu) or gpu.used_by or \
+                    str(gpu.address) in self.taken or not gpu.passthrough_enabled or \
+                    not self._numa_ok(gpu, req.numa):
+                continue
+            self.taken.add(str(gpu.address))
+            out.append(Device("pci", str(gpu.address)))
+        if len(out) < req.count:
+            raise NotAvailableError(f"no free GPU matching {req.model!r} for {vm} "
+                                    f"({len(out)} of {req.count} found)")
+        return out
+
+    def record(self, vm: str, domain_uuid: Optional[str], devices: list[Device],
+               status: str = "pending") -> Allocation:
+        alloc = self.state.allocations.get(vm)
+        if alloc is None:
+            alloc = Allocation(vm, domain_uuid, status, utc_now(), [])
+            self.state.allocations[vm] = alloc
+        known = {(d.kind, d.id) for d in alloc.devices}
+        for d in devices:
+            if (d.kind, d.id) not in known:
+                alloc.devices.append(d)
+        return alloc
+
+    def _unassign(self, dev: Device, vm: str) -> None:
+        rec: Optional[VgpuRecord | VfRecord] = (
+            self.state.vgpus.get(dev.id) if dev.kind == "mdev" else self.state.vf_types.get(dev.id))
+        if rec is not None and rec.vm == vm:
+            rec.vm = None
+
+    def destroy(self, dev: Device) -> None:
+        destroy_device(self.sysfs, self.state, dev)
+
+
+def destroy_device(sysfs: Sysfs, state: State, dev: Device, retry_seconds: float = 0.0) -> None:
+    """Undo an on-demand device and forget it."""
+    if dev.kind == "mdev":
+        mdev.remove(sysfs, dev.id, retry_seconds=retry_seconds)
+        state.vgpus.pop(dev.id, None)
+    elif dev.kind == "vf":
+        vf = PciAddress.parse(dev.id)
+        if nvidia.current_type(sysfs, vf):
+            nvidia.clear_type(sysfs, vf, retry_seconds=retry_seconds)
+        state.vf_types.pop(dev.id, None)
+
+
+def release(sysfs: Sysfs, state: State, vm: str, destroy_on_demand: bool = True,
+            retry_seconds: float = 5.0) -> list[str]:
+    """Release what `vm` holds; returns one line per action. Unknown VM: []."""
+    alloc = state.allocations.get(vm)
+    actions: list[str] = []
+    if alloc is None:
+        return actions
+    failed: list[Device] = []
+    for dev in alloc.devices:
+        if dev.on_demand and destroy_on_demand:
+            try:
+                destroy_device(sysfs, state, dev, retry_seconds)
+                actions.append(f"destroyed {dev.kind} {dev.id}")
+            except Exception as exc:  # keep the record: reconcile retries it later
+                log.error("releasing %s %s of %s failed: %s", dev.kind, dev.id, vm, exc)
+                failed.append(dev)
+                continue
+        else:
+            rec_m = state.vgpus.get(dev.id) if dev.kind == "mdev" else None
+            if rec_m is not None and rec_m.vm == vm:
+                rec_m.vm = None
+            rec_v = state.vf_types.get(dev.id) if dev.kind == "vf" else None
+            if rec_v is not None and rec_v.vm == vm:
+                rec_v.vm = None
+            actions.append(f"returned {dev.kind} {dev.id}" + (" to its pool" if
+                                                              (rec_m or rec_v) else ""))
+    if failed:
+        alloc.devices = failed
+    else:
+        del state.allocations[vm]
+    return actions

@@ -1,0 +1,104 @@
+"""`gpulib device` and `gpulib status`: what gpulib manages and who holds what."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from gpulib import report
+from gpulib.cli.common import Env, emit_json
+from gpulib.lifecycle import open_store
+from gpulib.pci import PciAddress
+from gpulib.runtime import discover_host
+
+
+@click.group("device")
+def device_group() -> None:
+    """Devices gpulib may allocate (unmanaged ones are never touched)."""
+
+
+@device_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def device_list(env: Env, as_json: bool) -> None:
+    """GPUs and VFs with their managed flag."""
+    state = open_store(env.ctx, env.config).load()
+    inv = discover_host(env.ctx, env.config, state=state, learn=False)
+    rows = []
+    for g in inv.gpus:
+        rows.append({"address": str(g.address), "kind": "gpu", "device": g.device_name,
+                     "managed": str(g.address) not in state.unmanaged, "used_by": g.used_by})
+        for vf in g.vfs:
+            rows.append({"address": str(vf.address), "kind": "vf", "device": vf.device_name,
+                         "managed": str(vf.address) not in state.unmanaged
+                         and str(g.address) not in state.unmanaged, "used_by": vf.used_by})
+    if as_json:
+        emit_json(rows)
+        return
+    for r in rows:
+        click.echo(f"{r['address']}  {r['kind']:3s}  {'managed  ' if r['managed'] else 'UNMANAGED'}"
+                   f"  {r['device']}")
+
+
+def _set_managed(env: Env, address: str, managed: bool) -> None:
+    addr = str(PciAddress.parse(address))
+    if not env.ctx.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
+        raise click.ClickException(f"no PCI device {addr} on this host")
+    with open_store(env.ctx, env.config).transaction() as state:
+        if managed:
+            state.unmanaged.discard(addr)
+        else:
+            state.unmanaged.add(addr)
+    click.echo(f"{addr} {'managed' if managed else 'unmanaged'}")
+
+
+@device_group.command("manage")
+@click.argument("address")
+@click.pass_obj
+def device_manage(env: Env, address: str) -> None:
+    """Let gpulib allocate and pool this device again."""
+    _set_managed(env, address, True)
+
+
+@device_group.command("unmanage")
+@click.argument("address")
+@click.pass_obj
+def device_unmanage(env: Env, address: str) -> None:
+    """Never allocate or pool this device (or the VFs and vGPUs of this GPU)."""
+    _set_managed(env, address, False)
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def status(env: Env, as_json: bool) -> None:
+    """Devices, profiles, pools and allocations: who holds what."""
+    from gpulib import pools
+
+    state = open_store(env.ctx, env.config).load()
+    inv = discover_host(env.ctx, env.config, state=state, learn=False)
+    doc: dict[str, Any] = {
+        "gpus": [report.gpu_document(g) for g in inv.gpus],
+        "pools": pools.members(env.config, state),
+        "allocations": {vm: {"status": a.status, "since": a.since, "domain_uuid": a.domain_uuid,
+                             "devices": [{"kind": d.kind, "id": d.id, "on_demand": d.on_demand}
+                                         for d in a.devices]}
+                        for vm, a in sorted(state.allocations.items())},
+        "unmanaged": sorted(state.unmanaged),
+    }
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(report.table(inv), nl=False)
+    click.echo("")
+    click.echo("Pools:" if doc["pools"] else "Pools: none declared")
+    for name, items in doc["pools"].items():
+        used = sum(1 for i in items if i["vm"])
+        click.echo(f"  {name}: {len(items)} members, {used} in use")
+    click.echo("Allocations:" if doc["allocations"] else "Allocations: none")
+    for vm, a in doc["allocations"].items():
+        devs = ", ".join(f"{d['kind']} {d['id']}" for d in a["devices"])
+        click.echo(f"  {vm} ({a['status']} since {a['since']}): {devs}")
+    if doc["unmanaged"]:
+        click.echo("Unmanaged: " + ", ".join(doc["unmanaged"]))

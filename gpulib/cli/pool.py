@@ -1,0 +1,94 @@
+"""`gpulib pool`, `restore`, `reconcile`, `release`: keeping vGPUs and records in step."""
+
+from __future__ import annotations
+
+import click
+
+from gpulib import pools
+from gpulib.allocator import release as release_vm
+from gpulib.cli.common import Env, emit_json
+from gpulib.lifecycle import Outcome, open_store, reconcile, restore
+from gpulib.runtime import discover_host
+from gpulib.state import validate_vm_name
+
+
+def _report(outcomes: list[Outcome], as_json: bool, empty: str) -> None:
+    if as_json:
+        emit_json([o.as_dict() for o in outcomes])
+    elif not outcomes:
+        click.echo(empty)
+    else:
+        for o in outcomes:
+            click.echo(str(o))
+    if any(not o.ok for o in outcomes):
+        raise click.exceptions.Exit(1)
+
+
+@click.group("pool")
+def pool_group() -> None:
+    """vGPU pools declared in gpulib.conf."""
+
+
+@pool_group.command("apply")
+@click.option("--dry-run", is_flag=True, help="Only show what would change.")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def pool_apply(env: Env, dry_run: bool, as_json: bool) -> None:
+    """Create what the pools miss; a second run changes nothing."""
+    with open_store(env.ctx, env.config).transaction() as state:
+        inventory = discover_host(env.ctx, env.config, state=state, learn=False)
+        outcomes = pools.apply(env.ctx, env.config, state, inventory, dry_run=dry_run)
+    _report(outcomes, as_json, "pools are complete: nothing to do")
+
+
+@pool_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def pool_list(env: Env, as_json: bool) -> None:
+    """Pools and their members."""
+    doc = pools.members(env.config, open_store(env.ctx, env.config).load())
+    if as_json:
+        emit_json(doc)
+        return
+    for name, items in doc.items():
+        used = sum(1 for i in items if i["vm"])
+        click.echo(f"{name}: {len(items)} members, {used} in use")
+        for i in items:
+            click.echo(f"  {i['kind']:4s} {i['id']}  type {i['type']}  vm={i['vm'] or '-'}")
+
+
+@click.command("restore")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def restore_cmd(env: Env, as_json: bool) -> None:
+    """Recreate every known vGPU that is not live (run at boot)."""
+    with open_store(env.ctx, env.config).transaction() as state:
+        outcomes = restore(env.ctx, state)
+    _report(outcomes, as_json, "every known vGPU is live: nothing to do")
+
+
+@click.command("reconcile")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def reconcile_cmd(env: Env, as_json: bool) -> None:
+    """Release allocations of VMs not running; report stray or vanished vGPUs."""
+    with open_store(env.ctx, env.config).transaction() as state:
+        outcomes = reconcile(env.ctx, state,
+                             destroy_on_demand=env.config.get_bool("release",
+                                                                   "destroy_on_demand"))
+    _report(outcomes, as_json, "state and host agree: nothing to do")
+
+
+@click.command("release")
+@click.argument("vm")
+@click.pass_obj
+def release_cmd(env: Env, vm: str) -> None:
+    """Release what VM holds (as its stop hook does)."""
+    vm = validate_vm_name(vm)
+    with open_store(env.ctx, env.config).transaction() as state:
+        actions = release_vm(env.ctx.sysfs, state, vm,
+                             destroy_on_demand=env.config.get_bool("release",
+                                                                   "destroy_on_demand"),
+                             retry_seconds=env.config.get_float("release",
+                                                                "clear_retry_seconds"))
+    click.echo("\n".join(actions) if actions else f"{vm} holds nothing")

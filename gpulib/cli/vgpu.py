@@ -1,0 +1,149 @@
+"""`gpulib mdev ...` and `gpulib vf ...`: vGPUs by hand."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+
+from gpulib import mdev, nvidia
+from gpulib.cli.common import Env, emit_json
+from gpulib.lifecycle import open_store, remove_mdevctl, write_mdevctl
+from gpulib.pci import PciAddress
+from gpulib.state import VfRecord, VgpuRecord
+
+
+@click.group("mdev")
+def mdev_group() -> None:
+    """Mediated devices (mdev vGPUs): list, types, create, remove."""
+
+
+@mdev_group.command("types")
+@click.option("--parent", help="Only this parent device (PCI address).")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def mdev_types(env: Env, parent: Optional[str], as_json: bool) -> None:
+    """List the mdev types each parent offers, with instances left."""
+    sysfs = env.ctx.sysfs
+    parents = [PciAddress.parse(parent)] if parent else mdev.list_parents(sysfs)
+    rows = []
+    for p in parents:
+        for t in mdev.list_types(sysfs, p):
+            d = t.description
+            rows.append({"parent": str(p), "type_id": t.type_id, "name": t.name,
+                         "available_instances": t.available_instances,
+                         "max_instances": d.max_instance, "framebuffer_mb": d.framebuffer_mb,
+                         "device_api": t.device_api, "description": t.description_text})
+    if as_json:
+        emit_json(rows)
+        return
+    for r in rows:
+        click.echo(f"{r['parent']}  {r['type_id']:<18} {r['name'] or '-'!s:<22} "
+                   f"available {r['available_instances']}")
+
+
+@mdev_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def mdev_list(env: Env, as_json: bool) -> None:
+    """List live mdevs and the ones gpulib keeps (not live after a reboot)."""
+    sysfs = env.ctx.sysfs
+    state = open_store(env.ctx, env.config).load()
+    live = mdev.live_mdevs(sysfs)
+    rows = []
+    for uuid in sorted(set(live) | set(state.vgpus)):
+        m = live.get(uuid)
+        rec = state.vgpus.get(uuid)
+        rows.append({"uuid": uuid, "parent": str(m.parent) if m else rec.parent if rec else None,
+                     "type_id": m.type_id if m else rec.type_id if rec else None,
+                     "live": m is not None, "pool": rec.pool if rec else None,
+                     "on_demand": rec.on_demand if rec else False,
+                     "vm": rec.vm if rec else None, "known": rec is not None})
+    if as_json:
+        emit_json(rows)
+        return
+    for r in rows:
+        click.echo(f"{r['uuid']}  {r['parent']}  {r['type_id']:<14} "
+                   f"{'live' if r['live'] else 'NOT LIVE'}  pool={r['pool'] or '-'} "
+                   f"vm={r['vm'] or '-'}")
+
+
+@mdev_group.command("create")
+@click.option("--parent", required=True, help="Parent device PCI address.")
+@click.option("--type", "type_id", required=True, help="mdev type id, e.g. nvidia-232.")
+@click.option("--uuid", help="UUID to use (default: a new one).")
+@click.option("--keep/--no-keep", default=True,
+              help="Record it in gpulib's registry so it is restored after reboots.")
+@click.pass_obj
+def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: bool) -> None:
+    """Create an mdev and print its UUID."""
+    address = PciAddress.parse(parent)
+    mdev.check_type_id(type_id)
+    if uuid:
+        uuid = mdev.check_uuid(uuid)
+    with open_store(env.ctx, env.config).transaction() as state:
+        made = mdev.create(env.ctx.sysfs, address, type_id, uuid)
+        if keep:
+            state.vgpus.setdefault(made.uuid, VgpuRecord(str(address), type_id, pool="manual"))
+            write_mdevctl(env.ctx, made.uuid, str(address), type_id)
+    click.echo(made.uuid)
+
+
+@mdev_group.command("remove")
+@click.argument("uuid")
+@click.option("--force", is_flag=True, help="Remove even if a VM allocation holds it.")
+@click.pass_obj
+def mdev_remove(env: Env, uuid: str, force: bool) -> None:
+    """Remove an mdev and forget it."""
+    value = mdev.check_uuid(uuid)
+    with open_store(env.ctx, env.config).transaction() as state:
+        rec = state.vgpus.get(value)
+        if rec is not None and rec.vm and not force:
+            raise click.ClickException(f"mdev {value} is allocated to VM {rec.vm}; "
+                                       "use --force or gpulib release first")
+        removed = mdev.remove(env.ctx.sysfs, value)
+        if rec is not None:
+            del state.vgpus[value]
+            remove_mdevctl(env.ctx, value, rec.parent)
+        elif not removed:
+            raise click.ClickException(f"no mdev {value} (not live, not known)")
+    click.echo(f"removed {value}")
+
+
+@click.group("vf")
+def vf_group() -> None:
+    """NVIDIA vendor-specific vGPU types on SR-IOV VFs."""
+
+
+@vf_group.command("set-type")
+@click.argument("address")
+@click.argument("type_id")
+@click.option("--keep/--no-keep", default=True, help="Record it so restore sets it after reboots.")
+@click.pass_obj
+def vf_set_type(env: Env, address: str, type_id: str, keep: bool) -> None:
+    """Give a VF a vGPU type (numeric id from its creatable_vgpu_types)."""
+    vf = PciAddress.parse(address)
+    tid = nvidia.check_type(type_id[7:] if type_id.startswith("nvidia-") else type_id)
+    with open_store(env.ctx, env.config).transaction() as state:
+        name = nvidia.creatable_types(env.ctx.sysfs, vf).get(tid)
+        nvidia.set_type(env.ctx.sysfs, vf, tid)
+        if keep:
+            state.vf_types[str(vf)] = VfRecord(tid, name, pool="manual")
+    click.echo(f"{vf} now has vGPU type {tid}" + (f" ({name})" if name else ""))
+
+
+@vf_group.command("clear")
+@click.argument("address")
+@click.option("--retry", default=5.0, show_default=True, help="Seconds to retry while busy.")
+@click.pass_obj
+def vf_clear(env: Env, address: str, retry: float) -> None:
+    """Clear a VF's vGPU type (write 0) and forget it."""
+    vf = PciAddress.parse(address)
+    with open_store(env.ctx, env.config).transaction() as state:
+        rec = state.vf_types.get(str(vf))
+        if rec is not None and rec.vm:
+            raise click.ClickException(f"{vf} is allocated to VM {rec.vm}; "
+                                       "use gpulib release first")
+        nvidia.clear_type(env.ctx.sysfs, vf, retry_seconds=retry)
+        state.vf_types.pop(str(vf), None)
+    click.echo(f"{vf} cleared")

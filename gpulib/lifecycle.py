@@ -1,0 +1,209 @@
+"""Keeping the host's vGPUs and gpulib's records in step.
+
+* `restore`: after a reboot every mdev is gone and every NVIDIA VF reads type
+  0; recreate what the registry (and mdevctl's definitions) say should exist,
+  with the same UUIDs on the same parents.
+* `reconcile`: release allocations of VMs that are not running, and report
+  registry entries whose device vanished and live vGPUs nobody knows.
+* `rebuild_state`: what a corrupt state file is replaced with: the registry
+  and allocations re-learned from sysfs and libvirt's status files.
+* `open_store`: the StateStore every entry point uses (with that rebuild).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+from gpulib import mdev, nvidia
+from gpulib.allocator import release
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.errors import GpulibError, InputError
+from gpulib.pci import PciAddress, list_addresses
+from gpulib.state import Allocation, Device, State, StateStore, VfRecord, VgpuRecord, utc_now
+from gpulib.usage import read_usage, running_domains
+
+log = logging.getLogger(__name__)
+
+MDEVCTL_DIR = "etc/mdevctl.d"
+# A pending allocation younger than this may belong to a VM that is starting.
+PENDING_GRACE_SECONDS = 120.0
+
+
+def open_store(ctx: Context, config: Optional[Config] = None) -> StateStore:
+    timeout = config.get_float("state", "lock_timeout") if config else 20.0
+    return StateStore.for_context(ctx, timeout=timeout, rebuild=lambda: rebuild_state(ctx))
+
+
+def rebuild_state(ctx: Context) -> State:
+    """Re-learn what can be re-learned: live vGPUs, VF types, running VMs' devices."""
+    sysfs = ctx.sysfs
+    state = State()
+    for uuid, m in mdev.live_mdevs(sysfs).items():
+        state.vgpus[uuid] = VgpuRecord(str(m.parent), m.type_id)
+    for address in list_addresses(sysfs):
+        if nvidia.is_vendor_vf(sysfs, address):
+            current = nvidia.current_type(sysfs, address) or 0
+            if current:
+                state.vf_types[str(address)] = VfRecord(current)
+    for dom in running_domains(sysfs):
+        devices = [Device("mdev", u) for u in dom.mdevs if u in state.vgpus]
+        devices += [Device("vf" if str(a) in state.vf_types else "pci", str(a)) for a in dom.pci]
+        if devices:
+            state.allocations[dom.name] = Allocation(dom.name, None, "active", utc_now(), devices)
+            for d in devices:
+                if d.kind == "mdev":
+                    state.vgpus[d.id].vm = dom.name
+                elif d.kind == "vf":
+                    state.vf_types[d.id].vm = dom.name
+    log.error("state rebuilt from sysfs and libvirt: %d vGPUs, %d VF types, %d allocations",
+              len(state.vgpus), len(state.vf_types), len(state.allocations))
+    return state
+
+
+# -- mdevctl -------------------------------------------------------------------------------
+
+def read_mdevctl(ctx: Context) -> dict[str, tuple[str, str, bool]]:
+    """mdevctl's persistent definitions: uuid -> (parent, type, start=auto)."""
+    out: dict[str, tuple[str, str, bool]] = {}
+    sysfs = ctx.sysfs
+    for parent in sysfs.listdir(MDEVCTL_DIR):
+        for name in sysfs.listdir(f"{MDEVCTL_DIR}/{parent}"):
+            try:
+                uuid = mdev.check_uuid(name)
+                doc = json.loads(sysfs.read(f"{MDEVCTL_DIR}/{parent}/{name}") or "{}")
+                type_id = mdev.check_type_id(str(doc.get("mdev_type", "")))
+                PciAddress.parse(parent)
+            except (InputError, ValueError) as exc:
+                log.warning("ignoring mdevctl definition %s/%s: %s", parent, name, exc)
+                continue
+            out[uuid] = (parent, type_id, doc.get("start") == "auto")
+    return out
+
+
+def write_mdevctl(ctx: Context, uuid: str, parent: str, type_id: str) -> None:
+    """Keep mdevctl's view in step, so `mdevctl list -d` shows gpulib's pool vGPUs."""
+    directory = ctx.path(f"{MDEVCTL_DIR}/{parent}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{uuid}.tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"mdev_type": type_id, "start": "auto", "attrs": []}, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, os.path.join(directory, uuid))
+    except OSError as exc:
+        log.warning("could not write mdevctl definition for %s: %s", uuid, exc)
+
+
+def remove_mdevctl(ctx: Context, uuid: str, parent: str) -> None:
+    path = ctx.path(f"{MDEVCTL_DIR}/{parent}/{uuid}")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove mdevctl definition %s: %s", path, exc)
+
+
+# -- restore --------------------------------------------------------------------------------
+
+class Outcome:
+    def __init__(self, kind: str, ident: str, action: str, ok: bool, detail: str = "") -> None:
+        self.kind = kind
+        self.ident = ident
+        self.action = action
+        self.ok = ok
+        self.detail = detail
+
+    def as_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, "id": self.ident, "action": self.action, "ok": self.ok,
+                "detail": self.detail}
+
+    def __str__(self) -> str:
+        status = "ok" if self.ok else "FAILED"
+        extra = f": {self.detail}" if self.detail else ""
+        return f"{status:6s} {self.action} {self.kind} {self.ident}{extra}"
+
+
+def restore(ctx: Context, state: State, adopt_mdevctl: bool = True) -> list[Outcome]:
+    """Recreate registry vGPUs that are not live and set recorded VF types."""
+    sysfs = ctx.sysfs
+    out: list[Outcome] = []
+    if adopt_mdevctl:
+        for uuid, (parent, type_id, auto) in sorted(read_mdevctl(ctx).items()):
+            if uuid not in state.vgpus and auto:
+                state.vgpus[uuid] = VgpuRecord(parent, type_id, pool="mdevctl")
+                out.append(Outcome("mdev", uuid, "adopted from mdevctl", True,
+                                   f"{type_id} on {parent}"))
+    for uuid, rec in sorted(state.vgpus.items()):
+        live = mdev.read_mdev(sysfs, uuid)
+        if live is not None:
+            continue
+        try:
+            mdev.create(sysfs, PciAddress.parse(rec.parent), rec.type_id, uuid)
+            out.append(Outcome("mdev", uuid, "recreated", True, f"{rec.type_id} on {rec.parent}"))
+        except GpulibError as exc:
+            out.append(Outcome("mdev", uuid, "recreate", False, exc.message))
+    for addr, vrec in sorted(state.vf_types.items()):
+        try:
+            vf = PciAddress.parse(addr)
+            current = nvidia.current_type(sysfs, vf)
+            if current is None:
+                raise GpulibError(f"{addr} is gone or not an NVIDIA vGPU VF")
+            if current == vrec.type_id:
+                continue
+            nvidia.set_type(sysfs, vf, vrec.type_id)
+            out.append(Outcome("vf", addr, "set type", True,
+                               f"{vrec.type_id} ({vrec.name or '?'})"))
+        except GpulibError as exc:
+            out.append(Outcome("vf", addr, "set type", False, exc.message))
+    return out
+
+
+# -- reconcile --------------------------------------------------------------------------------
+
+def _age_seconds(iso: str) -> float:
+    try:
+        t = time.strptime(iso.rstrip("Z").split(".")[0], "%Y-%m-%dT%H:%M:%S")
+        import calendar
+
+        return time.time() - calendar.timegm(t)
+    except ValueError:
+        return float("inf")
+
+
+def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
+              grace: float = PENDING_GRACE_SECONDS) -> list[Outcome]:
+    sysfs = ctx.sysfs
+    out: list[Outcome] = []
+    usage = read_usage(sysfs, include_defined=False)
+    for vm, alloc in sorted(state.allocations.items()):
+        if vm in usage.running:
+            continue
+        if alloc.status == "pending" and _age_seconds(alloc.since) < grace:
+            continue
+        actions = release(sysfs, state, vm, destroy_on_demand=destroy_on_demand,
+                          retry_seconds=0.5)
+        out.append(Outcome("vm", vm, f"released {alloc.status} allocation", True,
+                           "; ".join(actions)))
+    live = mdev.live_mdevs(sysfs)
+    for uuid, rec in sorted(state.vgpus.items()):
+        try:
+            parent = PciAddress.parse(rec.parent)
+        except InputError:
+            parent = None
+        if parent is None or not sysfs.exists(f"sys/bus/pci/devices/{parent}"):
+            out.append(Outcome("mdev", uuid, "report", False,
+                               f"parent {rec.parent} is gone from this host"))
+    known_users = set(usage.mdev)
+    for uuid, m in sorted(live.items()):
+        if uuid not in state.vgpus and uuid not in known_users:
+            out.append(Outcome("mdev", uuid, "report", False,
+                               f"live {m.type_id} on {m.parent} is unknown to gpulib and "
+                               "unused (gpulib pool apply adopts nothing; remove it with "
+                               "gpulib mdev remove)"))
+    return out
