@@ -225,14 +225,18 @@ class Allocator:
         return make
 
     # -- requests ----------------------------------------------------------------------------
-    def allocate_vgpus(self, vm: str, req: VgpuRequest,
-                       uuid_for: Callable[[], str]) -> list[Device]:
+    def allocate_vgpus(self, vm: str, req: VgpuRequest, uuid_for: Callable[[], str],
+                       fresh_only: bool = False) -> list[Device]:
+        """`fresh_only`: only new vGPUs (the XML already fixes the UUID to use)."""
         devices: list[Device] = []
         made: list[Device] = []
         try:
             for _ in range(req.count):
-                cands = self._order(self._pool_candidates(req, vm)) or \
-                    self._order(self._new_candidates(req, vm, uuid_for))
+                pool = [] if fresh_only else self._order(self._pool_candidates(req, vm))
+                fresh = self._new_candidates(req, vm, uuid_for)
+                if fresh_only:
+                    fresh = [c for c in fresh if c.kind == "mdev"]
+                cands = pool or self._order(fresh)
                 if not cands:
                     raise NotAvailableError(
                         f"no free vGPU of {req.label} for {vm}"

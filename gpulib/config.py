@@ -31,7 +31,7 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
     },
     "transformer": {
         "add_group_functions": ("yes", "bool"),
-        "allow_metadata_requests": ("no", "bool"),
+        "allow_metadata_requests": ("auto", "auto-bool"),
         "refuse_in_use": ("yes", "bool"),
     },
     "release": {
@@ -138,6 +138,8 @@ class Config:
         v = value.strip().lower()
         if kind == "bool" and v not in _TRUE | _FALSE:
             raise ConfigError(f"{where}: {value!r} is not yes/no")
+        if kind == "auto-bool" and v not in _TRUE | _FALSE | {"auto"}:
+            raise ConfigError(f"{where}: {value!r} is not auto/yes/no")
         if kind == "float":
             try:
                 if float(v) < 0:

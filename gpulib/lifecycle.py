@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import calendar
 import json
 import logging
 import os
@@ -166,14 +167,13 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True) -> list[Outc
 
 # -- reconcile --------------------------------------------------------------------------------
 
-def _age_seconds(iso: str) -> float:
+def age_seconds(iso: str) -> float:
+    """Seconds since an ISO 8601 UTC time from the state file (inf if unreadable)."""
     try:
         t = time.strptime(iso.rstrip("Z").split(".")[0], "%Y-%m-%dT%H:%M:%S")
-        import calendar
-
-        return time.time() - calendar.timegm(t)
     except ValueError:
         return float("inf")
+    return time.time() - calendar.timegm(t)
 
 
 def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
@@ -184,7 +184,7 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
     for vm, alloc in sorted(state.allocations.items()):
         if vm in usage.running:
             continue
-        if alloc.status == "pending" and _age_seconds(alloc.since) < grace:
+        if alloc.status == "pending" and age_seconds(alloc.since) < grace:
             continue
         actions = release(sysfs, state, vm, destroy_on_demand=destroy_on_demand,
                           retry_seconds=0.5)

@@ -1,0 +1,112 @@
+"""`gpulib-qemu-hook <vm> <operation> <sub-op> <extra>`: libvirt's own qemu hook.
+
+Installed as /etc/libvirt/hooks/qemu.d/50-gpulib. libvirt passes the domain
+XML on stdin. What each operation does (DESIGN section 2.3):
+* prepare begin: make the devices the XML names ready (recreate a missing
+  mdev, set a VF's vGPU type, create on-demand vGPUs whose UUID the XML
+  fixes). Non-zero exit aborts the start; libvirt shows our stderr line.
+* release end: release what the VM held; also runs after a failed start.
+* migrate begin, restore begin: make the named devices exist here; print
+  nothing, so libvirt keeps its XML.
+* reconnect begin: re-learn a running VM after libvirtd restarts; always 0.
+* anything else: drain stdin, exit 0.
+The hook never calls back into libvirt (that would deadlock).
+
+Exit codes: 0 ok, 1 devices could not be made ready, 2 bad input,
+3 state lock busy, 4 state file unusable.
+"""
+
+from __future__ import annotations
+
+import sys
+
+PROGRAM = "gpulib"
+
+
+def main(argv: list[str]) -> int:
+    from gpulib.hooks.common import drain_stdin, error_line
+
+    if len(argv) < 3:
+        error_line(PROGRAM, "usage: gpulib-qemu-hook <vm> <operation> <sub-op> [<extra>]")
+        drain_stdin()
+        return 2
+    vm_arg, op = argv[1], argv[2]
+    sub = argv[3] if len(argv) > 3 else "-"
+    if (op, sub) in (("prepare", "begin"), ("migrate", "begin"), ("restore", "begin")):
+        return _prepare(vm_arg)
+    if (op, sub) == ("release", "end"):
+        drain_stdin()
+        return _release(vm_arg)
+    if (op, sub) == ("reconnect", "begin"):
+        _reconnect(vm_arg)
+        return 0
+    drain_stdin()
+    return 0
+
+
+def _prepare(vm_arg: str) -> int:
+    from gpulib.hooks.common import read_stdin, run_guarded
+    from gpulib.xmlns import may_concern_gpulib
+
+    def body() -> int:
+        xml = read_stdin()
+        if not may_concern_gpulib(xml):
+            return 0
+        from gpulib.domain import DomainXmlError, parse_domain
+        from gpulib.hooks.common import start
+        from gpulib.hooks.prepare import Preparer, metadata_allowed
+
+        dom = parse_domain(xml)
+        if dom.name != vm_arg:
+            raise DomainXmlError(f"hook called for {vm_arg!r} with the XML of {dom.name!r}")
+        ctx, config = start("gpulib-qemu-hook")
+        Preparer(ctx, config, dom, edit_xml=False,
+                 allow_metadata=metadata_allowed(ctx, config)).run()
+        return 0
+
+    return run_guarded(PROGRAM, body)
+
+
+def _release(vm_arg: str) -> int:
+    from gpulib.hooks.common import run_guarded
+
+    def body() -> int:
+        from gpulib.hooks.common import start
+        from gpulib.hooks.prepare import deactivate
+        from gpulib.state import validate_vm_name
+
+        vm = validate_vm_name(vm_arg)
+        ctx, config = start("gpulib-qemu-hook")
+        deactivate(ctx, config, vm)
+        return 0
+
+    return run_guarded(PROGRAM, body)
+
+
+def _reconnect(vm_arg: str) -> None:
+    """A running VM found again after libvirtd restarted: mark what it holds active."""
+    from gpulib.hooks.common import drain_stdin, read_stdin, run_guarded
+
+    def body() -> int:
+        xml = read_stdin()
+        from gpulib.xmlns import may_concern_gpulib
+
+        if not may_concern_gpulib(xml):
+            return 0
+        from gpulib.domain import parse_domain
+        from gpulib.hooks.common import start
+        from gpulib.hooks.prepare import Preparer
+
+        dom = parse_domain(xml)
+        ctx, config = start("gpulib-qemu-hook")
+        Preparer(ctx, config, dom, edit_xml=False, allow_metadata=False).run_reconnect()
+        return 0
+
+    # A failure here would make libvirt kill the running VM: log, never fail.
+    run_guarded(PROGRAM, body)
+    drain_stdin()
+    del vm_arg
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

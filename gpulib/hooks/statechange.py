@@ -1,0 +1,52 @@
+"""`libvirt-vm-state-change onStart|onStop <vm>`: the CloudStack agent's start/stop hook.
+
+Run after a VM started (`onStart`, also `start`) and after it stopped
+(`onStop`, also `stop`). onStart turns the VM's pending allocation active;
+onStop releases it (vGPUs made on demand are destroyed, pool vGPUs return to
+their pool). A VM gpulib knows nothing of is not an error. The agent ignores
+the output; the exit code is 0 unless something is really broken.
+
+Exit codes: 0 ok (also: nothing to do), 1 release failed, 2 bad usage or VM
+name, 3 state lock busy, 4 state file unusable.
+"""
+
+from __future__ import annotations
+
+import sys
+
+PROGRAM = "libvirt-vm-state-change"
+STARTS = ("onStart", "start")
+STOPS = ("onStop", "stop")
+
+
+def main(argv: list[str]) -> int:
+    from gpulib.hooks.common import error_line, run_guarded
+
+    if len(argv) != 3 or argv[1] not in STARTS + STOPS:
+        error_line(PROGRAM, f"usage: {PROGRAM} onStart|onStop <vm-name>")
+        return 2
+    method, vm_arg = argv[1], argv[2]
+
+    def body() -> int:
+        from gpulib.hooks.common import start
+        from gpulib.hooks.prepare import activate, deactivate
+        from gpulib.state import validate_vm_name
+
+        vm = validate_vm_name(vm_arg)
+        ctx, config = start(PROGRAM)
+        import logging
+
+        log = logging.getLogger("gpulib.hooks.statechange")
+        if method in STARTS:
+            known = activate(ctx, config, vm)
+            log.info("%s %s: %s", method, vm, "allocation active" if known else "nothing held")
+        else:
+            actions = deactivate(ctx, config, vm)
+            log.info("%s %s: %s", method, vm, "; ".join(actions) or "nothing held")
+        return 0
+
+    return run_guarded(PROGRAM, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
