@@ -19,14 +19,16 @@ another allocation uses, are never chosen.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from gpulib import mdev, nvidia
-from gpulib.discovery import Gpu, Inventory
 from gpulib.errors import InputError, NotAvailableError
 from gpulib.pci import PciAddress
 from gpulib.state import Allocation, Device, State, VfRecord, VgpuRecord, utc_now
 from gpulib.sysfs import Sysfs
+
+if TYPE_CHECKING:  # the hooks' start/stop path imports this module: keep it light
+    from gpulib.discovery import Gpu, Inventory
 
 log = logging.getLogger(__name__)
 
@@ -275,18 +277,6 @@ class Allocator:
                                     f"({len(out)} of {req.count} found)")
         return out
 
-    def record(self, vm: str, domain_uuid: Optional[str], devices: list[Device],
-               status: str = "pending") -> Allocation:
-        alloc = self.state.allocations.get(vm)
-        if alloc is None:
-            alloc = Allocation(vm, domain_uuid, status, utc_now(), [])
-            self.state.allocations[vm] = alloc
-        known = {(d.kind, d.id) for d in alloc.devices}
-        for d in devices:
-            if (d.kind, d.id) not in known:
-                alloc.devices.append(d)
-        return alloc
-
     def _unassign(self, dev: Device, vm: str) -> None:
         rec: Optional[VgpuRecord | VfRecord] = (
             self.state.vgpus.get(dev.id) if dev.kind == "mdev" else self.state.vf_types.get(dev.id))
@@ -295,6 +285,20 @@ class Allocator:
 
     def destroy(self, dev: Device) -> None:
         destroy_device(self.sysfs, self.state, dev)
+
+
+def record(state: State, vm: str, domain_uuid: Optional[str], devices: list[Device],
+           status: str = "pending") -> Allocation:
+    """Add devices to a VM's allocation (created pending unless told otherwise)."""
+    alloc = state.allocations.get(vm)
+    if alloc is None:
+        alloc = Allocation(vm, domain_uuid, status, utc_now(), [])
+        state.allocations[vm] = alloc
+    known = {(d.kind, d.id) for d in alloc.devices}
+    for d in devices:
+        if (d.kind, d.id) not in known:
+            alloc.devices.append(d)
+    return alloc
 
 
 def destroy_device(sysfs: Sysfs, state: State, dev: Device, retry_seconds: float = 0.0) -> None:

@@ -51,18 +51,21 @@ class PoolPlan:
         self.vf_parents: list[tuple[Gpu, PciAddress, int, str]] = []
 
 
-def plan(pool: PoolConfig, inventory: Inventory) -> PoolPlan:
+def plan(pool: PoolConfig, inventory: Inventory, unmanaged: frozenset[str] = frozenset()
+         ) -> PoolPlan:
+    """Parents of the pool's type on the selected GPUs; unmanaged devices never."""
     p = PoolPlan(pool)
     for gpu in inventory.gpus:
-        if not _gpu_matches(pool, gpu):
+        if not _gpu_matches(pool, gpu) or str(gpu.address) in unmanaged:
             continue
-        types = list(gpu.mdev_types) + [t for vf in gpu.vfs for t in vf.mdev_types]
+        types = list(gpu.mdev_types) + [t for vf in gpu.vfs for t in vf.mdev_types
+                                        if str(vf.address) not in unmanaged]
         for t in types:
             if _type_matches(pool, t):
                 p.mdev_parents.append((gpu, t))
         for vf in gpu.vfs:
             nv = vf.nvidia
-            if nv is None:
+            if nv is None or str(vf.address) in unmanaged:
                 continue
             options = dict(nv.creatable)
             if nv.current_type and nv.current_name:
@@ -89,7 +92,7 @@ def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
     """Bring every pool to its declared size; returns the changes (made or planned)."""
     out: list[Outcome] = []
     for name, pool in sorted(config.pools.items()):
-        p = plan(pool, inventory)
+        p = plan(pool, inventory, frozenset(state.unmanaged))
         if not p.mdev_parents and not p.vf_parents:
             out.append(Outcome("pool", name, "plan", False,
                                "no parent offers "

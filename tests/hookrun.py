@@ -31,5 +31,4 @@ def as_agent(root: str, xml: str, timeout: float = 30) -> subprocess.CompletedPr
 def run(argv: list[str], root: str, stdin: Optional[bytes] = None,
         timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(argv, input=stdin if stdin is not None else b"",
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          env=hook_env(root), timeout=timeout)
+                          capture_output=True, env=hook_env(root), timeout=timeout)

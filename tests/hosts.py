@@ -48,3 +48,43 @@ def a10_host(tmp: str, numvfs: int = 4) -> FakeHost:
 
 def simulated(host: FakeHost) -> Context:
     return Context.for_root(host.root, simulate=True)
+
+
+def t4_farm(tmp: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:
+    """`gpus` T4s and a pool of GRID T4-1B vGPUs on each (16 fit on one T4)."""
+    host = empty_host(tmp)
+    m = models()["t4"]
+    for g in range(gpus):
+        bus = 0x3B + g * 0x10
+        port = f"0000:{bus - 1:02x}:00.0"
+        host.add_bridge(port, numa_node=g % 2, iommu_group=host.new_iommu_group())
+        host.add_function(f"0000:{bus:02x}:00.0", m["vendor"], m["device"], m["class"],
+                          driver="nvidia", iommu_group=host.new_iommu_group(), numa_node=g % 2,
+                          parent=port, vendor_name=m["vendor_name"],
+                          device_name=m["device_name"])
+        host.populate_mdev_parent(f"0000:{bus:02x}:00.0", m["mdev_types"])
+    host.write_file("etc/gpulib/gpulib.conf",
+                    f"[pool desktops]\nparents = 10de:1eb8\nprofile = GRID T4-1B\n"
+                    f"per_parent = {per_parent}\n")
+    return host
+
+
+def reboot(host: FakeHost, rebuild: object) -> FakeHost:
+    """The same host after a power cycle: sysfs fresh, /etc and /var/lib kept."""
+    import shutil
+
+    saved = host.root + ".saved"
+    os.makedirs(saved)
+    for keep in ("etc", "var/lib/gpulib"):
+        src = host.p(keep)
+        if os.path.exists(src):
+            shutil.copytree(src, os.path.join(saved, keep), symlinks=True)
+    shutil.rmtree(host.root)
+    new = rebuild(host.root)  # type: ignore[operator]
+    for keep in ("etc", "var/lib/gpulib"):
+        src = os.path.join(saved, keep)
+        if os.path.exists(src):
+            shutil.rmtree(new.p(keep), ignore_errors=True)
+            shutil.copytree(src, new.p(keep), symlinks=True)
+    shutil.rmtree(saved)
+    return new  # type: ignore[no-any-return]

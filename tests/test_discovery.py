@@ -182,7 +182,7 @@ def test_unreadable_attribute_degrades_only_that_device(handmade_root: str,
     ctx = Context.for_root(handmade_root)
     inv = discover_host(ctx)
     assert len(inv.gpus) == 5
-    broken = [g for g in inv.gpus if str(g.address) == "0000:ca:00.0"][0]
+    broken = next(g for g in inv.gpus if str(g.address) == "0000:ca:00.0")
     assert broken.errors and "sriov" in broken.errors[0]
     check_agent_document(cloudstack.render(inv))
 
@@ -275,10 +275,12 @@ def build_random_host(root: str, specs: list[tuple[int, bool, int, int]]) -> Fak
     return host
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(gpu_specs)
-def test_every_vf_and_mdev_appears_once_under_its_gpu(tmp_path_factory: pytest.TempPathFactory,
-                                                      specs: list[tuple[int, bool, int, int]]) -> None:
+def test_every_vf_and_mdev_appears_once_under_its_gpu(
+        tmp_path_factory: pytest.TempPathFactory,
+        specs: list[tuple[int, bool, int, int]]) -> None:
     root = str(tmp_path_factory.mktemp("rnd"))
     host = build_random_host(root, specs)
     inv = discover(Sysfs(host.root))

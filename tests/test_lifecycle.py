@@ -22,8 +22,11 @@ def tree_snapshot(root: str) -> dict[str, str]:
     for d, dirs, files in os.walk(root):
         for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             p = os.path.join(d, name)
-            out[os.path.relpath(p, root)] = os.readlink(p) if os.path.islink(p) else \
-                open(p).read()
+            if os.path.islink(p):
+                out[os.path.relpath(p, root)] = os.readlink(p)
+            else:
+                with open(p) as fh:
+                    out[os.path.relpath(p, root)] = fh.read()
     return out
 
 
@@ -65,7 +68,7 @@ def test_kernel_errors_become_clear_messages(tmp_path: Path) -> None:
         mdev.create(ctx.sysfs, T4, "nvidia-231", U1)
     with pytest.raises(DeviceError, match="does not offer mdev type nvidia-999"):
         mdev.create(ctx.sysfs, T4, "nvidia-999", U2)
-    with pytest.raises(DeviceError, match="no PCI device 0000:3c:00.0"):
+    with pytest.raises(DeviceError, match=r"no PCI device 0000:3c:00\.0"):
         mdev.create(ctx.sysfs, PciAddress.parse("0000:3c:00.0"), "nvidia-232", U2)
 
 

@@ -45,7 +45,8 @@ def emit_json(doc: Any) -> None:
 def run_main(group: click.Group, args: list[str]) -> int:
     """Run the CLI; one line on stderr for every error, exit code by kind."""
     try:
-        group.main(args=args, prog_name="gpulib", standalone_mode=False)
+        # Without standalone mode click returns the code of a ctx.exit(n).
+        rv = group.main(args=args, prog_name="gpulib", standalone_mode=False)
     except GpulibError as exc:
         click.echo(f"gpulib: error: {exc.message}", err=True)
         return exc.exit_code
@@ -62,4 +63,4 @@ def run_main(group: click.Group, args: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     sys.stdout.flush()
-    return 0
+    return rv if isinstance(rv, int) else 0

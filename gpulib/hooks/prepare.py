@@ -22,20 +22,27 @@ makes it active.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev, nvidia
-from gpulib.allocator import Allocator, PassthroughRequest, VgpuRequest, release
+from gpulib.allocator import (
+    Allocator,
+    PassthroughRequest,
+    VgpuRequest,
+    record,
+    release,
+)
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
-from gpulib.discovery import Inventory
 from gpulib.domain import Domain, GpuRequest, PciHostdev, derive_uuid
 from gpulib.errors import DeviceError
 from gpulib.lifecycle import PENDING_GRACE_SECONDS, age_seconds, open_store, read_mdevctl
 from gpulib.pci import PciAddress, PciFunction, iommu_group_members
-from gpulib.runtime import discover_host
 from gpulib.state import Device, State, utc_now
 from gpulib.usage import Usage, read_usage
+
+if TYPE_CHECKING:
+    from gpulib.discovery import Inventory
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +90,8 @@ class Preparer:
                 release(self.sysfs, state, self.vm, retry_seconds=0.5)
                 alloc = None
             if devices:
-                allocator = Allocator(self.sysfs, state, _no_inventory(usage))
-                allocator.record(self.vm, self.domain_uuid, devices,
-                                 status=alloc.status if alloc else "pending")
+                record(state, self.vm, self.domain_uuid, devices,
+                       status=alloc.status if alloc else "pending")
             return devices
 
     def run_reconnect(self) -> None:
@@ -106,10 +112,8 @@ class Preparer:
                 kind = "vf" if nvidia.is_vendor_vf(self.sysfs, pci.address) else "pci"
                 devices.append(Device(kind, ident, on_demand=bool(vrec and vrec.on_demand)))
             if devices:
-                usage = read_usage(self.sysfs, include_defined=False)
-                alloc = Allocator(self.sysfs, state, _no_inventory(usage)).record(
-                    self.vm, self.domain_uuid, devices, status="active")
-                alloc.status = "active"
+                record(state, self.vm, self.domain_uuid, devices, status="active").status = \
+                    "active"
 
     # -- devices the XML names ---------------------------------------------------------------
     def _refuse_if_used(self, state: State, usage: Usage, kind: str, ident: str,
@@ -240,6 +244,10 @@ class Preparer:
         return out
 
     def _inventory(self, state: State) -> Inventory:
+        # Only metadata requests need the whole host: imported here, not on
+        # the common path of a VM that names its devices.
+        from gpulib.runtime import discover_host
+
         return discover_host(self.ctx, self.config, state=state, learn=False)
 
     def _create_derived(self, state: State, usage: Usage, uuid: str,
@@ -300,10 +308,6 @@ class Preparer:
                 addr = PciAddress.parse(d.id)
                 if self.dom.find_pci_hostdev(addr) is None:
                     self.dom.add_pci_hostdev(addr, managed=d.kind == "pci")
-
-
-def _no_inventory(usage: Usage) -> Inventory:
-    return Inventory([], usage)
 
 
 def release_stale(ctx: Context, state: State, usage: Usage, config: Config,
