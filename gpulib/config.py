@@ -7,9 +7,9 @@ bad value fails with the file, section and key named.
 
 from __future__ import annotations
 
-import configparser
 import logging
 import re
+from collections.abc import Mapping
 from typing import Optional
 
 from gpulib.errors import ConfigError
@@ -103,17 +103,27 @@ class Config:
     @classmethod
     def load(cls, path: str) -> Config:
         cfg = cls(path)
-        parser = configparser.ConfigParser(interpolation=None, strict=True)
         try:
             with open(path, encoding="utf-8") as fh:
-                parser.read_file(fh)
+                text = fh.read()
         except FileNotFoundError:
             return cfg
-        except (configparser.Error, UnicodeDecodeError) as exc:
-            first = str(exc).splitlines()[0]
-            raise ConfigError(f"{path}: cannot parse: {first}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: cannot parse: not UTF-8 text") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        if not any(line.strip() and line.lstrip()[0] not in "#;" for line in text.splitlines()):
+            # The shipped file is all comments: defaults, without paying for
+            # configparser on every VM start.
+            return cfg
+        import configparser
+
+        parser = configparser.ConfigParser(interpolation=None, strict=True)
+        try:
+            parser.read_string(text, source=path)
+        except configparser.Error as exc:
+            first = str(exc).splitlines()[0]
+            raise ConfigError(f"{path}: cannot parse: {first}") from None
         for section in parser.sections():
             if section.startswith("pool "):
                 cfg._load_pool(section[5:].strip(), parser[section])
@@ -153,7 +163,7 @@ class Config:
         if kind == "match-list":
             Match(value, where)
 
-    def _load_pool(self, name: str, section: configparser.SectionProxy) -> None:
+    def _load_pool(self, name: str, section: Mapping[str, str]) -> None:
         sec = f"pool {name}"
         if not _POOL_NAME.match(name):
             raise ConfigError(f"{self.path}: [{sec}]: pool names are letters, digits, _ . -")

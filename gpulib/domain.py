@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
-from typing import Any, Optional, Union, overload
+from typing import Any, NamedTuple, Optional, Union, overload
 
 from lxml import etree
 
@@ -502,25 +501,24 @@ Hostdev = Union[PciHostdev, MdevHostdev]
 
 
 # --------------------------------------------------------------------------
-# gpulib's metadata request
+# gpulib's metadata request (NamedTuples: immutable values, and cheaper to
+# define than dataclasses on the hooks' start path)
 
 
-@dataclass(frozen=True)
-class VgpuRequest:
+class VgpuRequest(NamedTuple):
     """N vGPUs of a profile name (`GRID T4-2Q`) or of a type id (`nvidia-231`)."""
 
     profile: Optional[str]
     type_id: Optional[str]
-    count: int = 1
+    count: int = 1  # type: ignore[assignment]  # shadows tuple.count, on purpose
     numa: Optional[int] = None
 
 
-@dataclass(frozen=True)
-class PassthroughRequest:
+class PassthroughRequest(NamedTuple):
     """N whole GPUs of a model: `10de:1eb8`, or a substring of the device name."""
 
     model: str
-    count: int = 1
+    count: int = 1  # type: ignore[assignment]  # shadows tuple.count, on purpose
     numa: Optional[int] = None
 
     @property
@@ -533,8 +531,7 @@ class PassthroughRequest:
 GpuRequestItem = Union[VgpuRequest, PassthroughRequest]
 
 
-@dataclass(frozen=True)
-class GpuRequest:
+class GpuRequest(NamedTuple):
     """Everything one domain's `<gpulib:gpus>` asks for, in document order."""
 
     items: tuple[GpuRequestItem, ...] = ()

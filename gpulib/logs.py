@@ -15,7 +15,7 @@ from typing import Optional
 
 from gpulib.context import LOG_DIR, Context
 
-_FORMAT = "%(name)s[%(process)d]: %(levelname)s %(message)s"
+_FORMAT = "%(name)s: %(levelname)s %(message)s"
 _configured = False
 
 
@@ -30,18 +30,14 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
     root.setLevel(min(_level(level), _level(stderr_level) if stderr_level else logging.CRITICAL))
     handler: Optional[logging.Handler] = None
     if use_syslog and ctx.root == "/" and os.path.exists("/dev/log"):
-        from logging.handlers import SysLogHandler
-
-        try:
-            handler = SysLogHandler(address="/dev/log", facility=SysLogHandler.LOG_DAEMON)
-            handler.setFormatter(logging.Formatter(f"{program}: " + _FORMAT))
-        except OSError:
-            handler = None
+        handler = SyslogHandler(program)
+        handler.setFormatter(logging.Formatter(_FORMAT))
     if handler is None:
         try:
             os.makedirs(ctx.path(LOG_DIR), exist_ok=True)
             handler = logging.FileHandler(ctx.path(LOG_DIR + "/gpulib.log"), encoding="utf-8")
-            handler.setFormatter(logging.Formatter(f"%(asctime)s {program}: " + _FORMAT))
+            handler.setFormatter(logging.Formatter(f"%(asctime)s {program}[%(process)d]: "
+                                                   + _FORMAT))
         except OSError:
             handler = logging.NullHandler()
     handler.setLevel(_level(level))
@@ -51,6 +47,27 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
         err.setLevel(_level(stderr_level))
         err.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         root.addHandler(err)
+
+
+class SyslogHandler(logging.Handler):
+    """Through libc's syslog(3): logging.handlers costs a VM start milliseconds."""
+
+    def __init__(self, program: str) -> None:
+        super().__init__()
+        import syslog
+
+        self._syslog = syslog
+        syslog.openlog(program, syslog.LOG_PID, syslog.LOG_DAEMON)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        s = self._syslog
+        priority = {logging.DEBUG: s.LOG_DEBUG, logging.INFO: s.LOG_INFO,
+                    logging.WARNING: s.LOG_WARNING, logging.ERROR: s.LOG_ERR}.get(
+                        record.levelno, s.LOG_CRIT)
+        try:
+            s.syslog(priority, self.format(record))
+        except Exception:
+            self.handleError(record)
 
 
 def _level(name: Optional[str]) -> int:

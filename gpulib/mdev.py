@@ -15,7 +15,6 @@ import errno
 import logging
 import re
 import time
-import uuid as uuidlib
 from typing import Optional
 
 from gpulib.errors import DeviceError, InputError, NotAvailableError
@@ -56,7 +55,9 @@ def check_type_id(text: str) -> str:
 
 
 def new_uuid() -> str:
-    return str(uuidlib.uuid4())
+    import uuid  # imported here: hashlib and platform cost the hooks milliseconds
+
+    return str(uuid.uuid4())
 
 
 class Description:

@@ -39,7 +39,6 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from gpulib.errors import InputError, LockTimeout, StateError
@@ -143,47 +142,79 @@ def utc_now() -> str:
 # The typed document.
 
 
-@dataclass
-class VgpuRecord:
+class _Record:
+    """A small mutable record: slots, equality and repr over its fields.
+
+    Hand-written instead of dataclasses: the hooks import this module on
+    every VM start, and generating dataclasses costs milliseconds there.
+    """
+
+    __slots__: tuple[str, ...] = ()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and all(
+            getattr(self, f) == getattr(other, f) for f in self.__slots__)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__slots__)
+        return f"{type(self).__name__}({fields})"
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: unhashable, as dataclasses
+
+
+class VgpuRecord(_Record):
     """An mdev gpulib created or adopted, so it can be recreated after a reboot."""
 
-    parent: str  # the parent device's name, a PCI address for GPUs
-    type_id: str  # the mdev type, e.g. 'nvidia-558'
-    pool: Optional[str] = None  # the declared pool it belongs to, if any
-    on_demand: bool = False  # created for one VM: destroyed when that VM stops
-    vm: Optional[str] = None  # the VM using it
-    created: str = field(default_factory=utc_now)  # ISO 8601 UTC
+    __slots__ = ("created", "on_demand", "parent", "pool", "type_id", "vm")
+
+    def __init__(self, parent: str, type_id: str, pool: Optional[str] = None,
+                 on_demand: bool = False, vm: Optional[str] = None,
+                 created: Optional[str] = None) -> None:
+        self.parent = parent  # the parent device's name, a PCI address for GPUs
+        self.type_id = type_id  # the mdev type, e.g. 'nvidia-558'
+        self.pool = pool  # the declared pool it belongs to, if any
+        self.on_demand = on_demand  # created for one VM: destroyed when that VM stops
+        self.vm = vm  # the VM using it
+        self.created = created if created is not None else utc_now()  # ISO 8601 UTC
 
 
-@dataclass
-class VfRecord:
+class VfRecord(_Record):
     """The NVIDIA vendor-specific vGPU type gpulib gave a VF."""
 
-    type_id: int  # the numeric `current_vgpu_type`
-    name: Optional[str] = None  # its name, e.g. 'NVIDIA A10-4Q', when known
-    pool: Optional[str] = None
-    on_demand: bool = False
-    vm: Optional[str] = None
+    __slots__ = ("name", "on_demand", "pool", "type_id", "vm")
+
+    def __init__(self, type_id: int, name: Optional[str] = None, pool: Optional[str] = None,
+                 on_demand: bool = False, vm: Optional[str] = None) -> None:
+        self.type_id = type_id  # the numeric `current_vgpu_type`
+        self.name = name  # its name, e.g. 'NVIDIA A10-4Q', when known
+        self.pool = pool
+        self.on_demand = on_demand
+        self.vm = vm
 
 
-@dataclass
-class Device:
+class Device(_Record):
     """One device an allocation holds."""
 
-    kind: str  # 'mdev' | 'vf' | 'pci'
-    id: str  # mdev uuid, or PCI address 'dddd:bb:ss.f' for 'vf' and 'pci'
-    on_demand: bool = False
+    __slots__ = ("id", "kind", "on_demand")
+
+    def __init__(self, kind: str, id: str, on_demand: bool = False) -> None:
+        self.kind = kind  # 'mdev' | 'vf' | 'pci'
+        self.id = id  # mdev uuid, or PCI address 'dddd:bb:ss.f' for 'vf' and 'pci'
+        self.on_demand = on_demand
 
 
-@dataclass
-class Allocation:
+class Allocation(_Record):
     """The devices one VM holds, pending until the VM has started."""
 
-    vm: str
-    domain_uuid: Optional[str] = None
-    status: str = "pending"  # 'pending' | 'active'
-    since: str = field(default_factory=utc_now)
-    devices: list[Device] = field(default_factory=list)
+    __slots__ = ("devices", "domain_uuid", "since", "status", "vm")
+
+    def __init__(self, vm: str, domain_uuid: Optional[str] = None, status: str = "pending",
+                 since: Optional[str] = None, devices: Optional[list[Device]] = None) -> None:
+        self.vm = vm
+        self.domain_uuid = domain_uuid
+        self.status = status  # 'pending' | 'active'
+        self.since = since if since is not None else utc_now()
+        self.devices: list[Device] = devices if devices is not None else []
 
 
 # Shape checks. Each raises CorruptStateError naming the place in the document.
@@ -350,21 +381,28 @@ _KNOWN_KEYS = frozenset({"version", "vgpus", "vf_types", "type_names", "allocati
                          "unmanaged"})
 
 
-@dataclass
-class State:
+class State(_Record):
     """The typed state document.
 
     `extra` keeps top-level keys this version does not know (a hand edit, a
     tool that annotates the file) so that a rewrite does not drop them.
     """
 
-    vgpus: dict[str, VgpuRecord] = field(default_factory=dict)  # mdev uuid -> record
-    vf_types: dict[str, VfRecord] = field(default_factory=dict)  # VF address -> record
-    # 'vvvv:dddd' of the GPU model -> {numeric vGPU type id: name}
-    type_names: dict[str, dict[str, str]] = field(default_factory=dict)
-    allocations: dict[str, Allocation] = field(default_factory=dict)  # VM name -> allocation
-    unmanaged: set[str] = field(default_factory=set)  # PCI addresses the operator unmanaged
-    extra: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("allocations", "extra", "type_names", "unmanaged", "vf_types", "vgpus")
+
+    def __init__(self, vgpus: Optional[dict[str, VgpuRecord]] = None,
+                 vf_types: Optional[dict[str, VfRecord]] = None,
+                 type_names: Optional[dict[str, dict[str, str]]] = None,
+                 allocations: Optional[dict[str, Allocation]] = None,
+                 unmanaged: Optional[set[str]] = None,
+                 extra: Optional[dict[str, Any]] = None) -> None:
+        self.vgpus: dict[str, VgpuRecord] = vgpus or {}  # mdev uuid -> record
+        self.vf_types: dict[str, VfRecord] = vf_types or {}  # VF address -> record
+        # 'vvvv:dddd' of the GPU model -> {numeric vGPU type id: name}
+        self.type_names: dict[str, dict[str, str]] = type_names or {}
+        self.allocations: dict[str, Allocation] = allocations or {}  # VM name -> allocation
+        self.unmanaged: set[str] = unmanaged or set()  # PCI addresses the operator unmanaged
+        self.extra: dict[str, Any] = extra or {}
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document (plain dicts, lists and scalars)."""
@@ -423,6 +461,11 @@ class State:
         state.unmanaged = {_as_pci(a, f"unmanaged[{i}]") for i, a in enumerate(unmanaged)}
         state.extra = {k: v for k, v in d.items() if k not in _KNOWN_KEYS}
         return state
+
+    def assign(self, other: State) -> None:
+        """Make this document equal to `other` (inside a transaction, say)."""
+        for name in self.__slots__:
+            setattr(self, name, getattr(other, name))
 
     def copy(self) -> State:
         """A deep copy (through the JSON text, so nothing is shared)."""

@@ -250,7 +250,7 @@ def test_output_is_deterministic(tmp_path: Path) -> None:
     for name, s in (("a", a), ("b", b)):
         st_ = make_store(tmp_path / name)
         with st_.transaction() as cur:
-            cur.__dict__.update(s.copy().__dict__)
+            cur.assign(s.copy())
         texts.append(read_bytes(st_.state_path))
     assert texts[0] == texts[1] == dumps(a).encode("ascii")
     text = texts[0] or b""
@@ -508,7 +508,7 @@ def test_raising_transaction_leaves_file_byte_identical(
     with tempfile.TemporaryDirectory() as d:
         s1 = make_store(d)
         with s1.transaction() as s:
-            s.__dict__.update(initial.copy().__dict__)
+            s.assign(initial.copy())
         before = read_bytes(s1.state_path)
         st_before = os.stat(s1.state_path) if before is not None else None
         with pytest.raises(Boom), s1.transaction() as s:
@@ -599,14 +599,14 @@ def _crash_child(state_path: str, lock_path: str, start: int, attempting: Any) -
     while True:
         attempting.value = n  # transaction n-1 has committed
         with store.transaction() as s:
-            s.__dict__.update(crash_content(n).__dict__)
+            s.assign(crash_content(n))
         n += 1
 
 
 def test_sigkill_at_random_instants_never_breaks_the_file(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     with store.transaction() as s:
-        s.__dict__.update(crash_content(0).__dict__)
+        s.assign(crash_content(0))
     rng = random.Random(1234)
     attempting = FORK.Value("q", 0, lock=False)
     last = 0

@@ -72,7 +72,7 @@ def _release(vm_arg: str) -> int:
 
     def body() -> int:
         from gpulib.hooks.common import start
-        from gpulib.hooks.prepare import deactivate
+        from gpulib.hooks.vmstate import deactivate
         from gpulib.state import validate_vm_name
 
         vm = validate_vm_name(vm_arg)

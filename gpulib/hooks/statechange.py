@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
 
     def body() -> int:
         from gpulib.hooks.common import start
-        from gpulib.hooks.prepare import activate, deactivate
+        from gpulib.hooks.vmstate import activate, deactivate
         from gpulib.state import validate_vm_name
 
         vm = validate_vm_name(vm_arg)

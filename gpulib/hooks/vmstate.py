@@ -1,0 +1,57 @@
+"""What the start and stop hooks do to gpulib's records (no XML involved).
+
+Kept apart from `prepare` so that onStart/onStop and libvirt's `release end`
+never import lxml: they run on every VM start and stop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from gpulib.allocator import release
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.lifecycle import PENDING_GRACE_SECONDS, age_seconds, open_store
+from gpulib.state import State, utc_now
+from gpulib.usage import Usage, read_usage
+
+log = logging.getLogger(__name__)
+
+
+def release_stale(ctx: Context, state: State, usage: Usage, config: Config,
+                  keep: Optional[str] = None) -> None:
+    """Release pending allocations of VMs that never started (DESIGN 6.2)."""
+    for vm, alloc in list(state.allocations.items()):
+        if vm == keep or vm in usage.running or alloc.status != "pending":
+            continue
+        if age_seconds(alloc.since) < PENDING_GRACE_SECONDS:
+            continue
+        log.warning("releasing pending allocation of %s: it never started (since %s)",
+                    vm, alloc.since)
+        release(ctx.sysfs, state, vm,
+                destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
+                retry_seconds=0.5)
+
+
+def activate(ctx: Context, config: Config, vm: str) -> bool:
+    """onStart: the VM runs, its allocation becomes active. False if it holds nothing."""
+    with open_store(ctx, config).transaction() as state:
+        usage = read_usage(ctx.sysfs, include_defined=False)
+        release_stale(ctx, state, usage, config, keep=vm)
+        alloc = state.allocations.get(vm)
+        if alloc is None:
+            return False
+        if alloc.status != "active":
+            alloc.status = "active"
+            alloc.since = utc_now()
+        return True
+
+
+def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
+    """onStop / release end: release what the VM held."""
+    with open_store(ctx, config).transaction() as state:
+        return release(ctx.sysfs, state, vm,
+                       destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
+                       retry_seconds=config.get_float("release", "clear_retry_seconds"))
+
