@@ -13,15 +13,16 @@ from collections.abc import Mapping
 from typing import Optional
 
 from gpulib.errors import ConfigError
+from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress
 
 log = logging.getLogger(__name__)
 
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
-_VENDOR_DEVICE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\Z")
-_POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
-_TYPE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
+_VENDOR_DEVICE = lazy(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\Z")
+_POOL_NAME = lazy(r"^[A-Za-z0-9_.-]{1,64}\Z")
+_TYPE_ID = lazy(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 
 # section -> key -> (default, kind); the example config is generated from it.
 DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {

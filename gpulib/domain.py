@@ -15,12 +15,12 @@ vendor-specific VFs. A domain nobody edited comes back byte-identical.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, NamedTuple, Optional, Union, overload
 
 from lxml import etree
 
 from gpulib.errors import InputError
+from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress
 from gpulib.xmlns import GPULIB_NS  # defined without lxml, for the hooks' fast path
 
@@ -49,13 +49,13 @@ MAX_REQUEST_COUNT = 16
 
 # The type id becomes a path component under mdev_supported_types/ and an
 # NVIDIA creatable type: no '/', and no leading '.' so '.' and '..' are out.
-_TYPE_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
-_VENDOR_DEVICE_RE = re.compile(r"^([0-9a-fA-F]{4}):([0-9a-fA-F]{4})$")
-_UUID_RE = re.compile(
+_TYPE_ID_RE = lazy(r"^[A-Za-z0-9_.:-]+$")
+_VENDOR_DEVICE_RE = lazy(r"^([0-9a-fA-F]{4}):([0-9a-fA-F]{4})$")
+_UUID_RE = lazy(
     r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$")
-_SMALL_INT_RE = re.compile(r"^[0-9]{1,4}$")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-_POSITION_SUFFIX_RE = re.compile(r",? line \d+, column \d+$")
+_SMALL_INT_RE = lazy(r"^[0-9]{1,4}$")
+_CONTROL_RE = lazy(r"[\x00-\x1f\x7f]")
+_POSITION_SUFFIX_RE = lazy(r",? line \d+, column \d+$")
 
 # lxml ships no type stubs: elements are Any to mypy. The alias documents intent.
 Element = Any

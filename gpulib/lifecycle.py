@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from typing import Optional
 
@@ -24,6 +23,7 @@ from gpulib.allocator import release
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.errors import GpulibError, InputError
+from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress, list_addresses
 from gpulib.state import Allocation, Device, State, StateStore, VfRecord, VgpuRecord, utc_now
 from gpulib.usage import read_usage, running_domains
@@ -31,7 +31,7 @@ from gpulib.usage import read_usage, running_domains
 log = logging.getLogger(__name__)
 
 MDEVCTL_DIR = "etc/mdevctl.d"
-_ISO = re.compile(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
+_ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
 # A pending allocation younger than this may belong to a VM that is starting.
 PENDING_GRACE_SECONDS = 120.0
 

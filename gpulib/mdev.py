@@ -18,6 +18,7 @@ import time
 from typing import Optional
 
 from gpulib.errors import DeviceError, InputError, NotAvailableError
+from gpulib.lazyre import lazy
 from gpulib.pci import PCI_DEVICES, PciAddress
 from gpulib.sysfs import Sysfs
 
@@ -27,16 +28,16 @@ MDEV_DEVICES = "sys/bus/mdev/devices"
 MDEV_BUS = "sys/class/mdev_bus"
 TYPES_DIR = "mdev_supported_types"
 
-_TYPE_ID_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,128}\Z")
-_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+_TYPE_ID_RE = lazy(r"^[A-Za-z0-9_.:+-]{1,128}\Z")
+_UUID_RE = lazy(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 _NUM = {
-    "max_instance": re.compile(r"max_instance=(\d+)"),
-    "framebuffer": re.compile(r"framebuffer=(\d+)\s*([MG])?"),
-    "num_heads": re.compile(r"num_heads=(\d+)"),
-    "max_resolution": re.compile(r"max_resolution=(\d+)x(\d+)"),
+    "max_instance": lazy(r"max_instance=(\d+)"),
+    "framebuffer": lazy(r"framebuffer=(\d+)\s*([MG])?"),
+    "num_heads": lazy(r"num_heads=(\d+)"),
+    "max_resolution": lazy(r"max_resolution=(\d+)x(\d+)"),
 }
 # Intel GVT-g writes "resolution: 1920x1200" lines instead.
-_GVT_RES = re.compile(r"^resolution:\s*(\d+)x(\d+)", re.M)
+_GVT_RES = lazy(r"^resolution:\s*(\d+)x(\d+)", re.M)
 
 
 def check_uuid(text: str) -> str:

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
 import time
 from typing import Optional
 
 from gpulib.errors import DeviceError, InputError, NotAvailableError
+from gpulib.lazyre import lazy
 from gpulib.pci import PCI_DEVICES, PciAddress
 from gpulib.sysfs import Sysfs
 
 log = logging.getLogger(__name__)
 
 NVIDIA_VENDOR = 0x10DE
-_LINE = re.compile(r"^\s*(\d+)\s*:\s*(.*?)\s*$")
+_LINE = lazy(r"^\s*(\d+)\s*:\s*(.*?)\s*$")
 # "NVIDIA A10-6Q", "GRID T4-2Q", "NVIDIA H200X-1-18C": the last number before
 # the series letter(s) is the frame buffer in GB.
-_PROFILE_FB = re.compile(r"-(\d+)([A-Z]{1,3})$")
+_PROFILE_FB = lazy(r"-(\d+)([A-Z]{1,3})$")
 
 
 def parse_creatable(text: Optional[str]) -> dict[int, str]:

@@ -8,15 +8,15 @@ renderings of the same value.
 from __future__ import annotations
 
 import os
-import re
 from typing import NamedTuple, Optional
 
 from gpulib.errors import InputError
+from gpulib.lazyre import lazy
 from gpulib.sysfs import Sysfs
 
 PCI_DEVICES = "sys/bus/pci/devices/"
 
-_ADDR_RE = re.compile(
+_ADDR_RE = lazy(
     r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
 
 

@@ -35,13 +35,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from gpulib.errors import InputError, LockTimeout, StateError
+from gpulib.lazyre import lazy
 
 if TYPE_CHECKING:
     from gpulib.context import Context
@@ -60,11 +60,11 @@ DEVICE_KINDS = ("mdev", "vf", "pci")
 ALLOCATION_STATUSES = ("pending", "active")
 
 _VM_NAME_MAX = 255
-_UUID_RE = re.compile(
+_UUID_RE = lazy(
     r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_PCI_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
-_MODEL_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{4}")
-_TYPE_NUMBER_RE = re.compile(r"[0-9]+")
+_PCI_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
+_MODEL_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{4}")
+_TYPE_NUMBER_RE = lazy(r"[0-9]+")
 
 
 class StateVersionError(StateError):

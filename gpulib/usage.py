@@ -16,17 +16,18 @@ import re
 from typing import Optional
 
 from gpulib.context import DEFINED_DOMAINS, RUNNING_DOMAINS
+from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress
 from gpulib.sysfs import Sysfs
 
 log = logging.getLogger(__name__)
 
 # Hostdev sources as libvirt writes them: attributes in any order and quote.
-_HOSTDEV = re.compile(r"<hostdev\b([^>]*)>(.*?)</hostdev>", re.S)
-_ATTR = re.compile(r"""([A-Za-z_:][-.\w:]*)\s*=\s*(?:'([^']*)'|"([^"]*)")""")
-_SOURCE = re.compile(r"<source\b[^>]*>(.*?)</source>", re.S)
-_ADDRESS = re.compile(r"<address\b([^>]*?)/?>", re.S)
-_NAME = re.compile(r"<name>\s*([^<]+?)\s*</name>")
+_HOSTDEV = lazy(r"<hostdev\b([^>]*)>(.*?)</hostdev>", re.S)
+_ATTR = lazy(r"""([A-Za-z_:][-.\w:]*)\s*=\s*(?:'([^']*)'|"([^"]*)")""")
+_SOURCE = lazy(r"<source\b[^>]*>(.*?)</source>", re.S)
+_ADDRESS = lazy(r"<address\b([^>]*?)/?>", re.S)
+_NAME = lazy(r"<name>\s*([^<]+?)\s*</name>")
 
 
 def _attrs(text: str) -> dict[str, str]:

@@ -6,7 +6,7 @@ import os
 
 from gpulib.context import Context
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import build_demo, models
+from gpulib.sim.hosts import build_demo, build_pool64, models
 
 
 def demo_host(tmp: str) -> FakeHost:
@@ -51,22 +51,8 @@ def simulated(host: FakeHost) -> Context:
 
 
 def t4_farm(tmp: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:
-    """`gpus` T4s and a pool of GRID T4-1B vGPUs on each (16 fit on one T4)."""
-    host = empty_host(tmp)
-    m = models()["t4"]
-    for g in range(gpus):
-        bus = 0x3B + g * 0x10
-        port = f"0000:{bus - 1:02x}:00.0"
-        host.add_bridge(port, numa_node=g % 2, iommu_group=host.new_iommu_group())
-        host.add_function(f"0000:{bus:02x}:00.0", m["vendor"], m["device"], m["class"],
-                          driver="nvidia", iommu_group=host.new_iommu_group(), numa_node=g % 2,
-                          parent=port, vendor_name=m["vendor_name"],
-                          device_name=m["device_name"])
-        host.populate_mdev_parent(f"0000:{bus:02x}:00.0", m["mdev_types"])
-    host.write_file("etc/gpulib/gpulib.conf",
-                    f"[pool desktops]\nparents = 10de:1eb8\nprofile = GRID T4-1B\n"
-                    f"per_parent = {per_parent}\n")
-    return host
+    """`gpus` T4s and a declared pool of GRID T4-1B vGPUs on each."""
+    return build_pool64(os.path.join(tmp, "host"), gpus=gpus, per_parent=per_parent)
 
 
 def reboot(host: FakeHost, rebuild: object) -> FakeHost:

@@ -288,13 +288,8 @@ def test_every_vf_and_mdev_appears_once_under_its_gpu(
     check_agent_document(doc)
     gpu_addrs = {g["pci_address"] for g in doc["gpus"]}
     assert len(doc["gpus"]) == len(specs)
-    seen_vfs = []
-    seen_mdevs = []
-    for g, spec in zip(doc["gpus"], sorted(
-            specs, key=lambda s: s[0] * 0)):  # order is by address; counts checked below
-        del spec
-        seen_vfs += [vf["vf_pci_address"] for vf in g["vf_instances"]]
-        seen_mdevs += [v["mdev_uuid"] for v in g["vgpu_instances"]]
+    seen_vfs = [vf["vf_pci_address"] for g in doc["gpus"] for vf in g["vf_instances"]]
+    seen_mdevs = [v["mdev_uuid"] for g in doc["gpus"] for v in g["vgpu_instances"]]
     live = os.listdir(os.path.join(host.root, "sys/bus/mdev/devices")) \
         if os.path.isdir(os.path.join(host.root, "sys/bus/mdev/devices")) else []
     assert sorted(seen_mdevs) == sorted(live)

@@ -9,6 +9,7 @@
   CloudStack agent fixtures, so their domain XML works against this host.
 * `large`: 8 GPUs x 16 VFs x 24 vGPU types with 64 running VMs, the size the
   discovery budget is measured on.
+* `pool64`: four T4s with a declared pool of 64 vGPUs, for the concurrency budget.
 """
 
 from __future__ import annotations
@@ -229,7 +230,27 @@ def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64) 
     return host
 
 
-SAMPLE_HOSTS: dict[str, Callable[[str], FakeHost]] = {"demo": build_demo, "large": build_large}
+def build_pool64(root: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:
+    """`gpus` T4s and a pool of GRID T4-1B vGPUs on each (16 fit on one T4): the
+    host of the "64 VMs start at once against a pool of 64" budget. The pool is
+    declared, not created: `gpulib pool apply` creates it."""
+    host = FakeHost(root)
+    host.add_iommu_unit("dmar0")
+    m = models()["t4"]
+    for g in range(gpus):
+        bus = 0x3B + g * 0x10
+        port = f"0000:{bus - 1:02x}:00.0"
+        host.add_bridge(port, numa_node=g % 2, iommu_group=host.new_iommu_group())
+        add_model(host, m, f"0000:{bus:02x}:00.0", g % 2, parent=port)
+        host.populate_mdev_parent(f"0000:{bus:02x}:00.0", m["mdev_types"])
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool desktops]\nparents = 10de:1eb8\nprofile = GRID T4-1B\n"
+                    f"per_parent = {per_parent}\n")
+    return host
+
+
+SAMPLE_HOSTS: dict[str, Callable[[str], FakeHost]] = {
+    "demo": build_demo, "large": build_large, "pool64": build_pool64}
 
 
 def build(name: str, root: str) -> FakeHost:

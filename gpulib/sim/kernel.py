@@ -31,17 +31,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 from typing import Optional
 
+from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
 
 log = logging.getLogger(__name__)
 
-_UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+_UUID = lazy(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
                    r"[0-9a-fA-F]{12}$")
-_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-_PROFILE_GB = re.compile(r"-(\d+)([A-Z]{1,3})$")
+_BDF = lazy(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+_PROFILE_GB = lazy(r"-(\d+)([A-Z]{1,3})$")
 SAVED_AVAILABLE = ".sim-available"
 SAVED_CREATABLE = ".sim-creatable"
 NVIDIA_VENDOR = "0x10de"
