@@ -33,13 +33,9 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
         handler = SyslogHandler(program)
         handler.setFormatter(logging.Formatter(_FORMAT))
     if handler is None:
-        try:
-            os.makedirs(ctx.path(LOG_DIR), exist_ok=True)
-            handler = logging.FileHandler(ctx.path(LOG_DIR + "/gpulib.log"), encoding="utf-8")
-            handler.setFormatter(logging.Formatter(f"%(asctime)s {program}[%(process)d]: "
-                                                   + _FORMAT))
-        except OSError:
-            handler = logging.NullHandler()
+        handler = LazyFileHandler(ctx.path(LOG_DIR + "/gpulib.log"))
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {program}[%(process)d]: "
+                                               + _FORMAT))
     handler.setLevel(_level(level))
     root.addHandler(handler)
     if stderr_level:
@@ -47,6 +43,24 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
         err.setLevel(_level(stderr_level))
         err.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         root.addHandler(err)
+
+
+class LazyFileHandler(logging.FileHandler):
+    """A log file created on the first record only: a command that has nothing
+    to log (discover, doctor, snapshot) leaves the root untouched."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, encoding="utf-8", delay=True)
+
+    def _open(self):  # type: ignore[no-untyped-def]
+        os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
+        return super()._open()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)
+        except OSError:
+            pass  # a read-only root (a mounted snapshot) must not fail a command
 
 
 class SyslogHandler(logging.Handler):

@@ -1,10 +1,12 @@
 """Vendor and device names as `lspci -nnm` prints them.
 
 Sources, in order: udev's database entry for the device (what udev's hwdb
-resolved at boot: `run/udev/data/+pci:<address>`), then a `pci.ids` file
-below the root (`usr/share/misc`, `usr/share/hwdata`), then lspci's own
+resolved at boot: `run/udev/data/+pci:<address>`); on the real root, udev's
+hwdb queried through pyudev with the device's modalias; then a `pci.ids`
+file below the root (`usr/share/misc`, `usr/share/hwdata`); then lspci's own
 fallback `Device xxxx`. Reading the udev entry is what pyudev's
-`Device.properties` does; reading the file directly avoids loading libudev.
+`Device.properties` does; reading the file directly avoids loading libudev
+for the common case.
 
 pci.ids is 1.3 MB; instead of parsing it whole we find the vendor block with
 str.find and the device line inside it, which keeps a lookup well under a
@@ -46,6 +48,10 @@ class PciNames:
                 if line.startswith("E:ID_") and "=" in line:
                     key, _, value = line[2:].partition("=")
                     out[key] = value
+        if not out and self._sysfs.root == "/":
+            modalias = self._sysfs.read(f"sys/bus/pci/devices/{address}/modalias")
+            if modalias:
+                out = hwdb_lookup(modalias)
         return out
 
     def _vendor_block(self, vendor: int) -> tuple[Optional[str], str]:
@@ -94,3 +100,27 @@ class PciNames:
             end = block.find("\n", start + 1)
             return block[start + len(key):end if end >= 0 else None].strip()
         return f"Device {device:04x}"
+
+
+_hwdb: list[object] = []
+
+
+def hwdb_lookup(modalias: str) -> dict[str, str]:
+    """udev's hwdb properties for a modalias, through pyudev; {} when unavailable.
+
+    pyudev has no public hwdb call, so this uses its libudev binding; any
+    failure (no libudev, no hwdb.bin, another pyudev) falls back to pci.ids.
+    """
+    try:
+        import pyudev
+        from pyudev._util import udev_list_iterate
+
+        if not _hwdb:
+            context = pyudev.Context()
+            _hwdb.extend([context, context._libudev.udev_hwdb_new(context)])
+        context, hwdb = _hwdb
+        lib = context._libudev  # type: ignore[attr-defined]
+        entry = lib.udev_hwdb_get_properties_list_entry(hwdb, modalias.encode(), 0)
+        return {k.decode(): v.decode() for k, v in udev_list_iterate(lib, entry)}
+    except Exception:
+        return {}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
+from gpulib.cloudstack import AGENT_HOOKS_DIR, STATE_CHANGE_HOOK, TRANSFORMER_HOOK
 from gpulib.context import Context
+from gpulib.doctor import LIBVIRT_HOOK
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo, build_pool64, models
 
@@ -74,3 +76,38 @@ def reboot(host: FakeHost, rebuild: object) -> FakeHost:
             shutil.copytree(src, new.p(keep), symlinks=True)
     shutil.rmtree(saved)
     return new  # type: ignore[no-any-return]
+
+
+# -- a host ready for gpulib: hooks installed, libvirtd started after them --
+
+BTIME = 1_700_000_000
+HOOKS_AT = BTIME + 100
+LIBVIRTD_AT = BTIME + 200
+LIBVIRTD_PID = 2211
+HOOKS = (LIBVIRT_HOOK, f"{AGENT_HOOKS_DIR}/{TRANSFORMER_HOOK}",
+         f"{AGENT_HOOKS_DIR}/{STATE_CHANGE_HOOK}")
+
+def install_hooks(host: FakeHost, mtime: float = HOOKS_AT) -> None:
+    for rel in HOOKS:
+        host.write_file(rel, "#!/bin/sh\nexec /usr/bin/gpulib-hook \"$@\"\n", 0o755)
+        os.utime(host.p(rel), (mtime, mtime))
+
+
+def start_libvirtd(host: FakeHost, started: float = LIBVIRTD_AT, pid: int = LIBVIRTD_PID,
+                   comm: str = "libvirtd") -> None:
+    """run/libvirtd.pid, proc/<pid>/stat (starttime in clock ticks), proc/stat btime."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    host.write_file("proc/stat", f"cpu  10 0 10 1000 0 0 0 0 0 0\nbtime {BTIME}\n"
+                                 "processes 4242\n")
+    host.write_file("run/libvirtd.pid", f"{pid}\n")
+    fields = ["S", "1"] + ["0"] * 17 + [str(int((started - BTIME) * ticks))] + ["0"] * 30
+    host.write_file(f"proc/{pid}/stat", f"{pid} ({comm}) " + " ".join(fields) + "\n", 0o444)
+
+
+def healthy_host(tmp: str) -> FakeHost:
+    """The demo host with gpulib's hooks installed and libvirtd started after them."""
+    host = build_demo(os.path.join(tmp, "demo"))
+    os.makedirs(host.p("etc/cloudstack/agent"), exist_ok=True)
+    install_hooks(host)
+    start_libvirtd(host)
+    return host

@@ -7,7 +7,6 @@ Exit codes of the hooks: 0 success, 1 the devices could not be made ready
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING, Optional
 
@@ -69,15 +68,24 @@ def start(program: str) -> tuple[Context, Config]:
 def run_guarded(program: str, body: object, unexpected_code: int = 1,
                 error_code_override: Optional[int] = None) -> int:
     """Run body(); map gpulib errors to one stderr line and their exit code."""
+    import logging
+
     from gpulib.errors import GpulibError
 
+    # Until start() configures it, logging would fall back to stderr, which the
+    # agent would read as part of the XML: hooks never log to stderr.
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.NullHandler())
     try:
         result = body()  # type: ignore[operator]
         return int(result or 0)
     except HookInputError as exc:
+        _log_error(program, str(exc))
         error_line(program, str(exc))
         return error_code_override if error_code_override is not None else 2
     except GpulibError as exc:
+        _log_error(program, exc.message)
         error_line(program, exc.message)
         return error_code_override if error_code_override is not None else exc.exit_code
     except Exception as exc:  # a bug must still give one clear line, never a traceback
@@ -88,5 +96,9 @@ def run_guarded(program: str, body: object, unexpected_code: int = 1,
         return error_code_override if error_code_override is not None else unexpected_code
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") == "1"
+def _log_error(program: str, message: str) -> None:
+    # Also into gpulib's own log: a caller may not show stderr (libvirt's
+    # reconnect, an exit code the agent only logs).
+    import logging
+
+    logging.getLogger("gpulib.hooks").error("%s: %s", program, message)

@@ -88,17 +88,18 @@ def _reconnect(vm_arg: str) -> None:
     from gpulib.hooks.common import drain_stdin, read_stdin, run_guarded
 
     def body() -> int:
-        xml = read_stdin()
+        from gpulib.hooks.common import start
         from gpulib.xmlns import may_concern_gpulib
 
+        # Logging first: this operation's failures are not shown by libvirt.
+        ctx, config = start("gpulib-qemu-hook")
+        xml = read_stdin()
         if not may_concern_gpulib(xml):
             return 0
         from gpulib.domain import parse_domain
-        from gpulib.hooks.common import start
         from gpulib.hooks.prepare import Preparer
 
         dom = parse_domain(xml)
-        ctx, config = start("gpulib-qemu-hook")
         Preparer(ctx, config, dom, edit_xml=False, allow_metadata=False).run_reconnect()
         return 0
 

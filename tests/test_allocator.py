@@ -1,0 +1,147 @@
+"""Property: no sequence of allocate/release/restore/reconcile ever gives a
+device twice or exceeds what a type offers, on a simulated T4 (time-sliced
+mdev on the PF) and A10 (vendor-specific vGPU VFs)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from gpulib import mdev, nvidia
+from gpulib.allocator import Allocator, VgpuRequest, record, release
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.errors import NotAvailableError
+from gpulib.lifecycle import open_store, reconcile, restore
+from gpulib.pci import PciAddress, virtfn_links
+from gpulib.runtime import discover_host
+from gpulib.sim.fakehost import FakeHost
+from gpulib.sim.hosts import models
+
+PROFILES = ["GRID T4-1B", "GRID T4-4Q", "NVIDIA A10-6Q", "NVIDIA A10-24Q"]
+VMS = [f"vm-{i}" for i in range(6)]
+T4 = PciAddress.parse("0000:3b:00.0")
+A10 = PciAddress.parse("0000:41:00.0")
+
+
+def build(root: str) -> FakeHost:
+    host = FakeHost(root)
+    m = models()
+    host.add_function(str(T4), 0x10DE, 0x1EB8, 0x030200, driver="nvidia",
+                      iommu_group=host.new_iommu_group())
+    host.populate_mdev_parent(str(T4), m["t4"]["mdev_types"])
+    host.add_function(str(A10), 0x10DE, 0x2236, 0x030200, driver="nvidia",
+                      iommu_group=host.new_iommu_group())
+    host.set_sriov_capability(str(A10), 32, 0x2236, offset=4)
+    types = {int(k): v for k, v in m["a10"]["nvidia_vf_types"].items()}
+    for vf in host.enable_sriov(str(A10), 4, vf_driver="nvidia"):
+        host.add_nvidia_vf_types(vf, types)
+    return host
+
+
+class Allocations(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.host = build(os.path.join(self.tmp.name, "h"))
+        self.ctx = Context.for_root(self.host.root, simulate=True)
+        self.config = Config()
+        self.store = open_store(self.ctx, self.config)
+        self.counter = 0
+
+    def teardown(self) -> None:
+        self.tmp.cleanup()
+
+    def _uuid(self) -> str:
+        self.counter += 1
+        return f"{self.counter:08x}-0000-4000-8000-000000000000"
+
+    @rule(vm=st.sampled_from(VMS), profile=st.sampled_from(PROFILES),
+          count=st.integers(1, 3), policy=st.sampled_from(["spread", "pack"]))
+    def allocate(self, vm: str, profile: str, count: int, policy: str) -> None:
+        with self.store.transaction() as state:
+            if vm in state.allocations:
+                return
+            inv = discover_host(self.ctx, self.config, state=state, learn=False)
+            alloc = Allocator(self.ctx.sysfs, state, inv, policy=policy)
+            try:
+                devices = alloc.allocate_vgpus(vm, VgpuRequest(profile=profile, count=count),
+                                               self._uuid)
+            except NotAvailableError:
+                return
+            record(state, vm, None, devices, status="active")
+
+    @rule(vm=st.sampled_from(VMS))
+    def release_vm(self, vm: str) -> None:
+        with self.store.transaction() as state:
+            release(self.ctx.sysfs, state, vm, retry_seconds=0)
+
+    @rule(vm=st.sampled_from(VMS))
+    def vm_runs(self, vm: str) -> None:
+        self.host.add_running_domain(vm, "0f7d9b3e-5a1c-4e28-b6f4-9d2a8c1e7b53")
+
+    @rule(vm=st.sampled_from(VMS))
+    def vm_stops(self, vm: str) -> None:
+        self.host.stop_domain(vm)
+
+    @rule()
+    def do_restore(self) -> None:
+        with self.store.transaction() as state:
+            restore(self.ctx, state, adopt_mdevctl=False)
+
+    @rule()
+    def do_reconcile(self) -> None:
+        with self.store.transaction() as state:
+            reconcile(self.ctx, state, grace=0)
+
+    @invariant()
+    def nothing_given_twice(self) -> None:
+        state = self.store.load()
+        seen: dict[str, str] = {}
+        for vm, alloc in state.allocations.items():
+            for d in alloc.devices:
+                assert d.id not in seen, f"{d.id} held by {seen.get(d.id)} and {vm}"
+                seen[d.id] = vm
+        for uuid in seen:
+            if uuid in state.vgpus:
+                assert state.vgpus[uuid].vm == seen[uuid]
+
+    @invariant()
+    def within_what_types_offer(self) -> None:
+        sysfs = self.ctx.sysfs
+        live = mdev.live_mdevs(sysfs)
+        by_type: dict[str, int] = {}
+        for m in live.values():
+            by_type[m.type_id] = by_type.get(m.type_id, 0) + 1
+        maxima = {t["type_id"]: t["available_instances"] for t in models()["t4"]["mdev_types"]}
+        for type_id, n in by_type.items():
+            assert n <= maxima[type_id]
+            assert (mdev.MdevType(sysfs, T4, type_id).available_instances or 0) >= 0
+        assert len(by_type) <= 1, "a time-sliced T4 runs one type at a time"
+        types = [nvidia.current_type(sysfs, vf) for _, vf in virtfn_links(sysfs, A10)]
+        active = [t for t in types if t]
+        assert len(set(active)) <= 1
+        if active:
+            size_gb = 6 if active[0] == 594 else 24
+            assert len(active) <= 24 // size_gb
+
+    @invariant()
+    def held_devices_exist(self) -> None:
+        state = self.store.load()
+        live = mdev.live_mdevs(self.ctx.sysfs)
+        for alloc in state.allocations.values():
+            for d in alloc.devices:
+                if d.kind == "mdev":
+                    assert d.id in live
+                elif d.kind == "vf":
+                    assert nvidia.current_type(self.ctx.sysfs, PciAddress.parse(d.id))
+
+
+Allocations.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestAllocations = Allocations.TestCase

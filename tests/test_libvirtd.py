@@ -1,0 +1,378 @@
+"""gpulib's qemu hook inside a real libvirtd (DESIGN section 2.3).
+
+A private libvirtd (tests/helpers/libvirtd_env.py: own mount namespace, own
+/etc/libvirt, /run, /var/lib/libvirt; the host's are untouched) starts with
+`/etc/libvirt/hooks/qemu.d/60-gpulib-test` in place: a wrapper that sets
+GPULIB_ROOT to a fake demo host (`gpulib.sim.hosts.build_demo`) and
+GPULIB_SIMULATE=1, runs this checkout's `gpulib-qemu-hook`, and records each
+call (arguments, exit code, gpulib's state and the live mdevs right after it)
+so the tests see what libvirt did in which order.
+
+What libvirt 9.0 does on `virsh start` (seen in its debug log, `qemuProcessStart`):
+  qemuProcessInit -> qemuProcessStartValidate (XML only, no host devices)
+    -> hook `prepare begin`           (non-zero exit: start aborted, stderr shown)
+  qemuProcessPrepareDomain -> qemuProcessPrepareHost -> qemuHostdevPrepareDomainDevices
+    (mdev: "Mediated host device assignment requires VFIO support" without
+    /dev/vfio/vfio; then the mdev must exist in the real /sys)
+  qemuProcessLaunch -> hook `start begin` -> exec qemu -> hook `started begin`
+  on any failure, and on destroy: qemuProcessStop -> `stopped end`, `release end`.
+So `prepare begin` runs before libvirt looks at an mdev on the host: the hook
+gets to recreate a pool vGPU, and `release end` runs after a start that
+failed later, even after our own `prepare` refused.
+
+Every test needs root and libvirtd, virtlogd, virsh and qemu-system-x86_64;
+GPULIB_SKIP_LIBVIRTD=1 skips them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
+from tests.helpers.libvirtd_env import QEMU, PrivateLibvirtd, shell_quote, skip_reason
+
+REPO = Path(__file__).resolve().parents[1]
+# The venv's console script, beside the interpreter running the tests (not resolved:
+# sys.executable is usually a symlink into the base Python).
+HOOK = Path(sys.executable).parent / "gpulib-qemu-hook"
+HOOK_NAME = "60-gpulib-test"
+PREFIX = "gpulib-test-"
+POOL_UUID = DEMO_POOL_MDEVS[0]
+POOL_TYPE = "nvidia-232"
+
+_REASON = skip_reason()
+if _REASON is None and not os.access(HOOK, os.X_OK):
+    _REASON = f"{HOOK} is not installed (pip install -e . in this venv)"
+
+pytestmark = [
+    pytest.mark.libvirtd,
+    pytest.mark.skipif(_REASON is not None, reason=f"real libvirtd test: {_REASON}"),
+]
+
+# libvirt runs hooks with an almost empty environment (virCommandAddEnvPassCommon:
+# LC_ALL=C, PATH, HOME, USER, LOGNAME, TMPDIR): the wrapper must set everything.
+# It keeps `exec`'s contract: stdin goes to the hook, its stdout/stderr and exit
+# code come back unchanged; the trace is written after the hook ended.
+WRAPPER = """\
+#!/bin/sh
+# gpulib's qemu hook for tests/test_libvirtd.py (a private libvirtd only).
+GPULIB_ROOT={root}
+GPULIB_SIMULATE=1
+PYTHONPATH={repo}
+PYTHONDONTWRITEBYTECODE=1
+export GPULIB_ROOT GPULIB_SIMULATE PYTHONPATH PYTHONDONTWRITEBYTECODE
+{hook} "$@"
+rc=$?
+trace={trace}
+n=$(( $(wc -l < "$trace/calls.log") + 1 ))
+cp "$GPULIB_ROOT/var/lib/gpulib/state.json" "$trace/$n.state.json" 2>/dev/null
+ls "$GPULIB_ROOT/sys/bus/mdev/devices" > "$trace/$n.mdevs" 2>/dev/null
+printf '%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$n" "${{1-}}" "${{2-}}" "${{3-}}" "${{4-}}" "$rc" \\
+    >> "$trace/calls.log"
+exit $rc
+"""
+
+
+class Env:
+    """The fake host, the installed wrapper and its trace."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.root = base / "root"
+        self.trace = base / "trace"
+        build_demo(str(self.root))
+        self.trace.mkdir()
+        (self.trace / "calls.log").write_text("")
+        self.daemon = PrivateLibvirtd(base / "libvirt")
+        self.wrapper = self.daemon.install_hook(HOOK_NAME, WRAPPER.format(
+            root=shell_quote(self.root), repo=shell_quote(REPO), hook=shell_quote(HOOK),
+            trace=shell_quote(self.trace)))
+
+    # -- the fake host -----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(
+            (self.root / "var/lib/gpulib/state.json").read_text())
+        return data
+
+    def live_mdevs(self) -> list[str]:
+        return sorted(os.listdir(self.root / "sys/bus/mdev/devices"))
+
+    # -- what the wrapper recorded -------------------------------------------------------------
+    def calls(self, vm: str) -> list[dict[str, Any]]:
+        out = []
+        for line in (self.trace / "calls.log").read_text().splitlines():
+            n, name, op, sub, extra, rc = line.split("\t")
+            if name == vm:
+                out.append({"n": n, "op": f"{op} {sub}", "extra": extra, "rc": int(rc)})
+        return out
+
+    def state_after(self, call: dict[str, Any]) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.trace / f"{call['n']}.state.json").read_text())
+        return data
+
+    def mdevs_after(self, call: dict[str, Any]) -> list[str]:
+        return sorted((self.trace / f"{call['n']}.mdevs").read_text().split())
+
+    def libvirt_events(self, vm: str) -> list[str]:
+        """What libvirtd logged (libvirtd.conf: util.hook, qemu_process at debug) from the
+        VM's `prepare begin` to its `release end`: hook calls and host-device preparation."""
+        lines = self.daemon.log.read_text(errors="replace").splitlines()
+        hook = re.compile(r"Calling hook (\S+) id=(\S+) op=(\S+) subop=(\S+)")
+        events: list[str] = []
+        for line in lines:
+            m = hook.search(line)
+            if m and m.group(2) == vm:
+                assert m.group(1) == f"/etc/libvirt/hooks/qemu.d/{HOOK_NAME}", line
+                events.append(f"hook {m.group(3)} {m.group(4)}")
+            elif events and events[-1] != "hook release end":
+                if "Preparing host devices" in line:
+                    events.append("prepare host devices")
+                elif " error : " in line and events[-1] == "prepare host devices":
+                    events.append("host device error")  # no VFIO, or no such mdev
+        return events
+
+    def gpulib_log(self) -> str:
+        path = self.root / "var/log/gpulib/gpulib.log"
+        return path.read_text(errors="replace") if path.exists() else "(no gpulib log)"
+
+    def explain(self, res: subprocess.CompletedProcess[str]) -> str:
+        """Everything needed to understand a failed assertion."""
+        return (f"virsh rc={res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr}\n"
+                f"--- hook calls\n{(self.trace / 'calls.log').read_text()}"
+                f"--- gpulib log (tail)\n{self.gpulib_log()[-3000:]}\n"
+                + self.daemon.tail("libvirtd.log", 30))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+    """Fake root + wrapper; no daemon (the direct hook test needs only this)."""
+    return Env(tmp_path_factory.mktemp("libvirtd"))
+
+
+@pytest.fixture(scope="module")
+def libvirtd(env: Env) -> Iterator[PrivateLibvirtd]:
+    """virtlogd + libvirtd, started after the wrapper is in place (hooks are read at start)."""
+    daemon = env.daemon
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        daemon.stop()  # destroys/undefines the domains, ends what we started, by pid
+
+
+def domain_xml(name: str, mdev: str | None = None) -> str:
+    hostdev = ""
+    if mdev is not None:
+        hostdev = f"""
+    <hostdev mode='subsystem' type='mdev' model='vfio-pci'>
+      <source><address uuid='{mdev}'/></source>
+    </hostdev>"""
+    return f"""<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>64</memory>
+  <vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='pc'>hvm</type></os>
+  <devices>
+    <emulator>{QEMU}</emulator>{hostdev}
+  </devices>
+</domain>
+"""
+
+
+@pytest.fixture
+def define(env: Env, libvirtd: PrivateLibvirtd) -> Iterator[Callable[..., str]]:
+    """define(name, mdev=None) -> name; destroyed and undefined after the test."""
+    names: list[str] = []
+
+    def _define(suffix: str, mdev: str | None = None) -> str:
+        name = PREFIX + suffix
+        xml = env.base / f"{name}.xml"
+        xml.write_text(domain_xml(name, mdev))
+        res = libvirtd.virsh("define", str(xml))
+        assert res.returncode == 0, env.explain(res)
+        names.append(name)
+        return name
+
+    yield _define
+    for name in names:
+        libvirtd.virsh("destroy", name)
+        libvirtd.virsh("undefine", name)
+
+
+def domstate(libvirtd: PrivateLibvirtd, name: str) -> str:
+    return libvirtd.virsh("domstate", name).stdout.strip()
+
+
+def test_domain_without_gpus_starts_and_stops(env: Env, libvirtd: PrivateLibvirtd,
+                                              define: Callable[..., str]) -> None:
+    name = define("plain")
+    state_before = env.state()
+
+    res = libvirtd.virsh("start", name)
+    assert res.returncode == 0, env.explain(res)
+    assert domstate(libvirtd, name) == "running"
+    res = libvirtd.virsh("destroy", name)
+    assert res.returncode == 0, env.explain(res)
+    assert domstate(libvirtd, name) == "shut off"
+
+    # The hook ran for every step, and said yes each time.
+    calls = env.calls(name)
+    assert [c["op"] for c in calls] == ["prepare begin", "start begin", "started begin",
+                                        "stopped end", "release end"], env.explain(res)
+    assert all(c["rc"] == 0 for c in calls), env.explain(res)
+    assert env.state() == state_before
+
+
+def test_running_domain_survives_libvirtd_restart(env: Env, libvirtd: PrivateLibvirtd,
+                                                  define: Callable[..., str]) -> None:
+    """libvirtd re-finds the VM and calls `reconnect begin`: a failure would kill it."""
+    name = define("reconnect")
+    res = libvirtd.virsh("start", name)
+    assert res.returncode == 0, env.explain(res)
+
+    libvirtd.stop_libvirtd()
+    libvirtd.start_libvirtd()
+
+    # libvirtd answers clients before its per-domain reconnect threads have run the hook.
+    deadline = time.monotonic() + 20
+    while "reconnect begin" not in [c["op"] for c in env.calls(name)] \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert domstate(libvirtd, name) == "running"
+    calls = env.calls(name)
+    assert {"reconnect begin"} <= {c["op"] for c in calls}, env.explain(res)
+    assert all(c["rc"] == 0 for c in calls), env.explain(res)
+
+
+def test_pool_vgpu_is_recreated_then_released(env: Env, libvirtd: PrivateLibvirtd,
+                                              define: Callable[..., str]) -> None:
+    """A pool vGPU gpulib knows but that is not live (as after a reboot)."""
+    name = define("pool-vgpu", mdev=POOL_UUID)
+    mdevs_before = env.live_mdevs()
+    state_before = env.state()
+    assert POOL_UUID not in mdevs_before
+    assert state_before["vgpus"][POOL_UUID]["vm"] is None
+    assert name not in state_before["allocations"]
+
+    res = libvirtd.virsh("start", name)
+
+    # The start fails, and it is libvirt's own refusal (no VFIO, or no such mdev in the
+    # real /sys), not gpulib's: prepare had already succeeded.
+    assert res.returncode != 0, env.explain(res)
+    assert "Hook script execution failed" not in res.stderr, env.explain(res)
+    assert "gpulib:" not in res.stderr, env.explain(res)
+    assert any(s in res.stderr for s in ("VFIO", "vfio", "ediated", POOL_UUID)), \
+        env.explain(res)
+
+    calls = env.calls(name)
+    ops = [c["op"] for c in calls]
+    assert ops[0] == "prepare begin", env.explain(res)
+    assert ops[-1] == "release end", env.explain(res)
+    assert "start begin" not in ops, env.explain(res)  # qemu was never launched
+    assert all(c["rc"] == 0 for c in calls), env.explain(res)
+    # libvirt's own log: our hook ran first, libvirt looked at host devices after it.
+    assert env.libvirt_events(name) == [
+        "hook prepare begin", "prepare host devices", "host device error",
+        "hook stopped end", "hook release end"], env.explain(res)
+
+    # Right after `prepare begin`: the vGPU exists in the fake tree, on its parent with
+    # its type, and gpulib recorded it (pending) for this VM.
+    prepared = calls[0]
+    assert env.mdevs_after(prepared) == sorted([*mdevs_before, POOL_UUID])
+    link = env.root / "sys/bus/mdev/devices" / POOL_UUID
+    assert link.is_symlink()
+    assert os.path.basename(os.readlink(link / "mdev_type")) == POOL_TYPE
+    assert os.path.basename(os.path.dirname(os.path.realpath(link))) == DEMO_T4
+    state_prepared = env.state_after(prepared)
+    alloc = state_prepared["allocations"][name]
+    assert alloc["status"] == "pending"
+    assert POOL_UUID in json.dumps(alloc["devices"])
+    assert state_prepared["vgpus"][POOL_UUID]["vm"] == name
+
+    # After `release end`: the allocation is gone and the registry entry is free again;
+    # the pool vGPU itself stays live for the next VM (DESIGN 6.2: pool devices stay).
+    expected = json.loads(json.dumps(state_prepared))
+    del expected["allocations"][name]
+    expected["vgpus"][POOL_UUID]["vm"] = None
+    state_after = env.state()
+    assert state_after == expected
+    assert state_after["allocations"] == state_before["allocations"]
+    assert env.live_mdevs() == sorted([*mdevs_before, POOL_UUID])
+    assert domstate(libvirtd, name) == "shut off"
+
+
+def test_unknown_vgpu_is_refused_by_prepare(env: Env, libvirtd: PrivateLibvirtd,
+                                            define: Callable[..., str]) -> None:
+    """An mdev UUID gpulib has no record of: prepare refuses, libvirt shows why."""
+    unknown = str(uuid.uuid4())
+    name = define("unknown-vgpu", mdev=unknown)
+    mdevs_before = env.live_mdevs()
+    state_before = env.state()
+
+    res = libvirtd.virsh("start", name)
+
+    assert res.returncode != 0, env.explain(res)
+    assert "Hook script execution failed" in res.stderr, env.explain(res)
+    assert f"/etc/libvirt/hooks/qemu.d/{HOOK_NAME} {name} prepare begin" in res.stderr
+    assert f"gpulib: mdev {unknown} does not exist" in res.stderr, env.explain(res)
+    assert "gpulib has no record" in res.stderr, env.explain(res)
+    assert "Traceback" not in res.stderr
+
+    calls = env.calls(name)
+    assert calls[0]["op"] == "prepare begin" and calls[0]["rc"] == 1, env.explain(res)
+    # libvirt still runs the stop hooks after a refused prepare; release tolerates
+    # "never allocated".
+    assert calls[-1]["op"] == "release end" and calls[-1]["rc"] == 0, env.explain(res)
+    assert "start begin" not in [c["op"] for c in calls]
+    # libvirt stopped right after the hook: it never got to the host devices.
+    assert env.libvirt_events(name) == ["hook prepare begin", "hook stopped end",
+                                        "hook release end"], env.explain(res)
+
+    assert env.live_mdevs() == mdevs_before
+    assert unknown not in env.live_mdevs()
+    assert env.state() == state_before
+    assert domstate(libvirtd, name) == "shut off"
+
+
+GARBAGE = {
+    "empty": b"",
+    "binary": bytes(range(256)) * 64,
+    "truncated-domain": b"<domain type='qemu'><name>gpulib-test-x</name><devices>"
+                        b"<hostdev mode='subsystem' type='mdev'><source><address uuid='",
+    "bad-uuid": b"<domain type='qemu'><name>gpulib-test-x</name><devices>"
+                b"<hostdev mode='subsystem' type='mdev' model='vfio-pci'><source>"
+                b"<address uuid='not-a-uuid'/></source></hostdev></devices></domain>",
+    "not-utf8": b"<domain>\xff\xfe\x00<name>\x80</name><hostdev type='mdev'/></domain>",
+    "huge": b"<domain><hostdev type='mdev'>" + b"A" * (9 * 1024 * 1024),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_reconnect_with_garbage_exits_zero(env: Env, kind: str) -> None:
+    """`reconnect begin` must exit 0 whatever it reads: non-zero makes libvirt kill the VM.
+
+    Called the way libvirtd calls it: the installed wrapper, libvirt's environment.
+    """
+    state_before = env.state()
+    mdevs_before = env.live_mdevs()
+    res = subprocess.run(
+        [str(env.wrapper), PREFIX + "garbage", "reconnect", "begin", "-"],
+        input=GARBAGE[kind], capture_output=True, timeout=30, check=False, cwd="/",
+        env={"LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"})
+    err = res.stderr.decode(errors="replace")
+    assert res.returncode == 0, err
+    assert res.stdout == b""
+    assert "Traceback" not in err
+    assert env.state() == state_before
+    assert env.live_mdevs() == mdevs_before
