@@ -51,6 +51,14 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
     },
 }
 POOL_KEYS = {"parents", "type", "profile", "count", "per_parent"}
+KIND_HELP = {
+    "bool": "yes or no",
+    "auto-bool": "auto, yes or no",
+    "float": "seconds",
+    "policy": "spread or pack",
+    "level": "debug, info, warning or error",
+    "match-list": "PCI addresses and vendor:device ids, separated by spaces or commas",
+}
 
 
 class Match:
@@ -220,7 +228,9 @@ def example_config() -> str:
     for section, keys in DEFAULTS.items():
         lines.append(f"[{section}]")
         for key, (default, kind) in keys.items():
-            lines.append(f"# {key} = {default}" + (f"    ({kind})" if kind else ""))
+            # The kind on its own line: uncommenting a key must give a valid file.
+            lines.append(f"# ({KIND_HELP.get(kind, kind)})")
+            lines.append(f"# {key} = {default}".rstrip())
         lines.append("")
     lines += [
         "# vGPU pools: gpulib keeps these vGPUs created (gpulib pool apply, and at boot).",

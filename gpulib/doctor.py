@@ -526,25 +526,13 @@ class Doctor:
 
     def stat_in_root(self, rel: str, follow: bool = True) -> Optional[os.stat_result]:
         """lstat/stat of a root-relative path; symlinks are followed inside the root."""
-        path = rel.lstrip("/")
-        for _ in range(16):
-            try:
-                st = os.lstat(self.ctx.path(path))
-            except OSError:
-                return None
-            if not follow or not stat.S_ISLNK(st.st_mode):
-                return st
-            try:
-                target = os.readlink(self.ctx.path(path))
-            except OSError:
-                return None
-            if target.startswith("/"):
-                path = posixpath.normpath(target.lstrip("/"))
-            else:
-                path = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
-            if path.startswith("../") or path == "..":
-                return None
-        return None
+        path = self.ctx.sysfs.resolve_in_root(rel) if follow else rel.lstrip("/")
+        if path is None:
+            return None
+        try:
+            return os.lstat(self.ctx.path(path))
+        except OSError:
+            return None
 
     def group_ids(self, gpu: Gpu) -> list[str]:
         """vendor:device of the GPU and the other endpoints of its IOMMU group."""

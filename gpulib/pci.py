@@ -162,12 +162,7 @@ class PciFunction:
         fn.prog_if = klass & 0xFF
         fn.vendor_id = sysfs.read_int(rel + "/vendor", 16) or 0
         fn.device_id = sysfs.read_int(rel + "/device", 16) or 0
-        physfn = sysfs.link_name(rel + "/physfn")
-        if physfn:
-            try:
-                fn.physfn = PciAddress.parse(physfn)
-            except InputError:
-                fn.physfn = None
+        fn.physfn = _physfn(sysfs, rel)
         return fn
 
     def read_details(self, sysfs: Sysfs, vf_of: Optional[PciFunction] = None) -> None:
@@ -181,12 +176,7 @@ class PciFunction:
             self.physfn = vf_of.address
             self.pci_root = vf_of.pci_root
             return
-        physfn = sysfs.link_name(rel + "/physfn")
-        if physfn:
-            try:
-                self.physfn = PciAddress.parse(physfn)
-            except InputError:
-                self.physfn = None
+        self.physfn = _physfn(sysfs, rel)
         self.pci_root = pci_root(sysfs, self.address)
 
     def read_subsystem(self, sysfs: Sysfs) -> None:
@@ -201,6 +191,17 @@ class PciFunction:
     @property
     def class_name(self) -> str:
         return class_name(self.class_code)
+
+
+def _physfn(sysfs: Sysfs, rel: str) -> Optional[PciAddress]:
+    """The PF of a VF (its `physfn` link), None for anything else."""
+    name = sysfs.link_name(rel + "/physfn")
+    if not name:
+        return None
+    try:
+        return PciAddress.parse(name)
+    except InputError:
+        return None
 
 
 def pci_root(sysfs: Sysfs, address: PciAddress) -> Optional[PciAddress]:

@@ -280,8 +280,8 @@ class Collector:
                     data = b""
         self.add_file(rel, data or b"", mode, st.st_mtime)
 
-    def copy_tree(self, rel: str, depth: int) -> None:
-        """A directory's attributes and links, and its subdirectories to `depth`."""
+    def copy_entries(self, rel: str, on_dir: Callable[[str, str], None]) -> None:
+        """A directory's attributes and links; each subdirectory goes to on_dir(name, rel)."""
         self.add_dir(rel)
         for name in sorted(self.sysfs.listdir(rel)):
             child = f"{rel}/{name}"
@@ -292,33 +292,20 @@ class Collector:
                 self.add_link(child)
             elif stat.S_ISREG(st.st_mode):
                 self.copy_attr(child, st)
-            elif stat.S_ISDIR(st.st_mode) and depth > 0:
+            elif stat.S_ISDIR(st.st_mode):
+                on_dir(name, child)
+
+    def copy_tree(self, rel: str, depth: int) -> None:
+        """A directory's attributes and links, and its subdirectories to `depth`."""
+        def subdir(_name: str, child: str) -> None:
+            if depth > 0:
                 self.copy_tree(child, depth - 1)
 
-    def _resolve_in_root(self, rel: str) -> Optional[str]:
-        """`rel` with symlinks followed inside the root (absolute targets too)."""
-        path = posixpath.normpath(rel.lstrip("/"))
-        for _ in range(16):
-            st = self._lstat(path)
-            if st is None:
-                return None
-            if not stat.S_ISLNK(st.st_mode):
-                return path
-            try:
-                target = os.readlink(self.ctx.path(path))
-            except OSError:
-                return None
-            if target.startswith("/"):
-                path = posixpath.normpath(target.lstrip("/"))
-            else:
-                path = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
-            if path == ".." or path.startswith("../"):
-                return None
-        return None
+        self.copy_entries(rel, subdir)
 
     def copy_host_file(self, rel: str, keep: Optional[Callable[[str], str]] = None) -> bool:
         """A configuration or state file: its (scrubbed) text as a regular file."""
-        real = self._resolve_in_root(rel)
+        real = self.sysfs.resolve_in_root(rel)
         if real is None:
             return False
         st = self._lstat(real)
@@ -353,24 +340,17 @@ class Collector:
             canonical = self.sysfs.resolve(bus)
         except ValueError:
             return
-        self.add_dir(canonical)
-        for name in sorted(self.sysfs.listdir(canonical)):
-            child = f"{canonical}/{name}"
-            st = self._lstat(child)
-            if st is None:
-                continue
-            if stat.S_ISLNK(st.st_mode):
-                self.add_link(child)
-            elif stat.S_ISREG(st.st_mode):
-                self.copy_attr(child, st)
-            elif stat.S_ISDIR(st.st_mode):
-                if name in DEVICE_SUBDIRS:
-                    self.copy_tree(child, DEVICE_SUBDIRS[name])
-                elif _UUID.match(name) and self._lstat(f"{child}/mdev_type") is not None:
-                    self.copy_tree(child, 0)  # a live mdev
-                    group = self.sysfs.link_name(f"{child}/iommu_group")
-                    if group:
-                        groups.add(group)
+
+        def subdir(name: str, child: str) -> None:
+            if name in DEVICE_SUBDIRS:
+                self.copy_tree(child, DEVICE_SUBDIRS[name])
+            elif _UUID.match(name) and self._lstat(f"{child}/mdev_type") is not None:
+                self.copy_tree(child, 0)  # a live mdev
+                group = self.sysfs.link_name(f"{child}/iommu_group")
+                if group:
+                    groups.add(group)
+
+        self.copy_entries(canonical, subdir)
         group = self.sysfs.link_name(f"{bus}/iommu_group")
         if group:
             groups.add(group)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import posixpath
+import stat
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,33 @@ class Sysfs:
         """Root-relative canonical path of `rel` (links followed)."""
         real = os.path.realpath(self.root + rel)
         return self.relative(real)
+
+    def resolve_in_root(self, rel: str) -> Optional[str]:
+        """`rel` with symlinks followed, staying inside the root.
+
+        Absolute link targets are taken as below the root (a snapshot or a
+        test tree holds links like /usr/bin/gpulib); None for a broken link,
+        a loop, or a path that would leave the root.
+        """
+        path = posixpath.normpath(rel.lstrip("/"))
+        for _ in range(16):
+            try:
+                st = os.lstat(self.root + path)
+            except OSError:
+                return None
+            if not stat.S_ISLNK(st.st_mode):
+                return path
+            try:
+                target = os.readlink(self.root + path)
+            except OSError:
+                return None
+            if target.startswith("/"):
+                path = posixpath.normpath(target.lstrip("/"))
+            else:
+                path = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
+            if path == ".." or path.startswith("../"):
+                return None
+        return None
 
     # -- the one writer --------------------------------------------------------
     def write(self, rel: str, data: str) -> None:

@@ -111,3 +111,37 @@ def healthy_host(tmp: str) -> FakeHost:
     install_hooks(host)
     start_libvirtd(host)
     return host
+
+
+# -- what a test compares before and after ----------------------------------------------
+
+def tree_contents(root: str) -> dict[str, str]:
+    """Every file and link below root (content in hex, or link target).
+
+    The log and the lock file are left out: neither is state, and taking
+    the lock creates its file.
+    """
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+            p = os.path.join(d, name)
+            rel = os.path.relpath(p, root)
+            if rel.startswith("var/log/") or rel.endswith("state.lock"):
+                continue
+            if os.path.islink(p):
+                out[rel] = os.readlink(p)
+            else:
+                with open(p, "rb") as fh:
+                    out[rel] = fh.read().hex()
+    return out
+
+
+def tree_state(root: str) -> dict[str, tuple[int, float, int]]:
+    """Mode, mtime and size of everything below root: "was anything written?"."""
+    out: dict[str, tuple[int, float, int]] = {}
+    for base, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(base, name)
+            st = os.lstat(path)
+            out[os.path.relpath(path, root)] = (st.st_mode, st.st_mtime, st.st_size)
+    return out

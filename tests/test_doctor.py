@@ -22,6 +22,7 @@ from tests.hosts import (
     install_hooks,
     simulated,
     start_libvirtd,
+    tree_state,
 )
 
 RTX = "0000:3b:00.0"
@@ -59,19 +60,6 @@ def assert_fault(report: dr.Report, check: str, status: str, subject: str,
         bad = {c: s for c, s in summary.items() if c != check and c not in allowed and s != "ok"}
         assert not bad, [r.to_json() for r in report.results if r.check in bad]
     return hit[0]
-
-
-def tree_state(root: str) -> dict[str, tuple[int, float, int]]:
-    out: dict[str, tuple[int, float, int]] = {}
-    for base, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(base, name)
-            st = os.lstat(path)
-            out[os.path.relpath(path, root)] = (st.st_mode, st.st_mtime, st.st_size)
-    return out
-
-
-# -- the healthy host ------------------------------------------------------------------
 
 
 def test_healthy_demo_host_is_all_ok(host: FakeHost) -> None:

@@ -16,22 +16,10 @@ from gpulib.domain import derive_uuid
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, build_demo
 from tests.conftest import DATA, GOLDEN
 from tests.hookrun import QEMU_HOOK, STATE_CHANGE, TRANSFORMER, as_agent, run
+from tests.hosts import tree_contents
 
 FIXTURES = sorted((DATA / "cloudstack-xml").glob("*.xml"))
 STATE = "var/lib/gpulib/state.json"
-
-
-def snapshot(root: str) -> dict[str, str]:
-    """Every file and link below root (content or link target)."""
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
-            p = os.path.join(d, name)
-            rel = os.path.relpath(p, root)
-            if rel.startswith("var/log/") or rel.endswith("state.lock"):
-                continue  # the log and the lock file are not state
-            out[rel] = os.readlink(p) if os.path.islink(p) else Path(p).read_bytes().hex()
-    return out
 
 
 @pytest.fixture
@@ -125,13 +113,13 @@ def test_device_of_another_running_vm_is_refused(demo: str) -> None:
     from gpulib.sim.fakehost import FakeHost
     host = FakeHost(demo)
     host.add_running_domain("i-9-99-VM", str(uuidlib.uuid4()), mdevs=(DEMO_POOL_MDEVS[0],))
-    before = snapshot(demo)
+    before = tree_contents(demo)
     xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
     res = as_agent(demo, xml)
     assert res.returncode == 1
     lines = res.stdout.decode().splitlines()
     assert len(lines) == 1 and "in use by running VM i-9-99-VM" in lines[0]
-    assert snapshot(demo) == before
+    assert tree_contents(demo) == before
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -168,13 +156,13 @@ BAD_XML = {
 
 @pytest.mark.parametrize("case", sorted(BAD_XML))
 def test_bad_input_one_line_nonzero_nothing_written(demo: str, case: str) -> None:
-    before = snapshot(demo)
+    before = tree_contents(demo)
     res = as_agent(demo, BAD_XML[case])
     text = res.stdout.decode()
     assert res.returncode != 0
     assert len(text.splitlines()) == 1, text
     assert "root:" not in text
-    assert snapshot(demo) == before
+    assert tree_contents(demo) == before
 
 
 def test_huge_stdin_and_empty_input_are_refused(demo: str) -> None:
@@ -192,10 +180,10 @@ def test_newer_state_file_is_refused_untouched(demo: str) -> None:
     doc = json.loads(path.read_text())
     doc["version"] = 99
     path.write_text(json.dumps(doc))
-    before = snapshot(demo)
+    before = tree_contents(demo)
     res = as_agent(demo, (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text())
     assert res.returncode == 4 and "version 99" in res.stdout.decode()
-    assert snapshot(demo) == before
+    assert tree_contents(demo) == before
 
 
 def test_corrupt_state_is_rebuilt_and_the_vm_still_starts(demo: str) -> None:
@@ -232,13 +220,13 @@ def test_on_start_and_on_stop(demo: str) -> None:
 
 
 def test_state_change_unknown_vm_and_bad_usage(demo: str) -> None:
-    before = snapshot(demo)
+    before = tree_contents(demo)
     assert run([STATE_CHANGE, "onStop", "i-1-1-VM"], demo).returncode == 0
     assert run([STATE_CHANGE, "start", "i-1-1-VM"], demo).returncode == 0
     for argv in (["onStart"], ["reboot", "vm"], ["onStart", "a/b"], ["onStop", "x\ny"]):
         res = run([STATE_CHANGE, *argv], demo)
         assert res.returncode == 2 and len(res.stderr.decode().splitlines()) == 1
-    snap = snapshot(demo)
+    snap = tree_contents(demo)
     assert {k: v for k, v in snap.items() if k != STATE} == \
         {k: v for k, v in before.items() if k != STATE}
     assert json.loads(Path(demo, STATE).read_text())["allocations"] == {}
@@ -281,12 +269,12 @@ def test_metadata_request_ignored_under_cloudstack(demo: str) -> None:
 
 
 def test_impossible_metadata_request_fails_cleanly(demo: str) -> None:
-    before = snapshot(demo)
+    before = tree_contents(demo)
     xml = META.format(uuid="3c7e5a91-8d2f-4b64-a1e9-6f0b4d8c2e75", profile="GRID A100-8C",
                       count=9)
     res = as_agent(demo, xml)
     assert res.returncode == 1 and "no free vGPU of GRID A100-8C" in res.stdout.decode()
-    assert snapshot(demo) == before
+    assert tree_contents(demo) == before
 
 
 # -- libvirt's qemu hook ------------------------------------------------------------------------

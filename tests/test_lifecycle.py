@@ -10,24 +10,11 @@ import pytest
 from gpulib import mdev, nvidia
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.pci import PciAddress
-from tests.hosts import a10_host, simulated, t4_host
+from tests.hosts import a10_host, simulated, t4_host, tree_contents
 
 T4 = PciAddress.parse("0000:3b:00.0")
 U1 = "11111111-2222-4333-8444-555555555555"
 U2 = "21111111-2222-4333-8444-555555555555"
-
-
-def tree_snapshot(root: str) -> dict[str, str]:
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
-            p = os.path.join(d, name)
-            if os.path.islink(p):
-                out[os.path.relpath(p, root)] = os.readlink(p)
-            else:
-                with open(p) as fh:
-                    out[os.path.relpath(p, root)] = fh.read()
-    return out
 
 
 def test_create_and_remove_mdev_like_the_kernel(tmp_path: Path) -> None:
@@ -94,20 +81,20 @@ def test_kernel_enospc_is_mapped_when_the_file_lies(tmp_path: Path) -> None:
 def test_bad_uuid_refused_before_any_write(tmp_path: Path, bad_uuid: str) -> None:
     host = t4_host(str(tmp_path))
     ctx = simulated(host)
-    before = tree_snapshot(host.root)
+    before = tree_contents(host.root)
     with pytest.raises(InputError):
         mdev.create(ctx.sysfs, T4, "nvidia-232", bad_uuid)
-    assert tree_snapshot(host.root) == before
+    assert tree_contents(host.root) == before
 
 
 @pytest.mark.parametrize("bad_type", ["../nvidia-232", "nvidia-232/..", "..", "a/b", "x\n"])
 def test_bad_type_refused_before_any_write(tmp_path: Path, bad_type: str) -> None:
     host = t4_host(str(tmp_path))
     ctx = simulated(host)
-    before = tree_snapshot(host.root)
+    before = tree_contents(host.root)
     with pytest.raises(InputError):
         mdev.create(ctx.sysfs, T4, bad_type, U1)
-    assert tree_snapshot(host.root) == before
+    assert tree_contents(host.root) == before
 
 
 def test_simulated_kernel_rejects_bad_uuid_with_einval(tmp_path: Path) -> None:

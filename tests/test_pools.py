@@ -11,8 +11,7 @@ import pytest
 
 from gpulib.cli import main
 from gpulib.sim.fakehost import FakeHost
-from tests.hosts import a10_host, reboot, t4_farm
-from tests.test_hooks import snapshot
+from tests.hosts import a10_host, reboot, t4_farm, tree_contents
 
 
 def cli(monkeypatch: pytest.MonkeyPatch, root: str, *args: str) -> int:
@@ -76,9 +75,9 @@ def test_vendor_vf_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert cli(monkeypatch, host.root, "pool", "apply") == 0
     types = {a: r["type_id"] for a, r in state_of(host.root)["vf_types"].items()}
     assert types == {"0000:41:00.4": 594, "0000:41:00.5": 594}
-    before = snapshot(host.root)
+    before = tree_contents(host.root)
     assert cli(monkeypatch, host.root, "pool", "apply") == 0
-    assert snapshot(host.root) == before
+    assert tree_contents(host.root) == before
 
 
 def test_mdev_cli_round_trip_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -119,12 +118,12 @@ BAD_CLI = [
 def test_bad_cli_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                        capsys: pytest.CaptureFixture[str], args: tuple[str, ...]) -> None:
     host = t4_farm(str(tmp_path), gpus=1)
-    before = snapshot(host.root)
+    before = tree_contents(host.root)
     code = cli(monkeypatch, host.root, *args)
     err = capsys.readouterr().err
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("gpulib: error:")
-    assert snapshot(host.root) == before
+    assert tree_contents(host.root) == before
 
 
 def test_unmanaged_device_is_never_pooled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

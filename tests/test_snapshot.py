@@ -22,7 +22,7 @@ from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_T4, build_demo
-from tests.hosts import LIBVIRTD_PID, healthy_host
+from tests.hosts import LIBVIRTD_PID, healthy_host, tree_state
 
 PASSWORD = "s3cr3t-Pw"
 RTX = "0000:3b:00.0"
@@ -77,16 +77,6 @@ def member_bytes(tarball: str) -> dict[str, bytes]:
 
 def document(root: str) -> dict[str, Any]:
     return report.document(discover_host(Context.for_root(root), learn=False))
-
-
-def tree_state(root: str) -> dict[str, tuple[int, float, int]]:
-    out: dict[str, tuple[int, float, int]] = {}
-    for base, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(base, name)
-            st = os.lstat(path)
-            out[os.path.relpath(path, root)] = (st.st_mode, st.st_mtime, st.st_size)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,293 @@
+"""Packaging: the files under etc/, man/ and packaging/, and the full check.
+
+The fast tests keep the shipped files in step with the code (the config with
+`example_config()`, the man pages with the CLI, the config keys and the hooks'
+exit codes, the Debian and RPM packaging with each other). The test marked
+`packaging` runs scripts/packaging-check: it builds the .deb and .rpm,
+installs, exercises and purges them, so it needs root and the tools listed in
+packaging/build-deps.txt, and is skipped (with the reason) otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpulib.config import DEFAULTS, POOL_KEYS, Config, example_config
+
+REPO = Path(__file__).resolve().parents[1]
+ETC = REPO / "etc"
+MAN = REPO / "man"
+PACKAGING = REPO / "packaging"
+DEBIAN = PACKAGING / "debian"
+SPEC = PACKAGING / "rpm" / "gpulib.spec"
+CHECK = REPO / "scripts" / "packaging-check"
+HOOK_PAGES = {
+    "libvirt-vm-xml-transformer": "gpulib.hooks.transformer",
+    "libvirt-vm-state-change": "gpulib.hooks.statechange",
+    "gpulib-qemu-hook": "gpulib.hooks.qemu",
+}
+RUNTIME_DEPS = {"python3-lxml", "python3-click", "python3-pyudev", "python3-filelock"}
+
+
+def unit_directives(path: Path) -> list[tuple[str, str, str]]:
+    """(section, key, value) of a systemd unit, repeated keys kept in order."""
+    out: list[tuple[str, str, str]] = []
+    section = ""
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        out.append((section, key.strip(), value.strip()))
+    return out
+
+
+def values(directives: list[tuple[str, str, str]], section: str, key: str) -> list[str]:
+    words: list[str] = []
+    for s, k, v in directives:
+        if s == section and k == key:
+            words += v.split()
+    return words
+
+
+# --- etc/ ---------------------------------------------------------------------
+def test_shipped_config_is_example_config() -> None:
+    shipped = (ETC / "gpulib" / "gpulib.conf").read_text(encoding="utf-8")
+    assert shipped == example_config(), (
+        "etc/gpulib/gpulib.conf differs from gpulib.config.example_config(); regenerate it: "
+        "python3 -c 'from gpulib.config import example_config as e; "
+        "open(\"etc/gpulib/gpulib.conf\", \"w\").write(e())'")
+
+
+def test_shipped_config_loads_as_defaults(tmp_path: Path) -> None:
+    cfg = Config.load(str(ETC / "gpulib" / "gpulib.conf"))
+    for section, keys in DEFAULTS.items():
+        for key, (default, _kind) in keys.items():
+            assert cfg.get(section, key) == default
+    assert cfg.pools == {}
+
+
+def test_uncommenting_a_shipped_key_gives_a_valid_config(tmp_path: Path) -> None:
+    lines: list[str] = []
+    for line in example_config().splitlines():
+        m = re.match(r"^# ([a-z_]+ = .*)$", line)
+        in_pool_example = lines and any(x.startswith("[pool") for x in lines)
+        lines.append(m.group(1) if m and not in_pool_example else line)
+    path = tmp_path / "gpulib.conf"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    Config.load(str(path))
+
+
+def test_restore_unit() -> None:
+    unit = ETC / "systemd" / "gpulib-restore.service"
+    d = unit_directives(unit)
+    assert values(d, "Service", "Type") == ["oneshot"]
+    assert values(d, "Service", "RemainAfterExit") == ["yes"]
+    assert [v for s, k, v in d if (s, k) == ("Service", "ExecStart")] == [
+        "/usr/bin/gpulib restore", "/usr/bin/gpulib pool apply"]
+    nvidia = {"nvidia-vgpu-mgr.service", "nvidia-sriov.service"}
+    assert nvidia <= set(values(d, "Unit", "Wants"))
+    assert nvidia <= set(values(d, "Unit", "After"))
+    # Absent on hosts without NVIDIA vGPU: never a hard dependency.
+    assert not [k for s, k, _ in d if s == "Unit" and k in ("Requires", "Requisite", "BindsTo")]
+    assert {"libvirtd.service", "cloudstack-agent.service"} <= set(values(d, "Unit", "Before"))
+    assert values(d, "Unit", "Documentation") == ["man:gpulib(1)"]
+    assert values(d, "Install", "WantedBy") == ["multi-user.target"]
+    preset = (ETC / "systemd" / "50-gpulib.preset").read_text(encoding="utf-8")
+    assert "enable gpulib-restore.service" in preset.splitlines()
+
+
+def test_tmpfiles_state_directory() -> None:
+    lines = [line.split() for line in
+             (ETC / "tmpfiles.d" / "gpulib.conf").read_text(encoding="utf-8").splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert ["d", "/var/lib/gpulib", "0700", "root", "root", "-"] in lines
+
+
+# --- man/ ---------------------------------------------------------------------
+def _cli_commands() -> dict[str, list[str]]:
+    import click
+
+    from gpulib.cli import cli
+
+    ctx = click.Context(cli)
+    out = {}
+    for name in cli.list_commands(ctx):  # type: ignore[attr-defined]
+        cmd = cli.get_command(ctx, name)  # type: ignore[attr-defined]
+        subs = []
+        if isinstance(cmd, click.Group):
+            subs = list(cmd.list_commands(click.Context(cmd)))
+        out[name] = subs
+    return out
+
+
+def test_gpulib_man_page_lists_every_command() -> None:
+    page = (MAN / "gpulib.1").read_text(encoding="utf-8").replace("\\-", "-")
+    missing = []
+    for name, subs in _cli_commands().items():
+        for full in [f"{name} {s}" for s in subs] or [name]:
+            if not re.search(rf"^\.B {re.escape(full)}(?: |$)", page, flags=re.M):
+                missing.append(full)
+    assert not missing, f"man/gpulib.1 does not describe: {missing}"
+
+
+def test_config_man_page_lists_every_key() -> None:
+    page = (MAN / "gpulib.conf.5").read_text(encoding="utf-8").replace("\\-", "-")
+    for section, keys in DEFAULTS.items():
+        assert f'.SH "[{section}]"' in page, section
+        for key, (default, _kind) in keys.items():
+            assert re.search(rf"^\.BI {key} ", page, flags=re.M), f"[{section}] {key}"
+            if default:
+                assert f".BR {default} ." in page or f".B {default}\n" in page, \
+                    f"[{section}] {key}: default {default} not named"
+    for key in POOL_KEYS:
+        assert re.search(rf"^\.BI {key} ", page, flags=re.M), f"[pool] {key}"
+
+
+@pytest.mark.parametrize("page,module", sorted(HOOK_PAGES.items()))
+def test_hook_man_page_exit_codes(page: str, module: str) -> None:
+    import importlib
+
+    doc = importlib.import_module(module).__doc__ or ""
+    codes = re.findall(r"(\d) [a-z]", doc[doc.index("Exit codes:"):])
+    text = (MAN / f"{page}.8").read_text(encoding="utf-8")
+    start = text.index(".SH EXIT STATUS")
+    status = text[start:text.index(".SH", start + 3)]
+    assert sorted(set(codes)) == sorted(re.findall(r"^\.B (\d)$", status, flags=re.M))
+
+
+@pytest.mark.skipif(shutil.which("man") is None, reason="man (man-db) is not installed")
+@pytest.mark.parametrize("page", sorted(p.name for p in MAN.iterdir()))
+def test_man_page_renders_without_warnings(page: str) -> None:
+    r = subprocess.run(["man", "--warnings", "-l", "-Tutf8", str(MAN / page)],
+                       capture_output=True, text=True,
+                       env={**os.environ, "LC_ALL": "C.UTF-8", "MANWIDTH": "80"})
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+# --- packaging/ ---------------------------------------------------------------
+def _field(control: str, package: str, name: str) -> set[str]:
+    stanza = control.split(f"Package: {package}\n", 1)[1].split("\n\n", 1)[0]
+    m = re.search(rf"^{name}:(.*(?:\n .*)*)", stanza, flags=re.M)
+    assert m, f"{package}: no {name}"
+    return {w.split()[0] for w in m.group(1).replace("\n", " ").split(",") if w.strip()}
+
+
+def test_debian_runtime_dependencies() -> None:
+    control = (DEBIAN / "control").read_text(encoding="utf-8")
+    assert _field(control, "gpulib", "Depends") >= RUNTIME_DEPS
+    assert "gpulib" in _field(control, "gpulib-cloudstack-discovery", "Depends")
+    spec = SPEC.read_text(encoding="utf-8")
+    assert set(re.findall(r"^Requires:\s+(\S+)$", spec, flags=re.M)) >= RUNTIME_DEPS
+
+
+def test_build_deps_list_covers_build_depends() -> None:
+    control = (DEBIAN / "control").read_text(encoding="utf-8")
+    source = control.split("\n\n", 1)[0]
+    m = re.search(r"^Build-Depends:(.*(?:\n .*)*)", source, flags=re.M)
+    assert m
+    wanted = {w.split()[0] for w in m.group(1).replace("\n", " ").split(",") if w.strip()}
+    wanted.discard("debhelper-compat")
+    wanted |= {"debhelper", "dpkg-dev", "lintian", "rpm"}
+    listed = {line.strip() for line in
+              (PACKAGING / "build-deps.txt").read_text(encoding="utf-8").splitlines()
+              if line.strip() and not line.startswith("#")}
+    assert wanted <= listed
+
+
+def test_hook_links_are_the_same_in_deb_and_rpm() -> None:
+    deb = {}
+    for line in (DEBIAN / "gpulib.links").read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            target, link = line.split()
+            deb["/" + link] = "/" + target
+    assert deb == {
+        "/etc/cloudstack/agent/hooks/libvirt-vm-xml-transformer.sh":
+            "/usr/libexec/gpulib/libvirt-vm-xml-transformer",
+        "/etc/cloudstack/agent/hooks/libvirt-vm-state-change.sh":
+            "/usr/libexec/gpulib/libvirt-vm-state-change",
+        "/etc/libvirt/hooks/qemu.d/50-gpulib": "/usr/libexec/gpulib/gpulib-qemu-hook",
+    }
+    spec = SPEC.read_text(encoding="utf-8")
+    macros = {"%{_libexecdir}": "/usr/libexec", "%{hooksdir}": "/etc/cloudstack/agent/hooks",
+              "%{qemuhooksdir}": "/etc/libvirt/hooks/qemu.d", "%{buildroot}": ""}
+    rpm = {}
+    for target, link in re.findall(r"^ln -s (\S+) (\S+)$", spec, flags=re.M):
+        for k, v in macros.items():
+            target, link = target.replace(k, v), link.replace(k, v)
+        rpm[link] = os.path.normpath(os.path.join(os.path.dirname(link), target))
+    assert rpm == deb
+
+
+def test_maintainer_scripts_parse() -> None:
+    scripts = sorted(DEBIAN.glob("*.preinst")) + sorted(DEBIAN.glob("*.postinst")) + \
+        sorted(DEBIAN.glob("*.postrm")) + sorted(DEBIAN.glob("*.prerm"))
+    assert scripts
+    for script in scripts:
+        text = script.read_text(encoding="utf-8")
+        assert text.startswith("#!/bin/sh\n"), script.name
+        assert "\nset -e\n" in text and "#DEBHELPER#" in text, script.name
+        r = subprocess.run(["sh", "-n", str(script)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{script.name}: {r.stderr}"
+    for script in [CHECK, PACKAGING / "build-packages"]:
+        r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{script.name}: {r.stderr}"
+
+
+def test_discovery_replacement_script() -> None:
+    text = (PACKAGING / "cloudstack" / "cloudstack-gpudiscovery").read_text(encoding="utf-8")
+    assert text.startswith("#!/bin/sh\n")
+    assert "exec /usr/bin/gpulib discover --format cloudstack\n" in text
+    assert os.access(PACKAGING / "cloudstack" / "cloudstack-gpudiscovery", os.X_OK)
+    stock = "/usr/share/cloudstack-common/scripts/vm/hypervisor/kvm/gpudiscovery.sh"
+    for name in ("preinst", "postrm"):
+        script = (DEBIAN / f"gpulib-cloudstack-discovery.{name}").read_text(encoding="utf-8")
+        assert f"STOCK={stock}" in script
+        assert "--package gpulib-cloudstack-discovery --rename" in script
+        assert '--divert "$STOCK.stock"' in script
+
+
+# --- the full check --------------------------------------------------------------
+def _check_prerequisites() -> str:
+    """Why the full check cannot run here, or '' when it can."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return "needs root: it installs and purges the packages"
+    missing = [t for t in ("dpkg", "apt-get", "dpkg-query", "dpkg-buildpackage", "lintian",
+                           "rpmbuild", "rpm") if shutil.which(t) is None]
+    if missing:
+        return f"missing tools: {' '.join(missing)} (apt-get install $(grep -v '^#' " \
+               "packaging/build-deps.txt))"
+    pkgs = [line.strip() for line in
+            (PACKAGING / "build-deps.txt").read_text(encoding="utf-8").splitlines()
+            if line.strip() and not line.startswith("#")]
+    r = subprocess.run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev} ${Package}\n", *pkgs],
+                       capture_output=True, text=True)
+    have = {line.split()[-1] for line in r.stdout.splitlines() if line.startswith("ii")}
+    absent = [p for p in pkgs if p not in have]
+    if absent:
+        return f"missing packages: {' '.join(absent)} (apt-get install {' '.join(absent)})"
+    return ""
+
+
+@pytest.mark.packaging
+@pytest.mark.slow
+def test_packaging_check() -> None:
+    reason = _check_prerequisites()
+    if reason:
+        pytest.skip(f"scripts/packaging-check: {reason}")
+    r = subprocess.run([str(CHECK)], capture_output=True, text=True, timeout=900,
+                       stdin=subprocess.DEVNULL)
+    out = r.stdout + r.stderr
+    if r.returncode == 0 and out.startswith("SKIP"):
+        pytest.skip(out.strip())
+    assert r.returncode == 0 and "PASS: packaging-check" in r.stdout, out
