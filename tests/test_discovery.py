@@ -297,3 +297,20 @@ def test_every_vf_and_mdev_appears_once_under_its_gpu(
     assert not gpu_addrs & set(seen_vfs)
     expected_vfs = sum(n for n, vf_mdev, _, _ in specs if not vf_mdev)
     assert len(seen_vfs) == expected_vfs
+
+
+def test_learned_type_names_survive_a_full_card(tmp_path: Path) -> None:
+    from gpulib.state import StateStore
+    from tests.hosts import a10_host
+
+    host = a10_host(str(tmp_path), numvfs=2)
+    ctx = Context.for_root(host.root)
+    discover_host(ctx)  # sees the creatable lists and remembers their names
+    learned = StateStore.for_context(ctx).load().type_names
+    assert learned["10de:2236"]["594"] == "NVIDIA A10-6Q"
+    # The card fills up: no VF lists any type any more, one VF runs A10-6Q.
+    for vf, current in (("0000:41:00.4", 594), ("0000:41:00.5", 0)):
+        host.add_nvidia_vf_types(vf, {}, current=current)
+    [g] = cloudstack_doc(host.root)["gpus"]
+    assert g["vf_instances"][0]["vf_profile"] == "NVIDIA A10-6Q"
+    assert g["vf_instances"][0]["video_ram"] == 6144

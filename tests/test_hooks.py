@@ -314,3 +314,17 @@ def test_qemu_hook_reconnect_relearns_running_vm(demo: str) -> None:
     assert res.returncode == 0
     alloc = json.loads(Path(demo, STATE).read_text())["allocations"]["vm-r"]
     assert alloc["status"] == "active"
+
+
+def test_50_megabyte_argument_is_refused(demo: str, monkeypatch: pytest.MonkeyPatch,
+                                        capfd: pytest.CaptureFixture[str]) -> None:
+    # Linux caps one exec argument at 128 KiB, so the agent cannot pass this;
+    # the hook still refuses it cleanly when called in-process.
+    from gpulib.hooks.transformer import main
+    monkeypatch.setenv("GPULIB_ROOT", demo)
+    before = tree_contents(demo)
+    big = "<domain><name>x</name><devices><hostdev/>" + " " * (50 * 1024 * 1024) + "</devices>"
+    assert main(["libvirt-vm-xml-transformer", "transform", big]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "too large" in err
+    assert tree_contents(demo) == before
