@@ -29,7 +29,8 @@ MDEV_BUS = "sys/class/mdev_bus"
 TYPES_DIR = "mdev_supported_types"
 
 _TYPE_ID_RE = lazy(r"^[A-Za-z0-9_.:+-]{1,128}\Z")
-_UUID_RE = lazy(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+_UUID_RE = lazy(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+                r"[0-9a-fA-F]{12}\Z")
 _NUM = {
     "max_instance": lazy(r"max_instance=(\d+)"),
     "framebuffer": lazy(r"framebuffer=(\d+)\s*([MG])?"),
@@ -41,11 +42,17 @@ _GVT_RES = lazy(r"^resolution:\s*(\d+)x(\d+)", re.M)
 
 
 def check_uuid(text: str) -> str:
-    """Canonical lowercase UUID, or InputError naming the bad value."""
-    value = text.strip().lower() if isinstance(text, str) else ""
-    if not _UUID_RE.match(value):
-        raise InputError(f"not a UUID: {text!r} (expected 8-4-4-4-12 hex digits)")
-    return value
+    """`text` as a canonical lowercase 8-4-4-4-12 UUID, else InputError.
+
+    Either case is accepted (libvirt and the kernel accept both); braces,
+    `urn:uuid:` prefixes, missing dashes and surrounding blanks are not.
+    """
+    if not isinstance(text, str):
+        raise InputError(f"UUID must be text, not {type(text).__name__}")
+    if not _UUID_RE.match(text):
+        shown = repr(text if len(text) <= 64 else text[:64] + "...")
+        raise InputError(f"not a UUID: {shown} (expected 8-4-4-4-12 hex digits)")
+    return text.lower()
 
 
 def check_type_id(text: str) -> str:

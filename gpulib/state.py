@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from gpulib.errors import InputError, LockTimeout, StateError
 from gpulib.lazyre import lazy
+from gpulib.mdev import check_uuid as validate_uuid
 
 if TYPE_CHECKING:
     from gpulib.context import Context
@@ -60,8 +61,6 @@ DEVICE_KINDS = ("mdev", "vf", "pci")
 ALLOCATION_STATUSES = ("pending", "active")
 
 _VM_NAME_MAX = 255
-_UUID_RE = lazy(
-    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _PCI_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
 _MODEL_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{4}")
 _TYPE_NUMBER_RE = lazy(r"[0-9]+")
@@ -118,19 +117,6 @@ def validate_vm_name(name: str) -> str:
     if len(encoded) > _VM_NAME_MAX:
         raise InputError(f"VM name is longer than {_VM_NAME_MAX} bytes in UTF-8: {_show(name)}")
     return name
-
-
-def validate_uuid(text: str) -> str:
-    """Return `text` as a canonical lowercase 8-4-4-4-12 UUID, else raise InputError.
-
-    Either case is accepted (libvirt and the kernel accept both); braces,
-    `urn:uuid:` prefixes, missing dashes and surrounding blanks are not.
-    """
-    if not isinstance(text, str):
-        raise InputError(f"UUID must be text, not {type(text).__name__}")
-    if not _UUID_RE.fullmatch(text):
-        raise InputError(f"not a UUID: {_show(text)} (expected 8-4-4-4-12 hex digits)")
-    return text.lower()
 
 
 def utc_now() -> str:
@@ -274,7 +260,11 @@ def _as_component(value: Any, path: str) -> str:
 
 def _as_uuid(value: Any, path: str) -> str:
     text = _as_str(value, path)
-    if not _UUID_RE.fullmatch(text) or text != text.lower():
+    try:
+        canonical = validate_uuid(text)
+    except InputError:
+        canonical = None
+    if canonical != text:
         raise CorruptStateError(f"{path}: not a canonical UUID: {_show(text)}")
     return text
 
