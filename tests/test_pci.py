@@ -38,3 +38,11 @@ def test_bad_addresses_are_refused(bad: str) -> None:
 def test_libvirt_fields_out_of_range_are_refused(fields: tuple[str, str, str, str]) -> None:
     with pytest.raises(InputError):
         PciAddress.from_libvirt(*fields)
+
+
+@pytest.mark.guard_selftest
+def test_the_session_guard_stops_reads_of_the_real_sys() -> None:
+    from gpulib.sysfs import Sysfs
+
+    with pytest.raises(AssertionError, match="touched the real host"):
+        Sysfs("/").read("sys/bus/pci/devices/0000:00:00.0/vendor")
