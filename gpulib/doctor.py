@@ -216,21 +216,21 @@ class Distro:
         return (f"{edit}, then: update-grub (Debian/Ubuntu) or "
                 "grub2-mkconfig -o /boot/grub2/grub.cfg (RHEL/Fedora/SUSE), and reboot")
 
+    def _by_family(self, debian: str, rhel: str, either: str) -> str:
+        if self.family == "debian":
+            return debian
+        if self.family in ("rhel", "suse"):
+            return rhel
+        return either
+
     def grub_update(self) -> str:
-        family = self.family
-        if family == "debian":
-            return "update-grub"
-        if family in ("rhel", "suse"):
-            return "grub2-mkconfig -o /boot/grub2/grub.cfg"
-        return "update-grub (Debian/Ubuntu) or grub2-mkconfig -o /boot/grub2/grub.cfg"
+        return self._by_family("update-grub", "grub2-mkconfig -o /boot/grub2/grub.cfg",
+                               "update-grub or grub2-mkconfig -o /boot/grub2/grub.cfg")
 
     def initramfs_update(self) -> str:
-        family = self.family
-        if family == "debian":
-            return "update-initramfs -u"
-        if family in ("rhel", "suse"):
-            return "dracut -f"
-        return "update-initramfs -u (Debian/Ubuntu) or dracut -f (RHEL/Fedora/SUSE)"
+        return self._by_family("update-initramfs -u", "dracut -f",
+                               "update-initramfs -u (Debian/Ubuntu) or dracut -f "
+                               "(RHEL/Fedora/SUSE)")
 
 
 class Report:

@@ -231,16 +231,21 @@ def pci_root(sysfs: Sysfs, address: PciAddress) -> Optional[PciAddress]:
     return address
 
 
-def list_addresses(sysfs: Sysfs) -> list[PciAddress]:
-    """Every PCI function on the host, in address order."""
+def _addresses_in(sysfs: Sysfs, rel: str) -> list[PciAddress]:
+    """The entries of a directory that are PCI addresses, in address order."""
     out = []
-    for name in sysfs.listdir(PCI_DEVICES.rstrip("/")):
+    for name in sysfs.listdir(rel):
         try:
             out.append(PciAddress.parse(name))
         except InputError:
-            continue
+            continue  # mdev UUIDs in an IOMMU group, stray files
     out.sort()
     return out
+
+
+def list_addresses(sysfs: Sysfs) -> list[PciAddress]:
+    """Every PCI function on the host, in address order."""
+    return _addresses_in(sysfs, PCI_DEVICES.rstrip("/"))
 
 
 def virtfn_links(sysfs: Sysfs, pf: PciAddress) -> list[tuple[int, PciAddress]]:
@@ -262,11 +267,5 @@ def virtfn_links(sysfs: Sysfs, pf: PciAddress) -> list[tuple[int, PciAddress]]:
 
 
 def iommu_group_members(sysfs: Sysfs, group: int) -> list[PciAddress]:
-    out = []
-    for name in sysfs.listdir(f"sys/kernel/iommu_groups/{group}/devices"):
-        try:
-            out.append(PciAddress.parse(name))
-        except InputError:
-            continue
-    out.sort()
-    return out
+    """The PCI functions of an IOMMU group."""
+    return _addresses_in(sysfs, f"sys/kernel/iommu_groups/{group}/devices")

@@ -35,8 +35,8 @@ def _write(path: str, content: str, mode: int = 0o644) -> None:
     os.chmod(path, mode)
 
 
-def _symlink(target_abs: str, link_abs: str) -> None:
-    """A relative symlink at link_abs pointing to target_abs."""
+def relative_symlink(target_abs: str, link_abs: str) -> None:
+    """A relative symlink at link_abs pointing to target_abs, as sysfs has them."""
     os.makedirs(os.path.dirname(link_abs), exist_ok=True)
     rel = os.path.relpath(target_abs, os.path.dirname(link_abs))
     if os.path.lexists(link_abs):
@@ -118,8 +118,8 @@ class FakeHost:
         if driver:
             uevent.insert(0, f"DRIVER={driver}")
         _write(os.path.join(d, "uevent"), "\n".join(uevent) + "\n")
-        _symlink(d, self.p(f"sys/bus/pci/devices/{a}"))
-        _symlink(self.p("sys/bus/pci"), os.path.join(d, "subsystem"))
+        relative_symlink(d, self.p(f"sys/bus/pci/devices/{a}"))
+        relative_symlink(self.p("sys/bus/pci"), os.path.join(d, "subsystem"))
         if driver:
             self.bind_driver(a, driver)
         if iommu_group is not None:
@@ -148,8 +148,8 @@ class FakeHost:
         if driver:
             drv = self.p(f"sys/bus/pci/drivers/{driver}")
             os.makedirs(drv, exist_ok=True)
-            _symlink(drv, link)
-            _symlink(d, os.path.join(drv, str(a)))
+            relative_symlink(drv, link)
+            relative_symlink(d, os.path.join(drv, str(a)))
 
     def set_iommu_group(self, address: Addr, group: int) -> None:
         a = _addr(address)
@@ -157,8 +157,8 @@ class FakeHost:
         g = self.p(f"sys/kernel/iommu_groups/{group}")
         os.makedirs(os.path.join(g, "devices"), exist_ok=True)
         _write(os.path.join(g, "type"), "DMA\n")
-        _symlink(g, os.path.join(d, "iommu_group"))
-        _symlink(d, os.path.join(g, "devices", str(a)))
+        relative_symlink(g, os.path.join(d, "iommu_group"))
+        relative_symlink(d, os.path.join(g, "devices", str(a)))
         self._next_group = max(self._next_group, group + 1)
 
     # -- SR-IOV ------------------------------------------------------------------
@@ -208,8 +208,8 @@ class FakeHost:
                               parent=None if os.path.basename(parent_dir).startswith("pci")
                               else os.path.basename(parent_dir),
                               subsystem=(subsystem[0], 0))
-            _symlink(d, os.path.join(self.device_dir(va), "physfn"))
-            _symlink(self.device_dir(va), os.path.join(d, f"virtfn{i}"))
+            relative_symlink(d, os.path.join(self.device_dir(va), "physfn"))
+            relative_symlink(self.device_dir(va), os.path.join(d, f"virtfn{i}"))
             out.append(str(va))
         _write(os.path.join(d, "sriov_numvfs"), f"{numvfs}\n")
         return out
@@ -234,7 +234,7 @@ class FakeHost:
                    f"{t.get('available_instances', 1)}\n", 0o444)
             _write(os.path.join(td, "device_api"), f"{t.get('device_api', 'vfio-pci')}\n", 0o444)
             _write(os.path.join(td, "create"), "", 0o200)
-        _symlink(d, self.p(f"sys/class/mdev_bus/{a}"))
+        relative_symlink(d, self.p(f"sys/class/mdev_bus/{a}"))
 
     def add_mdev(self, uuid: str, parent: Addr, type_id: str,
                  consume: bool = True) -> str:
@@ -244,16 +244,16 @@ class FakeHost:
         td = os.path.join(d, "mdev_supported_types", type_id)
         md = os.path.join(d, uuid)
         os.makedirs(md, exist_ok=True)
-        _symlink(td, os.path.join(md, "mdev_type"))
+        relative_symlink(td, os.path.join(md, "mdev_type"))
         _write(os.path.join(md, "remove"), "", 0o200)
         _write(os.path.join(md, "uevent"), f"MDEV_TYPE={type_id}\n")
         drv = self.p("sys/bus/mdev/drivers/vfio_mdev")
         os.makedirs(drv, exist_ok=True)
-        _symlink(drv, os.path.join(md, "driver"))
-        _symlink(self.p("sys/bus/mdev"), os.path.join(md, "subsystem"))
+        relative_symlink(drv, os.path.join(md, "driver"))
+        relative_symlink(self.p("sys/bus/mdev"), os.path.join(md, "subsystem"))
         self.set_mdev_group(md, self.new_iommu_group())
-        _symlink(md, self.p(f"sys/bus/mdev/devices/{uuid}"))
-        _symlink(md, os.path.join(td, "devices", uuid))
+        relative_symlink(md, self.p(f"sys/bus/mdev/devices/{uuid}"))
+        relative_symlink(md, os.path.join(td, "devices", uuid))
         if consume:
             avail = os.path.join(td, "available_instances")
             with open(avail) as fh:
@@ -264,8 +264,8 @@ class FakeHost:
     def set_mdev_group(self, mdev_dir: str, group: int) -> None:
         g = self.p(f"sys/kernel/iommu_groups/{group}")
         os.makedirs(os.path.join(g, "devices"), exist_ok=True)
-        _symlink(g, os.path.join(mdev_dir, "iommu_group"))
-        _symlink(mdev_dir, os.path.join(g, "devices", os.path.basename(mdev_dir)))
+        relative_symlink(g, os.path.join(mdev_dir, "iommu_group"))
+        relative_symlink(mdev_dir, os.path.join(g, "devices", os.path.basename(mdev_dir)))
 
     # -- NVIDIA vendor-specific vGPU -------------------------------------------------
     def add_nvidia_vf_types(self, vf: Addr, types: dict[int, str], current: int = 0,

@@ -35,6 +35,7 @@ from typing import Optional
 
 from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
+from gpulib.sim.fakehost import relative_symlink
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,6 @@ def _write(path: str, text: str) -> None:
         fh.write(text)
     os.chmod(tmp, mode)
     os.replace(tmp, path)
-
-
-def _relink(target: str, link: str) -> None:
-    rel = os.path.relpath(target, os.path.dirname(link))
-    if os.path.lexists(link):
-        os.unlink(link)
-    os.symlink(rel, link)
 
 
 class SimulatedKernel:
@@ -147,7 +141,7 @@ class SimulatedKernel:
 
         dev = os.path.join(parent_dir, uuid)
         os.makedirs(dev)
-        _relink(type_dir, os.path.join(dev, "mdev_type"))
+        relative_symlink(type_dir, os.path.join(dev, "mdev_type"))
         with open(os.path.join(dev, "remove"), "w"):
             pass
         os.chmod(os.path.join(dev, "remove"), 0o200)
@@ -155,16 +149,16 @@ class SimulatedKernel:
             fh.write(f"MDEV_TYPE={os.path.basename(type_dir)}\n")
         drv = self.p("sys/bus/mdev/drivers/vfio_mdev")
         os.makedirs(drv, exist_ok=True)
-        _relink(drv, os.path.join(dev, "driver"))
+        relative_symlink(drv, os.path.join(dev, "driver"))
         group = self._new_group()
         gdir = self.p(f"sys/kernel/iommu_groups/{group}/devices")
         os.makedirs(gdir, exist_ok=True)
-        _relink(os.path.dirname(gdir), os.path.join(dev, "iommu_group"))
-        _relink(dev, os.path.join(gdir, uuid))
+        relative_symlink(os.path.dirname(gdir), os.path.join(dev, "iommu_group"))
+        relative_symlink(dev, os.path.join(gdir, uuid))
         os.makedirs(self.p("sys/bus/mdev/devices"), exist_ok=True)
-        _relink(dev, self.p(f"sys/bus/mdev/devices/{uuid}"))
+        relative_symlink(dev, self.p(f"sys/bus/mdev/devices/{uuid}"))
         os.makedirs(os.path.join(type_dir, "devices"), exist_ok=True)
-        _relink(dev, os.path.join(type_dir, "devices", uuid))
+        relative_symlink(dev, os.path.join(type_dir, "devices", uuid))
         _write(avail_path, f"{available - 1}\n")
         if first_on_gpu:
             self._one_type_only(gpu_dir, type_dir)
@@ -378,16 +372,16 @@ class SimulatedKernel:
                     _write(os.path.join(vf, name), _read(src) + "\n")
             _write(os.path.join(vf, "device"), f"0x{int(vf_dev, 16):04x}\n")
             _write(os.path.join(vf, "subsystem_device"), "0x0000\n")
-            _relink(pf_dir, os.path.join(vf, "physfn"))
-            _relink(vf, os.path.join(pf_dir, f"virtfn{i}"))
-            _relink(vf, self.p(f"sys/bus/pci/devices/{bdf}"))
+            relative_symlink(pf_dir, os.path.join(vf, "physfn"))
+            relative_symlink(vf, os.path.join(pf_dir, f"virtfn{i}"))
+            relative_symlink(vf, self.p(f"sys/bus/pci/devices/{bdf}"))
             if driver:
                 drv = self.p(f"sys/bus/pci/drivers/{driver}")
                 os.makedirs(drv, exist_ok=True)
-                _relink(drv, os.path.join(vf, "driver"))
-                _relink(vf, os.path.join(drv, bdf))
+                relative_symlink(drv, os.path.join(vf, "driver"))
+                relative_symlink(vf, os.path.join(drv, bdf))
             group = self._new_group()
             gdir = self.p(f"sys/kernel/iommu_groups/{group}/devices")
             os.makedirs(gdir, exist_ok=True)
-            _relink(os.path.dirname(gdir), os.path.join(vf, "iommu_group"))
-            _relink(vf, os.path.join(gdir, bdf))
+            relative_symlink(os.path.dirname(gdir), os.path.join(vf, "iommu_group"))
+            relative_symlink(vf, os.path.join(gdir, bdf))
