@@ -328,3 +328,24 @@ def test_50_megabyte_argument_is_refused(demo: str, monkeypatch: pytest.MonkeyPa
     out, err = capfd.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and "too large" in err
     assert tree_contents(demo) == before
+
+
+def test_qemu_hook_started_activates_and_derived_vgpu_is_created_at_prepare(demo: str) -> None:
+    dom_uuid = "3c7e5a91-8d2f-4b64-a1e9-6f0b4d8c2e75"
+    wanted = derive_uuid(dom_uuid, 0)
+    xml = (META.format(uuid=dom_uuid, profile="GRID A100-8C", count=1)
+           .replace("</devices>", "<hostdev mode='subsystem' type='mdev' model='vfio-pci'>"
+                    f"<source><address uuid='{wanted}'/></source></hostdev></devices>"))
+    res = run([QEMU_HOOK, "meta-vm", "prepare", "begin", "-"], demo, stdin=xml.encode())
+    assert res.returncode == 0, res.stderr
+    assert os.path.islink(os.path.join(demo, f"sys/bus/mdev/devices/{wanted}"))
+    alloc = json.loads(Path(demo, STATE).read_text())["allocations"]["meta-vm"]
+    assert alloc["status"] == "pending"
+    assert alloc["devices"] == [{"id": wanted, "kind": "mdev", "on_demand": True}]
+    assert run([QEMU_HOOK, "meta-vm", "started", "begin", "-"], demo,
+               stdin=xml.encode()).returncode == 0
+    alloc = json.loads(Path(demo, STATE).read_text())["allocations"]["meta-vm"]
+    assert alloc["status"] == "active"
+    assert run([QEMU_HOOK, "meta-vm", "release", "end", "-"], demo,
+               stdin=xml.encode()).returncode == 0
+    assert not os.path.lexists(os.path.join(demo, f"sys/bus/mdev/devices/{wanted}"))

@@ -5,6 +5,8 @@ XML on stdin. What each operation does (DESIGN section 2.3):
 * prepare begin: make the devices the XML names ready (recreate a missing
   mdev, set a VF's vGPU type, create on-demand vGPUs whose UUID the XML
   fixes). Non-zero exit aborts the start; libvirt shows our stderr line.
+* started begin: the VM runs; its allocation becomes active (what the
+  CloudStack agent's onStart does).
 * release end: release what the VM held; also runs after a failed start.
 * migrate begin, restore begin: make the named devices exist here; print
   nothing, so libvirt keeps its XML.
@@ -37,6 +39,10 @@ def main(argv: list[str]) -> int:
     if (op, sub) == ("release", "end"):
         drain_stdin()
         return _release(vm_arg)
+    if (op, sub) == ("started", "begin"):
+        # Plain libvirt has no agent to say onStart: the VM runs now.
+        drain_stdin()
+        return _activate(vm_arg)
     if (op, sub) == ("reconnect", "begin"):
         _reconnect(vm_arg)
         return 0
@@ -81,6 +87,24 @@ def _release(vm_arg: str) -> int:
         return 0
 
     return run_guarded(PROGRAM, body)
+
+
+def _activate(vm_arg: str) -> int:
+    from gpulib.hooks.common import run_guarded
+
+    def body() -> int:
+        from gpulib.hooks.common import start
+        from gpulib.hooks.vmstate import activate
+        from gpulib.state import validate_vm_name
+
+        vm = validate_vm_name(vm_arg)
+        ctx, config = start("gpulib-qemu-hook")
+        activate(ctx, config, vm)
+        return 0
+
+    # The VM already runs: nothing to refuse any more, never fail here.
+    run_guarded(PROGRAM, body)
+    return 0
 
 
 def _reconnect(vm_arg: str) -> None:
