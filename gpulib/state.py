@@ -679,7 +679,12 @@ class StateStore:
             except OSError as e:
                 raise StateError(f"cannot create state lock {self.lock_path}: "
                                  f"{_reason(e)}") from None
-        lock = filelock.FileLock(self.lock_path, timeout=self.timeout)
+        try:
+            # filelock chmods its file to `mode` (0644 by default) on every
+            # acquire; older releases (Debian 12, EL9) have no `mode` at all.
+            lock = filelock.FileLock(self.lock_path, timeout=self.timeout, mode=0o600)
+        except TypeError:
+            lock = filelock.FileLock(self.lock_path, timeout=self.timeout)
         try:
             lock.acquire()
         except filelock.Timeout:
