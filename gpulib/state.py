@@ -484,6 +484,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _takes_mode(filelock: Any) -> bool:
+    """Whether filelock takes `mode` (we want 0o600): releases since 3.10 chmod their file
+    to `mode` (0644 by default) on every acquire; older ones (Debian 12's 3.9,
+    EL9's) have no such argument, and a failed constructor call leaves an object
+    whose destructor complains on stderr, so ask the signature first."""
+    import inspect
+
+    return "mode" in inspect.signature(filelock.FileLock.__init__).parameters
+
+
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -679,12 +689,9 @@ class StateStore:
             except OSError as e:
                 raise StateError(f"cannot create state lock {self.lock_path}: "
                                  f"{_reason(e)}") from None
-        try:
-            # filelock chmods its file to `mode` (0644 by default) on every
-            # acquire; older releases (Debian 12, EL9) have no `mode` at all.
-            lock = filelock.FileLock(self.lock_path, timeout=self.timeout, mode=0o600)
-        except TypeError:
-            lock = filelock.FileLock(self.lock_path, timeout=self.timeout)
+        lock = (filelock.FileLock(self.lock_path, timeout=self.timeout, mode=0o600)
+                if _takes_mode(filelock) else
+                filelock.FileLock(self.lock_path, timeout=self.timeout))
         try:
             lock.acquire()
         except filelock.Timeout:
