@@ -216,6 +216,5 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
         if uuid not in state.vgpus and uuid not in known_users:
             out.append(Outcome("mdev", uuid, "report", False,
                                f"live {m.type_id} on {m.parent} is unknown to gpulib and "
-                               "unused (gpulib pool apply adopts nothing; remove it with "
-                               "gpulib mdev remove)"))
+                               f"used by no running VM (remove it: gpulib mdev remove {uuid})"))
     return out

@@ -349,3 +349,21 @@ def test_qemu_hook_started_activates_and_derived_vgpu_is_created_at_prepare(demo
     assert run([QEMU_HOOK, "meta-vm", "release", "end", "-"], demo,
                stdin=xml.encode()).returncode == 0
     assert not os.path.lexists(os.path.join(demo, f"sys/bus/mdev/devices/{wanted}"))
+
+
+def test_refuse_in_use_off_and_unmanaged_devices(demo: str) -> None:
+    from gpulib.sim.fakehost import FakeHost
+    FakeHost(demo).add_running_domain("i-9-99-VM", str(uuidlib.uuid4()),
+                                      mdevs=(DEMO_POOL_MDEVS[0],))
+    xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
+    Path(demo, "etc/gpulib/gpulib.conf").write_text("[transformer]\nrefuse_in_use = no\n")
+    assert as_agent(demo, xml).returncode == 0
+    # An unmanaged GPU's VF: gpulib does not set its recorded type.
+    state = json.loads(Path(demo, STATE).read_text())
+    state["unmanaged"] = ["0000:41:00.0"]
+    Path(demo, STATE).write_text(json.dumps(state))
+    res = as_agent(demo, (DATA / "cloudstack-xml" / "nvidia-vf-vgpu.xml").read_text())
+    assert res.returncode == 0
+    cur = Path(demo, "sys/bus/pci/devices/0000:41:00.4/nvidia/current_vgpu_type").read_text()
+    assert cur.strip() == "0"
+    assert "i-9-77-VM" not in json.loads(Path(demo, STATE).read_text())["allocations"]

@@ -119,12 +119,26 @@ class Preparer:
     # -- devices the XML names ---------------------------------------------------------------
     def _refuse_if_used(self, state: State, usage: Usage, kind: str, ident: str,
                         user: Optional[str]) -> None:
-        if user is not None and user != self.vm:
-            raise DeviceError(f"{kind} {ident} is in use by running VM {user}")
-        for vm, alloc in state.allocations.items():
-            if vm != self.vm and alloc.status == "active" and \
-                    any(d.id == ident for d in alloc.devices):
-                raise DeviceError(f"{kind} {ident} is allocated to VM {vm}")
+        holder = user if user is not None and user != self.vm else None
+        if holder is None:
+            for vm, alloc in state.allocations.items():
+                if vm != self.vm and alloc.status == "active" and \
+                        any(d.id == ident for d in alloc.devices):
+                    holder = vm
+                    break
+        if holder is None:
+            return
+        message = f"{kind} {ident} is in use by running VM {holder}"
+        if self.config.get_bool("transformer", "refuse_in_use"):
+            raise DeviceError(message)
+        log.warning("%s: %s (refuse_in_use = no: starting anyway)", self.vm, message)
+
+    def _unmanaged(self, state: State, address: PciAddress) -> bool:
+        """An unmanaged device (or a VF or vGPU of an unmanaged GPU) is left alone."""
+        if str(address) in state.unmanaged:
+            return True
+        physfn = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn")
+        return physfn is not None and physfn in state.unmanaged
 
     def _named_devices(self, state: State, usage: Usage,
                        request: Optional[GpuRequest]) -> list[Device]:
@@ -135,6 +149,11 @@ class Preparer:
             uuid = h.uuid_checked()
             self._refuse_if_used(state, usage, "mdev", uuid, usage.vm_for_mdev(uuid))
             rec = state.vgpus.get(uuid)
+            if rec is not None and state.unmanaged and \
+                    self._unmanaged(state, PciAddress.parse(rec.parent)):
+                log.info("%s: mdev %s is on unmanaged %s: left alone", self.vm, uuid,
+                         rec.parent)
+                continue
             if mdev.read_mdev(self.sysfs, uuid) is None:
                 if rec is not None:
                     mdev.create(self.sysfs, PciAddress.parse(rec.parent), rec.type_id, uuid)
@@ -166,6 +185,9 @@ class Preparer:
         if not self.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
             raise DeviceError(f"PCI device {addr} does not exist on this host")
         self._refuse_if_used(state, usage, "PCI device", ident, usage.vm_for_pci(addr))
+        if state.unmanaged and self._unmanaged(state, addr):
+            log.info("%s: PCI device %s is unmanaged: left alone", self.vm, addr)
+            return []
         if h.display or h.ramfb:
             log.info("%s: display/ramfb on PCI hostdev %s has no effect (libvirt ignores "
                      "them for PCI devices)", self.vm, addr)
