@@ -534,15 +534,21 @@ class Doctor:
         except OSError:
             return None
 
-    def group_ids(self, gpu: Gpu) -> list[str]:
-        """vendor:device of the GPU and the other endpoints of its IOMMU group."""
-        out = [f"{gpu.fn.vendor_id:04x}:{gpu.fn.device_id:04x}"]
+    def group_peers(self, gpu: Gpu) -> list[PciFunction]:
+        """The other endpoints of a GPU's IOMMU group (bridges stay with the host)."""
+        out = []
         for member in gpu.group_members:
             if member == gpu.address:
                 continue
             fn = PciFunction.read_ids(self.sysfs, member)
-            if fn.class_code >> 8 == BRIDGE_BASE_CLASS:
-                continue
+            if fn.class_code >> 8 != BRIDGE_BASE_CLASS:
+                out.append(fn)
+        return out
+
+    def group_ids(self, gpu: Gpu) -> list[str]:
+        """vendor:device of the GPU and the other endpoints of its IOMMU group."""
+        out = [f"{gpu.fn.vendor_id:04x}:{gpu.fn.device_id:04x}"]
+        for fn in self.group_peers(gpu):
             key = f"{fn.vendor_id:04x}:{fn.device_id:04x}"
             if key not in out:
                 out.append(key)
@@ -795,12 +801,8 @@ class Doctor:
                     f"passthrough GPU {self._label(gpu)} has no IOMMU group: it cannot be "
                     "given to a VM", "enable the IOMMU: see the iommu check"))
                 continue
-            for member in gpu.group_members:
-                if member == gpu.address:
-                    continue
-                fn = PciFunction.read_ids(self.sysfs, member)
-                if fn.class_code >> 8 == BRIDGE_BASE_CLASS:
-                    continue
+            for fn in self.group_peers(gpu):
+                member = fn.address
                 drv = self.sysfs.link_name(f"{PCI_DEVICES}{member}/driver")
                 if is_free_for_vfio(drv):
                     continue

@@ -77,13 +77,9 @@ def _release(vm_arg: str) -> int:
     from gpulib.hooks.common import run_guarded
 
     def body() -> int:
-        from gpulib.hooks.common import start
-        from gpulib.hooks.vmstate import deactivate
-        from gpulib.state import validate_vm_name
+        from gpulib.hooks.vmstate import change
 
-        vm = validate_vm_name(vm_arg)
-        ctx, config = start("gpulib-qemu-hook")
-        deactivate(ctx, config, vm)
+        change("gpulib-qemu-hook", vm_arg, started=False)
         return 0
 
     return run_guarded(PROGRAM, body)
@@ -93,13 +89,9 @@ def _activate(vm_arg: str) -> int:
     from gpulib.hooks.common import run_guarded
 
     def body() -> int:
-        from gpulib.hooks.common import start
-        from gpulib.hooks.vmstate import activate
-        from gpulib.state import validate_vm_name
+        from gpulib.hooks.vmstate import change
 
-        vm = validate_vm_name(vm_arg)
-        ctx, config = start("gpulib-qemu-hook")
-        activate(ctx, config, vm)
+        change("gpulib-qemu-hook", vm_arg, started=True)
         return 0
 
     # The VM already runs: nothing to refuse any more, never fail here.

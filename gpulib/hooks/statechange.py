@@ -28,21 +28,13 @@ def main(argv: list[str]) -> int:
     method, vm_arg = argv[1], argv[2]
 
     def body() -> int:
-        from gpulib.hooks.common import start
-        from gpulib.hooks.vmstate import activate, deactivate
-        from gpulib.state import validate_vm_name
-
-        vm = validate_vm_name(vm_arg)
-        ctx, config = start(PROGRAM)
         import logging
 
-        log = logging.getLogger("gpulib.hooks.statechange")
-        if method in STARTS:
-            known = activate(ctx, config, vm)
-            log.info("%s %s: %s", method, vm, "allocation active" if known else "nothing held")
-        else:
-            actions = deactivate(ctx, config, vm)
-            log.info("%s %s: %s", method, vm, "; ".join(actions) or "nothing held")
+        from gpulib.hooks.vmstate import change
+
+        outcome = change(PROGRAM, vm_arg, started=method in STARTS)
+        logging.getLogger("gpulib.hooks.statechange").info("%s %s: %s", method, vm_arg,
+                                                            outcome)
         return 0
 
     return run_guarded(PROGRAM, body)

@@ -55,3 +55,18 @@ def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
                        retry_seconds=config.get_float("release", "clear_retry_seconds"))
 
+
+
+def change(program: str, vm_arg: str, started: bool) -> str:
+    """A VM started (allocation active) or stopped (released): one line for the log.
+
+    The start/stop hook and libvirt's `started`/`release` operations share it.
+    """
+    from gpulib.hooks.common import start
+    from gpulib.state import validate_vm_name
+
+    vm = validate_vm_name(vm_arg)
+    ctx, config = start(program)
+    if started:
+        return "allocation active" if activate(ctx, config, vm) else "nothing held"
+    return "; ".join(deactivate(ctx, config, vm)) or "nothing held"
