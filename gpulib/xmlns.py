@@ -3,6 +3,15 @@
 GPULIB_NS = "http://gpulib.org/xmlns/domain/1"
 
 
+def looks_whole(xml: str) -> bool:
+    """A cheap guard for the fast path: a domain document that was not cut short.
+
+    Text that does not end in `</domain>` (truncated, junk appended, another
+    document) goes through the full parser, which names what is wrong.
+    """
+    return xml.rstrip().endswith("</domain>") and "<domain" in xml
+
+
 def may_concern_gpulib(xml: str) -> bool:
     """Whether a domain XML text can concern gpulib at all, without parsing it.
 

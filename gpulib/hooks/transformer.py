@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     # Deliberately light: a domain without GPUs must cost no more than the
     # interpreter's own start, so nothing else is imported on that path.
     from gpulib.hooks.common import HookInputError, error_line, read_stdin, write_stdout
-    from gpulib.xmlns import may_concern_gpulib
+    from gpulib.xmlns import looks_whole, may_concern_gpulib
 
     if len(argv) < 2 or argv[1] != "transform" or len(argv) > 3:
         error_line(PROGRAM, USAGE)
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     if not xml.strip():
         error_line(PROGRAM, "empty domain XML")
         return 2
-    if not may_concern_gpulib(xml):
+    if looks_whole(xml) and not may_concern_gpulib(xml):
         write_stdout(xml)
         return 0
     return _transform(xml)
