@@ -91,7 +91,10 @@ class Candidate:
 
 class Allocator:
     def __init__(self, sysfs: Sysfs, state: State, inventory: Inventory,
-                 policy: str = "spread") -> None:
+                 policy: str = "spread", prefer_numa: Optional[int] = None) -> None:
+        """`prefer_numa`: the node the VM's memory is bound to (its <numatune>):
+        GPUs there come first, others still serve when it has none left."""
+        self.prefer_numa = prefer_numa
         self.sysfs = sysfs
         self.state = state
         self.inv = inventory
@@ -120,7 +123,9 @@ class Allocator:
 
     def _order(self, cands: list[Candidate]) -> list[Candidate]:
         sign = -1 if self.policy == "pack" else 1
-        return sorted(cands, key=lambda c: (sign * c.load, str(c.gpu.address), c.ident))
+        return sorted(cands, key=lambda c: (
+            self.prefer_numa is not None and c.gpu.fn.numa_node != self.prefer_numa,
+            sign * c.load, str(c.gpu.address), c.ident))
 
     # -- candidates -----------------------------------------------------------------------
     def _pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:

@@ -367,3 +367,39 @@ def test_refuse_in_use_off_and_unmanaged_devices(demo: str) -> None:
     cur = Path(demo, "sys/bus/pci/devices/0000:41:00.4/nvidia/current_vgpu_type").read_text()
     assert cur.strip() == "0"
     assert "i-9-77-VM" not in json.loads(Path(demo, STATE).read_text())["allocations"]
+
+
+PASS_META = ("<domain type='kvm'><name>pt-vm</name><uuid>{uuid}</uuid>{numatune}<metadata>"
+             "<gpulib:gpus xmlns:gpulib='http://gpulib.org/xmlns/domain/1'>{items}"
+             "</gpulib:gpus></metadata><devices><emulator>/usr/bin/qemu-system-x86_64"
+             "</emulator></devices></domain>")
+
+
+def test_passthrough_request_brings_the_gpus_audio_along(demo: str) -> None:
+    xml = PASS_META.format(uuid="3c7e5a91-8d2f-4b64-a1e9-6f0b4d8c2e75", numatune="",
+                           items="<gpulib:passthrough model='10de:2484' count='1'/>")
+    res = as_agent(demo, xml)
+    assert res.returncode == 0, res.stdout
+    dom = etree.fromstring(res.stdout)
+    funcs = [(h.find("source/address").get("bus"), h.find("source/address").get("function"),
+              h.find("address").get("slot")) for h in dom.findall(".//hostdev[@type='pci']")]
+    assert [f[:2] for f in funcs] == [("0x3b", "0x0"), ("0x3b", "0x1")]
+    assert funcs[0][2] == funcs[1][2], "the audio function shares the GPU's guest slot"
+    devices = json.loads(Path(demo, STATE).read_text())["allocations"]["pt-vm"]["devices"]
+    assert [d["id"] for d in devices] == ["0000:3b:00.0", "0000:3b:00.1"]
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_vgpu_request_prefers_the_domains_numa_node(tmp_path: Path, node: int) -> None:
+    from tests.hosts import t4_farm
+    host = t4_farm(str(tmp_path), gpus=4)  # T4s on nodes 0, 1, 0, 1; no pool created
+    numatune = f"<numatune><memory mode='strict' nodeset='{node}'/></numatune>"
+    xml = PASS_META.format(uuid="3c7e5a91-8d2f-4b64-a1e9-6f0b4d8c2e75", numatune=numatune,
+                           items="<gpulib:vgpu profile='GRID T4-1B' count='1'/>")
+    res = as_agent(host.root, xml)
+    assert res.returncode == 0, res.stdout
+    state = json.loads(Path(host.root, STATE).read_text())
+    [dev] = state["allocations"]["pt-vm"]["devices"]
+    parent = state["vgpus"][dev["id"]]["parent"]
+    numa = Path(host.root, f"sys/bus/pci/devices/{parent}/numa_node").read_text().strip()
+    assert int(numa) == node

@@ -288,13 +288,14 @@ class Preparer:
             # Asked again for the same VM (a retried start): give what it holds.
             again = [d for d in previous.devices if d.id not in have]
             if again:
-                self._insert(again)
-                return again
+                return again + self._insert(again)
         if self.domain_uuid is None:
             raise DeviceError(f"domain {self.vm} has no <uuid>: gpulib derives vGPU UUIDs "
                               "from it")
+        nodes = self.dom.numa_nodes()
         allocator = Allocator(self.sysfs, state, self._inventory(state),
-                              policy=self.config.get("allocator", "policy"))
+                              policy=self.config.get("allocator", "policy"),
+                              prefer_numa=nodes[0] if len(nodes) == 1 else None)
         devices: list[Device] = []
         k = 0
         duuid = self.domain_uuid
@@ -319,15 +320,31 @@ class Preparer:
                 if d.on_demand:
                     allocator.destroy(d)
             raise
-        self._insert(devices)
-        return devices
+        return devices + self._insert(devices)
 
-    def _insert(self, devices: list[Device]) -> None:
+    def _insert(self, devices: list[Device]) -> list[Device]:
+        """Put devices into the XML; returns the group peers added beside GPUs."""
+        peers: list[Device] = []
         for d in devices:
             if d.kind == "mdev":
                 if self.dom.find_mdev_hostdev(d.id) is None:
                     self.dom.add_mdev_hostdev(d.id, display="off")
-            else:
-                addr = PciAddress.parse(d.id)
-                if self.dom.find_pci_hostdev(addr) is None:
-                    self.dom.add_pci_hostdev(addr, managed=d.kind == "pci")
+            elif d.kind == "vf" and self.dom.find_pci_hostdev(PciAddress.parse(d.id)) is None:
+                self.dom.add_pci_hostdev(PciAddress.parse(d.id), managed=False)
+        # Whole GPUs first: their group peers go beside them, on the same slot.
+        gpus = [d for d in devices if d.kind == "pci" and self._is_gpu(d.id)]
+        for d in gpus:
+            addr = PciAddress.parse(d.id)
+            if self.dom.find_pci_hostdev(addr) is None:
+                h = self.dom.add_pci_hostdev(addr, managed=True)
+                if self.config.get_bool("transformer", "add_group_functions"):
+                    peers += self._add_group_peers(h)
+        for d in devices:
+            if d.kind == "pci" and self.dom.find_pci_hostdev(PciAddress.parse(d.id)) is None:
+                self.dom.add_pci_hostdev(PciAddress.parse(d.id), managed=True)
+        known = {d.id for d in devices}
+        return [p for p in peers if p.id not in known]
+
+    def _is_gpu(self, ident: str) -> bool:
+        klass = self.sysfs.read_int(f"sys/bus/pci/devices/{ident}/class", 16) or 0
+        return klass >> 16 in (0x03, 0x12)
