@@ -8,7 +8,7 @@ Exit codes of the hooks: 0 success, 1 the devices could not be made ready
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     from gpulib.config import Config
@@ -65,7 +65,7 @@ def start(program: str) -> tuple[Context, Config]:
     return ctx, config
 
 
-def run_guarded(program: str, body: object, unexpected_code: int = 1,
+def run_guarded(program: str, body: Callable[[], int], unexpected_code: int = 1,
                 error_code_override: Optional[int] = None) -> int:
     """Run body(); map gpulib errors to one stderr line and their exit code."""
     import logging
@@ -78,7 +78,7 @@ def run_guarded(program: str, body: object, unexpected_code: int = 1,
     if not root.handlers:
         root.addHandler(logging.NullHandler())
     try:
-        result = body()  # type: ignore[operator]
+        result = body()
         return int(result or 0)
     except HookInputError as exc:
         _log_error(program, str(exc))

@@ -166,7 +166,7 @@ class Preparer:
                         parent, type_id, _ = mdevctl[uuid]
                         mdev.create(self.sysfs, PciAddress.parse(parent), type_id, uuid)
                     elif uuid in derived:
-                        devices += self._create_derived(state, usage, uuid, derived[uuid])
+                        devices += self._create_derived(state, uuid, derived[uuid])
                         continue
                     else:
                         raise DeviceError(
@@ -273,9 +273,7 @@ class Preparer:
 
         return discover_host(self.ctx, self.config, state=state, learn=False)
 
-    def _create_derived(self, state: State, usage: Usage, uuid: str,
-                        req: VgpuRequest) -> list[Device]:
-        del usage
+    def _create_derived(self, state: State, uuid: str, req: VgpuRequest) -> list[Device]:
         allocator = Allocator(self.sysfs, state, self._inventory(state),
                               policy=self.config.get("allocator", "policy"))
         return allocator.allocate_vgpus(self.vm, req, lambda: uuid, fresh_only=True)

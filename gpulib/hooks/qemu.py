@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
         drain_stdin()
         return _activate(vm_arg)
     if (op, sub) == ("reconnect", "begin"):
-        _reconnect(vm_arg)
+        _reconnect()
         return 0
     drain_stdin()
     return 0
@@ -99,7 +99,7 @@ def _activate(vm_arg: str) -> int:
     return 0
 
 
-def _reconnect(vm_arg: str) -> None:
+def _reconnect() -> None:
     """A running VM found again after libvirtd restarted: mark what it holds active."""
     from gpulib.hooks.common import drain_stdin, read_stdin, run_guarded
 
@@ -122,7 +122,6 @@ def _reconnect(vm_arg: str) -> None:
     # A failure here would make libvirt kill the running VM: log, never fail.
     run_guarded(PROGRAM, body)
     drain_stdin()
-    del vm_arg
 
 
 if __name__ == "__main__":

@@ -320,17 +320,24 @@ class FakeHost:
                 "  <devices>\n    <emulator>/usr/bin/qemu-system-x86_64</emulator>\n"
                 + graphics + "".join(hostdevs) + "  </devices>\n</domain>\n")
 
-    def add_defined_domain(self, name: str, uuid: str, **kw: object) -> str:
-        xml = self.domain_xml(name, uuid, **kw)  # type: ignore[arg-type]
+    def add_defined_domain(self, name: str, uuid: str, pci: tuple[Addr, ...] = (),
+                           mdevs: tuple[str, ...] = (), vnc_password: Optional[str] = None,
+                           managed: bool = True) -> str:
+        """`etc/libvirt/qemu/<name>.xml` as libvirtd keeps a defined domain."""
+        xml = self.domain_xml(name, uuid, pci=pci, mdevs=mdevs, vnc_password=vnc_password,
+                              managed=managed)
         path = self.p(f"etc/libvirt/qemu/{name}.xml")
         _write(path, "<!--\nWARNING: THIS IS AN AUTO-GENERATED FILE.\n-->\n" + xml, 0o600)
         return path
 
     def add_running_domain(self, name: str, uuid: str, pid: int = 4242,
-                           **kw: object) -> str:
-        """`run/libvirt/qemu/<name>.xml` as libvirtd writes it: a <domstatus>."""
-        kw.setdefault("domain_id", 1)
-        xml = self.domain_xml(name, uuid, **kw)  # type: ignore[arg-type]
+                           pci: tuple[Addr, ...] = (), mdevs: tuple[str, ...] = (),
+                           vnc_password: Optional[str] = None, managed: bool = True,
+                           domain_id: int = 1) -> str:
+        """`run/libvirt/qemu/<name>.xml` as libvirtd writes it (a <domstatus>), and
+        the definition beside it."""
+        xml = self.domain_xml(name, uuid, pci=pci, mdevs=mdevs, domain_id=domain_id,
+                              vnc_password=vnc_password, managed=managed)
         status = (f"<domstatus state='running' reason='booted' pid='{pid}'>\n"
                   "  <monitor path='/var/lib/libvirt/qemu/domain-1/monitor.sock' type='unix'/>\n"
                   "  <vcpus>\n    <vcpu id='0' pid='4243'/>\n  </vcpus>\n"
@@ -338,8 +345,8 @@ class FakeHost:
                   + "</domstatus>\n")
         path = self.p(f"run/libvirt/qemu/{name}.xml")
         _write(path, status, 0o600)
-        self.add_defined_domain(name, uuid, **{k: v for k, v in kw.items()
-                                               if k != "domain_id"})
+        self.add_defined_domain(name, uuid, pci=pci, mdevs=mdevs, vnc_password=vnc_password,
+                                managed=managed)
         return path
 
     def stop_domain(self, name: str) -> None:
