@@ -403,3 +403,18 @@ def test_vgpu_request_prefers_the_domains_numa_node(tmp_path: Path, node: int) -
     parent = state["vgpus"][dev["id"]]["parent"]
     numa = Path(host.root, f"sys/bus/pci/devices/{parent}/numa_node").read_text().strip()
     assert int(numa) == node
+
+
+def test_a_new_domain_with_an_old_name_keeps_its_pool_vgpu(demo: str) -> None:
+    xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
+    assert as_agent(demo, xml).returncode == 0
+    assert run([STATE_CHANGE, "onStart", "i-2-52-VM"], demo).returncode == 0
+    # The VM is recreated with the same name but a new UUID; onStop never came.
+    old = "9b4c2e17-3a6f-4d8b-a5e1-7c0f3d9b2a46"
+    new_xml = xml.replace(old, "1b4c2e17-3a6f-4d8b-a5e1-7c0f3d9b2a46")
+    assert as_agent(demo, new_xml).returncode == 0
+    state = json.loads(Path(demo, STATE).read_text())
+    alloc = state["allocations"]["i-2-52-VM"]
+    assert alloc["domain_uuid"] == "1b4c2e17-3a6f-4d8b-a5e1-7c0f3d9b2a46"
+    assert alloc["status"] == "pending"
+    assert state["vgpus"][DEMO_POOL_MDEVS[0]]["vm"] == "i-2-52-VM"

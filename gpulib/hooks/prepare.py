@@ -81,15 +81,16 @@ class Preparer:
         with open_store(self.ctx, self.config).transaction() as state:
             usage = read_usage(self.sysfs, include_defined=False)
             release_stale(self.ctx, state, usage, self.config, keep=self.vm)
+            alloc = state.allocations.get(self.vm)
+            if alloc is not None and alloc.domain_uuid not in (None, self.domain_uuid):
+                # Same name, another domain: the old one is gone for good. Before
+                # anything is prepared, so its release cannot undo this start's work.
+                release(self.sysfs, state, self.vm, retry_seconds=0.5)
+                alloc = None
             request = self.dom.metadata_request() if self.allow_metadata else None
             devices = self._named_devices(state, usage, request)
             if request is not None and self.edit_xml:
                 devices += self._requested_devices(state, request, devices)
-            alloc = state.allocations.get(self.vm)
-            if alloc is not None and alloc.domain_uuid not in (None, self.domain_uuid):
-                # Same name, another domain: the old one is gone for good.
-                release(self.sysfs, state, self.vm, retry_seconds=0.5)
-                alloc = None
             if devices:
                 record(state, self.vm, self.domain_uuid, devices,
                        status=alloc.status if alloc else "pending")
