@@ -94,7 +94,7 @@ def test_restore_unit() -> None:
     assert values(d, "Service", "Type") == ["oneshot"]
     assert values(d, "Service", "RemainAfterExit") == ["yes"]
     assert [v for s, k, v in d if (s, k) == ("Service", "ExecStart")] == [
-        "/usr/bin/gpulib restore", "/usr/bin/gpulib pool apply"]
+        "-/usr/bin/gpulib restore", "/usr/bin/gpulib pool apply"]
     nvidia = {"nvidia-vgpu-mgr.service", "nvidia-sriov.service"}
     assert nvidia <= set(values(d, "Unit", "Wants"))
     assert nvidia <= set(values(d, "Unit", "After"))
