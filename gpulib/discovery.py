@@ -306,6 +306,7 @@ class Discovery:
         names: dict[int, str] = {int(k): v for k, v in self.learned.get(key, {}).items()
                                  if k.isdigit()}
         nvidia_vfs: list[VirtualFunction] = []
+        vf_types: dict[str, mdev.MdevType] = {}  # shared names/descriptions across VFs
         for index, address in virtfn_links(sysfs, gpu.address):
             try:
                 fn = PciFunction.read(sysfs, address, vf_of=gpu.fn)
@@ -316,7 +317,7 @@ class Discovery:
             vf.used_by = usage.vm_for_pci(address)
             vf.mdev_parent = mdev.is_parent(sysfs, address)
             if vf.mdev_parent:
-                vf.mdev_types = mdev.list_types(sysfs, address)
+                vf.mdev_types = mdev.list_types(sysfs, address, vf_types)
             if gpu.fn.vendor_id == nvidia.NVIDIA_VENDOR and nvidia.is_vendor_vf(sysfs, address):
                 creatable = nvidia.creatable_types(sysfs, address)
                 for tid, name in creatable.items():

@@ -97,11 +97,16 @@ class Description:
 class MdevType:
     """One directory under a parent's mdev_supported_types."""
 
-    def __init__(self, sysfs: Sysfs, parent: PciAddress, type_id: str) -> None:
+    def __init__(self, sysfs: Sysfs, parent: PciAddress, type_id: str,
+                 same_as: Optional[MdevType] = None) -> None:
+        """`same_as`: the same type on a sibling parent (another VF of the same
+        GPU), whose name and description this one shares: one driver and one
+        card print them alike, and a large host has thousands of such files."""
         self._sysfs = sysfs
         self.parent = parent
         self.type_id = type_id
         self.rel = f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{type_id}"
+        self._same_as = same_as
         self._name: Optional[str] = None
         self._name_read = False
         self._description: Optional[Description] = None
@@ -113,6 +118,8 @@ class MdevType:
     @property
     def name(self) -> Optional[str]:
         """The `name` file (kernels before 6.1 may lack it)."""
+        if self._same_as is not None:
+            return self._same_as.name
         if not self._name_read:
             self._name_read = True
             self._name = self._sysfs.read(self.rel + "/name") or None
@@ -135,6 +142,10 @@ class MdevType:
         return self._description
 
     def _load_description(self) -> None:
+        if self._description is None and self._same_as is not None:
+            self._same_as._load_description()
+            self._description_text = self._same_as._description_text
+            self._description = self._same_as._description
         if self._description is None:
             self._description_text = self._sysfs.read(self.rel + "/description")
             self._description = Description(self._description_text)
@@ -170,9 +181,18 @@ def is_parent(sysfs: Sysfs, address: PciAddress) -> bool:
     return sysfs.isdir(f"{PCI_DEVICES}{address}/{TYPES_DIR}")
 
 
-def list_types(sysfs: Sysfs, parent: PciAddress) -> list[MdevType]:
+def list_types(sysfs: Sysfs, parent: PciAddress,
+               siblings: Optional[dict[str, MdevType]] = None) -> list[MdevType]:
+    """A parent's types. `siblings` (type id -> type on another VF of the same
+    GPU) lets them share names and descriptions; it is filled as it goes."""
     names = sysfs.listdir(f"{PCI_DEVICES}{parent}/{TYPES_DIR}")
-    return [MdevType(sysfs, parent, n) for n in sorted(names)]
+    out = []
+    for n in sorted(names):
+        t = MdevType(sysfs, parent, n, same_as=siblings.get(n) if siblings is not None else None)
+        if siblings is not None:
+            siblings.setdefault(n, t)
+        out.append(t)
+    return out
 
 
 def list_parents(sysfs: Sysfs) -> list[PciAddress]:
