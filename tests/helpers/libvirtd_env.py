@@ -22,14 +22,14 @@ namespace goes away with the last process in it. Clients reach the daemon throug
 socket's path on the host side: `qemu:///system?socket=<base>/run/libvirt/libvirt-sock`.
 
 virtlogd and libvirtd run in the foreground as children of the test process
-(not `-d`: a daemonised process is re-parented to init, which on some CI
-sandboxes never reaps it), with PR_SET_PDEATHSIG so they die with pytest
+(not `-d`: a daemonised process is re-parented to init, which in some CI
+containers never reaps it), with PR_SET_PDEATHSIG so they die with pytest
 even when it is killed. `stop()` destroys the domains, kills any qemu left
 behind (by the pid files libvirt wrote) and ends both daemons by pid.
 
 Private settings (`qemu.conf`):
 * `user`/`group` = root: where /dev/kvm exists but the `libvirt-qemu` user
-  cannot open it (this sandbox: mode 0600), libvirt 9.0 decides on every
+  cannot open it (/dev/kvm with mode 0600 in some containers), libvirt 9.0 decides on every
   capabilities lookup that "KVM was enabled when probing ... but it is not
   available now" and probes QEMU again (~4 s per binary, on every call, 30 s
   for one `virsh define`). The test domains are `type='qemu'` (TCG) anyway.
