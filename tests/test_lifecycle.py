@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpulib import mdev, nvidia
 from gpulib.errors import DeviceError, InputError, NotAvailableError
@@ -180,3 +182,36 @@ def test_simulation_is_never_active_on_the_real_root() -> None:
     from gpulib.context import Context
     ctx = Context.for_root("/", simulate=True)
     assert ctx.sysfs.simulated is False
+
+
+# -- the parsers of what the drivers print ------------------------------------------------
+
+names = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E),
+                min_size=1, max_size=30).map(str.strip).filter(bool)
+
+
+@given(st.dictionaries(st.integers(1, 99999), names, max_size=30))
+def test_creatable_list_round_trips_in_the_drivers_format(types: dict[int, str]) -> None:
+    # nvidia-vgpu-vfio prints "ID    : vGPU Name" then "%-5d : %s" per type.
+    text = "ID    : vGPU Name\n" + "".join(f"{k:<5d} : {v}\n" for k, v in types.items())
+    assert nvidia.parse_creatable(text) == types
+    assert nvidia.parse_creatable("ID    : vGPU Name\n") == {}
+
+
+@given(heads=st.integers(1, 16), fb=st.integers(1, 98304), w=st.integers(640, 16384),
+       h=st.integers(480, 16384), inst=st.integers(1, 64), unit=st.sampled_from(["M", ""]),
+       order=st.permutations(range(4)))
+def test_nvidia_description_numbers(heads: int, fb: int, w: int, h: int, inst: int,
+                                    unit: str, order: list[int]) -> None:
+    fields = [f"num_heads={heads}", f"framebuffer={fb}{unit}", f"max_resolution={w}x{h}",
+              f"max_instance={inst}"]
+    d = mdev.Description(", ".join([*(fields[i] for i in order), "frl_config=60"]))
+    assert (d.num_heads, d.framebuffer_mb, d.max_resolution, d.max_instance) == (
+        heads, fb, (w, h), inst)
+
+
+def test_gvt_description_gives_resolution_only() -> None:
+    d = mdev.Description("low_gm_size: 128MB\nhigh_gm_size: 512MB\nfence: 4\n"
+                         "resolution: 1920x1200\nweight: 4\n")
+    assert d.max_resolution == (1920, 1200)
+    assert (d.max_instance, d.framebuffer_mb, d.num_heads) == (None, None, None)
