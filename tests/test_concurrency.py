@@ -64,3 +64,56 @@ def test_64_vms_start_at_once_against_a_pool_of_64(tmp_path: Path,
     code, out, _ = start_vm(host.root, 64)
     assert code == 1 and "no free vGPU of GRID T4-1B" in out
     print(f"64 transformer + onStart runs: {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_transformers_killed_at_random_leave_consistent_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+    import signal
+
+    from gpulib.state import StateStore
+
+    host = t4_farm(str(tmp_path), gpus=1, per_parent=16)
+    monkeypatch.setenv("GPULIB_ROOT", host.root)
+    monkeypatch.setenv("GPULIB_SIMULATE", "1")
+    assert main(["pool", "apply"]) == 0
+    rng = random.Random(7)
+    env = hook_env(host.root)
+    procs = []
+    for i in range(16):
+        xml = META.format(name=f"vm-{i}", uuid=f"00000000-0000-4000-8000-{i:012x}")
+        procs.append(subprocess.Popen([TRANSFORMER, "transform", xml], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for p in procs[::2]:
+        time.sleep(rng.uniform(0.02, 0.12))  # spread over the lock-serialised starts
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=60)
+    state = StateStore(str(Path(host.root, "var/lib/gpulib/state.json")),
+                       str(Path(host.root, "var/lib/gpulib/state.lock"))).load()
+    held: dict[str, str] = {}
+    for vm, alloc in state.allocations.items():
+        for d in alloc.devices:
+            assert d.id not in held, f"{d.id} given to {held[d.id]} and {vm}"
+            held[d.id] = vm
+            assert state.vgpus[d.id].vm == vm
+    assert all(r.vm in (None, *state.allocations) for r in state.vgpus.values())
+    # Every VM whose transformer was not killed got its vGPU; the rest start now.
+    for i in range(16):
+        if procs[i].returncode == 0:
+            assert f"vm-{i}" in state.allocations
+    for i in range(16):
+        code, out, _ = start_vm_named(host.root, f"vm-{i}", i)
+        assert code == 0, out
+    final = StateStore(str(Path(host.root, "var/lib/gpulib/state.json")),
+                       str(Path(host.root, "var/lib/gpulib/state.lock"))).load()
+    assert len({d.id for a in final.allocations.values() for d in a.devices}) == 16
+
+
+def start_vm_named(root: str, name: str, i: int) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    xml = META.format(name=name, uuid=f"00000000-0000-4000-8000-{i:012x}")
+    res = subprocess.run([TRANSFORMER, "transform", xml], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, env=hook_env(root), timeout=30)
+    return res.returncode, res.stdout.decode(), time.monotonic() - t0
