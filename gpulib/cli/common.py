@@ -38,6 +38,10 @@ class Env:
         return self._config
 
 
+# Every listing takes --json.
+json_option = click.option("--json", "as_json", is_flag=True, help="JSON output.")
+
+
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=False))
 

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from gpulib import report
-from gpulib.cli.common import Env, emit_json
+from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.lifecycle import open_store
 from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
@@ -19,7 +19,7 @@ def device_group() -> None:
 
 
 @device_group.command("list")
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@json_option
 @click.pass_obj
 def device_list(env: Env, as_json: bool) -> None:
     """GPUs and VFs with their managed flag."""
@@ -70,7 +70,7 @@ def device_unmanage(env: Env, address: str) -> None:
 
 
 @click.command("status")
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@json_option
 @click.pass_obj
 def status(env: Env, as_json: bool) -> None:
     """Devices, profiles, pools and allocations: who holds what."""

@@ -6,7 +6,7 @@ import click
 
 from gpulib import pools
 from gpulib.allocator import release as release_vm
-from gpulib.cli.common import Env, emit_json
+from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.lifecycle import Outcome, open_store, reconcile, restore
 from gpulib.runtime import discover_host
 from gpulib.state import validate_vm_name
@@ -31,7 +31,7 @@ def pool_group() -> None:
 
 @pool_group.command("apply")
 @click.option("--dry-run", is_flag=True, help="Only show what would change.")
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@json_option
 @click.pass_obj
 def pool_apply(env: Env, dry_run: bool, as_json: bool) -> None:
     """Create what the pools miss; a second run changes nothing."""
@@ -42,7 +42,7 @@ def pool_apply(env: Env, dry_run: bool, as_json: bool) -> None:
 
 
 @pool_group.command("list")
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@json_option
 @click.pass_obj
 def pool_list(env: Env, as_json: bool) -> None:
     """Pools and their members."""
@@ -58,7 +58,7 @@ def pool_list(env: Env, as_json: bool) -> None:
 
 
 @click.command("restore")
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@json_option
 @click.pass_obj
 def restore_cmd(env: Env, as_json: bool) -> None:
     """Recreate every known vGPU that is not live (run at boot)."""
@@ -68,7 +68,7 @@ def restore_cmd(env: Env, as_json: bool) -> None:
 
 
 @click.command("reconcile")
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@json_option
 @click.pass_obj
 def reconcile_cmd(env: Env, as_json: bool) -> None:
     """Release allocations of VMs not running; report stray or vanished vGPUs."""

@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from gpulib import mdev, nvidia
-from gpulib.cli.common import Env, emit_json
+from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.lifecycle import open_store, remove_mdevctl, write_mdevctl
 from gpulib.pci import PciAddress
 from gpulib.state import VfRecord, VgpuRecord
@@ -20,7 +20,7 @@ def mdev_group() -> None:
 
 @mdev_group.command("types")
 @click.option("--parent", help="Only this parent device (PCI address).")
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@json_option
 @click.pass_obj
 def mdev_types(env: Env, parent: Optional[str], as_json: bool) -> None:
     """List the mdev types each parent offers, with instances left."""
@@ -43,7 +43,7 @@ def mdev_types(env: Env, parent: Optional[str], as_json: bool) -> None:
 
 
 @mdev_group.command("list")
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@json_option
 @click.pass_obj
 def mdev_list(env: Env, as_json: bool) -> None:
     """List live mdevs and the ones gpulib keeps (not live after a reboot)."""
