@@ -15,7 +15,7 @@ import json
 from typing import Any, Optional
 
 from gpulib.discovery import Gpu, Inventory, VirtualFunction
-from gpulib.mdev import MdevType
+from gpulib.mdev import Description, MdevType
 from gpulib.nvidia import framebuffer_mb_from_name
 from gpulib.pci import PciAddress
 
@@ -27,7 +27,10 @@ STOCK_DISCOVERY_SCRIPT = "usr/share/cloudstack-common/scripts/vm/hypervisor/kvm/
 
 
 def _type_numbers(t: Optional[MdevType]) -> dict[str, Optional[int]]:
-    d = t.description if t is not None else None
+    return _numbers(t.description if t is not None else None)
+
+
+def _numbers(d: Optional[Description]) -> dict[str, Optional[int]]:
     res = d.max_resolution if d is not None else None
     return {
         "max_instances": d.max_instance if d else None,
@@ -59,7 +62,9 @@ def _vf_entry(vf: VirtualFunction) -> dict[str, Any]:
 
 def gpu_entry(gpu: Gpu) -> dict[str, Any]:
     fn = gpu.fn
-    pf_numbers = _type_numbers(None)
+    # The stock script reads these from a `description` file of the GPU itself
+    # (drivers rarely provide one): the same here, so both agree where one exists.
+    pf_numbers = _numbers(Description(gpu.description) if gpu.description else None)
     root: PciAddress = fn.pci_root or fn.address
     return {
         "pci_address": fn.address.lspci,

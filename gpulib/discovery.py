@@ -123,6 +123,7 @@ class Gpu:
         self.mdev_types: list[mdev.MdevType] = []
         self.vgpus: list[Vgpu] = []
         self.group_members: list[PciAddress] = []
+        self.description: Optional[str] = None  # the GPU's own `description`, if any
         self.used_by: Optional[str] = None
         self.errors: list[str] = []
 
@@ -288,6 +289,7 @@ class Discovery:
 
     def _sriov(self, gpu: Gpu) -> None:
         rel = gpu.fn.rel
+        gpu.description = self.sysfs.read(rel + "/description")
         gpu.sriov_totalvfs = self.sysfs.read_int(rel + "/sriov_totalvfs") or 0
         gpu.sriov_numvfs = self.sysfs.read_int(rel + "/sriov_numvfs") or 0
 

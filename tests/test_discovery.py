@@ -314,3 +314,12 @@ def test_learned_type_names_survive_a_full_card(tmp_path: Path) -> None:
     [g] = cloudstack_doc(host.root)["gpus"]
     assert g["vf_instances"][0]["vf_profile"] == "NVIDIA A10-6Q"
     assert g["vf_instances"][0]["video_ram"] == 6144
+
+
+def test_gpu_numbers_from_its_own_description_as_the_stock_script(tmp_path: Path) -> None:
+    host = t4_host(str(tmp_path))
+    host.write_file("sys/bus/pci/devices/0000:3b:00.0/description",
+                    "num_heads=4, framebuffer=16384M, max_resolution=7680x4320, max_instance=1\n")
+    [g] = cloudstack_doc(host.root)["gpus"]
+    assert (g["max_instances"], g["video_ram"], g["max_heads"], g["max_resolution_x"],
+            g["max_resolution_y"]) == (1, 16384, 4, 7680, 4320)
