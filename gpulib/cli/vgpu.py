@@ -10,7 +10,9 @@ from gpulib import mdev, nvidia
 from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.lifecycle import open_store, remove_mdevctl, write_mdevctl
 from gpulib.pci import PciAddress
+from gpulib.runtime import allocations_view
 from gpulib.state import VfRecord, VgpuRecord
+from gpulib.usage import read_usage
 
 
 @click.group("mdev")
@@ -50,6 +52,7 @@ def mdev_list(env: Env, as_json: bool) -> None:
     sysfs = env.ctx.sysfs
     state = open_store(env.ctx, env.config).load()
     live = mdev.live_mdevs(sysfs)
+    usage = read_usage(sysfs, allocations_view(state))
     rows = []
     for uuid in sorted(set(live) | set(state.vgpus)):
         m = live.get(uuid)
@@ -58,7 +61,8 @@ def mdev_list(env: Env, as_json: bool) -> None:
                      "type_id": m.type_id if m else rec.type_id if rec else None,
                      "live": m is not None, "pool": rec.pool if rec else None,
                      "on_demand": rec.on_demand if rec else False,
-                     "vm": rec.vm if rec else None, "known": rec is not None})
+                     "vm": (rec.vm if rec else None) or usage.vm_for_mdev(uuid),
+                     "known": rec is not None})
     if as_json:
         emit_json(rows)
         return
