@@ -36,8 +36,10 @@ _ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
 PENDING_GRACE_SECONDS = 120.0
 
 
-def open_store(ctx: Context, config: Optional[Config] = None) -> StateStore:
-    timeout = config.get_float("state", "lock_timeout") if config else 20.0
+def open_store(ctx: Context, config: Optional[Config] = None,
+               timeout: Optional[float] = None) -> StateStore:
+    if timeout is None:
+        timeout = config.get_float("state", "lock_timeout") if config else 20.0
     return StateStore.for_context(ctx, timeout=timeout, rebuild=lambda: rebuild_state(ctx))
 
 
@@ -188,20 +190,36 @@ def age_seconds(iso: str) -> float:
     return time.time() - (days * 86400 + hh * 3600 + mm * 60 + ss)
 
 
-def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
-              grace: float = PENDING_GRACE_SECONDS) -> list[Outcome]:
-    sysfs = ctx.sysfs
+def release_not_running(ctx: Context, state: State, running: set[str],
+                        destroy_on_demand: bool = True, grace: float = PENDING_GRACE_SECONDS,
+                        pending_only: bool = False, keep: Optional[str] = None
+                        ) -> list[Outcome]:
+    """Release allocations of VMs that are not running.
+
+    A pending one younger than `grace` may belong to a VM that is starting and
+    is kept; `pending_only` (the hooks' cheap cleanup) leaves active ones to
+    `gpulib reconcile`.
+    """
     out: list[Outcome] = []
-    usage = read_usage(sysfs, include_defined=False)
     for vm, alloc in sorted(state.allocations.items()):
-        if vm in usage.running:
+        if vm == keep or vm in running or (pending_only and alloc.status != "pending"):
             continue
         if alloc.status == "pending" and age_seconds(alloc.since) < grace:
             continue
-        actions = release(sysfs, state, vm, destroy_on_demand=destroy_on_demand,
+        log.warning("releasing the %s allocation of %s: it is not running (since %s)",
+                    alloc.status, vm, alloc.since)
+        actions = release(ctx.sysfs, state, vm, destroy_on_demand=destroy_on_demand,
                           retry_seconds=0.5)
         out.append(Outcome("vm", vm, f"released {alloc.status} allocation", True,
                            "; ".join(actions)))
+    return out
+
+
+def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
+              grace: float = PENDING_GRACE_SECONDS) -> list[Outcome]:
+    sysfs = ctx.sysfs
+    usage = read_usage(sysfs, include_defined=False)
+    out = release_not_running(ctx, state, usage.running, destroy_on_demand, grace)
     live = mdev.live_mdevs(sysfs)
     for uuid, rec in sorted(state.vgpus.items()):
         try:

@@ -17,6 +17,7 @@ from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import Discovery, Inventory, Known
 from gpulib.errors import GpulibError
+from gpulib.lifecycle import open_store
 from gpulib.state import State, StateStore
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,9 @@ def known_from_state(state: State) -> Known:
 
 def discover_host(ctx: Context, config: Optional[Config] = None,
                   state: Optional[State] = None, learn: bool = True) -> Inventory:
-    store = StateStore.for_context(ctx)
     if state is None:
         try:
-            state = store.load()
+            state = open_store(ctx, config).load()
         except GpulibError as exc:
             # A state file we cannot use must not hide the host's GPUs.
             log.error("discovery without gpulib state: %s", exc)
@@ -47,7 +47,9 @@ def discover_host(ctx: Context, config: Optional[Config] = None,
     disc = Discovery(ctx.sysfs, config, known_from_state(state))
     inventory = disc.run()
     if learn and disc.new_names:
-        _remember_names(StateStore.for_context(ctx, timeout=2.0), disc.new_names)
+        # The same store as everywhere: a corrupt file found here is rebuilt
+        # from the host, never replaced by an empty registry.
+        _remember_names(open_store(ctx, config, timeout=2.0), disc.new_names)
     return inventory
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 from gpulib.allocator import release
 from gpulib.config import Config
 from gpulib.context import Context
-from gpulib.lifecycle import PENDING_GRACE_SECONDS, age_seconds, open_store
+from gpulib.lifecycle import open_store, release_not_running
 from gpulib.state import State, utc_now
 from gpulib.usage import Usage, read_usage
 
@@ -22,16 +22,9 @@ log = logging.getLogger(__name__)
 def release_stale(ctx: Context, state: State, usage: Usage, config: Config,
                   keep: Optional[str] = None) -> None:
     """Release pending allocations of VMs that never started (DESIGN 6.2)."""
-    for vm, alloc in list(state.allocations.items()):
-        if vm == keep or vm in usage.running or alloc.status != "pending":
-            continue
-        if age_seconds(alloc.since) < PENDING_GRACE_SECONDS:
-            continue
-        log.warning("releasing pending allocation of %s: it never started (since %s)",
-                    vm, alloc.since)
-        release(ctx.sysfs, state, vm,
-                destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
-                retry_seconds=0.5)
+    release_not_running(ctx, state, usage.running,
+                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
+                        pending_only=True, keep=keep)
 
 
 def activate(ctx: Context, config: Config, vm: str) -> bool:
@@ -54,7 +47,6 @@ def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
         return release(ctx.sysfs, state, vm,
                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
                        retry_seconds=config.get_float("release", "clear_retry_seconds"))
-
 
 
 def change(program: str, vm_arg: str, started: bool) -> str:
