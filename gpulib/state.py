@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from gpulib import atomicfile
 from gpulib.errors import InputError, LockTimeout, StateError
 from gpulib.lazyre import lazy
 from gpulib.mdev import check_uuid as validate_uuid
@@ -53,9 +54,6 @@ SCHEMA_VERSION = 1
 
 DEFAULT_LOCK_TIMEOUT = 20.0
 """Seconds to wait for the state lock: well inside the agent's 30 s hook timeout."""
-
-STALE_TEMP_AGE = 60.0
-"""A temp file older than this (or whose writer is gone) is a crash leftover."""
 
 DEVICE_KINDS = ("mdev", "vf", "pci")
 ALLOCATION_STATUSES = ("pending", "active")
@@ -472,18 +470,6 @@ def dumps(state: State) -> str:
 # The file and its lock.
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, belongs to someone else
-    return True
-
-
 def _takes_mode(filelock: Any) -> bool:
     """Whether filelock takes `mode` (we want 0o600): releases since 3.10 chmod their file
     to `mode` (0644 by default) on every acquire; older ones (Debian 12's 3.9,
@@ -492,14 +478,6 @@ def _takes_mode(filelock: Any) -> bool:
     import inspect
 
     return "mode" in inspect.signature(filelock.FileLock.__init__).parameters
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _reason(e: OSError) -> str:
@@ -593,61 +571,17 @@ class StateStore:
                 raise StateError(
                     f"cannot create state directory {directory}: {_reason(e)}") from None
 
-    def _temp_prefix(self) -> str:
-        return "." + os.path.basename(self.state_path) + "."
-
     def _write(self, text: str) -> None:
         """Replace the file atomically with `text` (the caller holds the lock)."""
-        directory = os.path.dirname(self.state_path)
-        tmp = os.path.join(directory, f"{self._temp_prefix()}{os.getpid()}."
-                                      f"{os.urandom(4).hex()}.tmp")
-        data = text.encode("ascii")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                os.fchmod(fd, 0o600)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.state_path)
+            atomicfile.write_atomic(self.state_path, text.encode("ascii"), 0o600)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise StateError(
                 f"cannot write state file {self.state_path}: {_reason(e)}") from None
-        try:
-            _fsync_dir(directory)
-        except OSError as e:
-            # The new file is in place and visible: the change happened.
-            log.warning("state written, but syncing %s failed: %s", directory, _reason(e))
 
     def _remove_stale_temp_files(self) -> None:
         """Remove temp files left by writers that died (the caller holds the lock)."""
-        directory = os.path.dirname(self.state_path)
-        prefix = self._temp_prefix()
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            return
-        now = time.time()
-        for name in names:
-            if not (name.startswith(prefix) and name.endswith(".tmp")):
-                continue
-            path = os.path.join(directory, name)
-            pid_text = name[len(prefix):].split(".", 1)[0]
-            pid = int(pid_text) if pid_text.isdigit() else 0
-            try:
-                age = now - os.lstat(path).st_mtime
-                if age > STALE_TEMP_AGE or not _pid_alive(pid):
-                    os.unlink(path)
-                    log.info("removed stale state temp file %s", path)
-            except OSError:
-                continue
+        atomicfile.remove_stale_temp_files(self.state_path)
 
     def _move_aside(self) -> str:
         """Rename the corrupt file out of the way; return its new name."""
@@ -659,7 +593,7 @@ class StateStore:
             n += 1
         try:
             os.replace(self.state_path, aside)
-            _fsync_dir(os.path.dirname(self.state_path))
+            atomicfile.fsync_dir(os.path.dirname(self.state_path))
         except OSError as e:
             raise StateError(f"state file {self.state_path} is corrupt and cannot be moved "
                              f"aside: {_reason(e)}") from None
