@@ -866,6 +866,75 @@ class Domain:
             items.append(_parse_request_item(child))
         return GpuRequest(tuple(items))
 
+    def set_metadata_request(self, request: Optional[GpuRequest]) -> None:
+        """Write `<metadata><gpulib:gpus>` to ask for `request`; None or an empty
+        request removes it (and `<metadata>` when nothing else is left in it).
+
+        The items are written anew in the given order (the order fixes which
+        derived UUID belongs to which vGPU); the rest of `<metadata>` stays.
+        """
+        found = [gpus for metadata in self.root.findall("metadata")
+                 for gpus in metadata.findall(f"{{{GPULIB_NS}}}gpus")]
+        if len(found) > 1:
+            raise DomainXmlError("gpulib metadata: more than one <gpulib:gpus> element")
+        if request is None or not request.items:
+            if found:
+                metadata = found[0].getparent()
+                _remove_keep_layout(found[0])
+                if not any(isinstance(c.tag, str) for c in metadata):
+                    _remove_keep_layout(metadata)
+                self.mark_changed()
+            return
+        if found:
+            gpus = found[0]
+            for child in list(gpus):
+                _remove_keep_layout(child)
+            last = None
+            for item in request.items:
+                elem = _request_element(item)
+                _insert_after(gpus, last, elem)
+                last = elem
+            self.mark_changed()
+            return
+        gpus = etree.Element(f"{{{GPULIB_NS}}}gpus", nsmap={"gpulib": GPULIB_NS})
+        for item in request.items:
+            gpus.append(_request_element(item))
+        metadata = self.root.find("metadata")
+        if metadata is None:
+            metadata = etree.Element("metadata")
+            metadata.append(gpus)
+            # libvirt keeps <metadata> after the identity elements.
+            ref = None
+            for tag in ("name", "uuid", "genid", "title", "description"):
+                elem = self.root.find(tag)
+                if elem is not None:
+                    ref = elem
+            if ref is None:
+                self.root.insert(0, metadata)
+                _layout(metadata, _indent_before(metadata))
+            else:
+                _insert_after(self.root, ref, metadata)
+        else:
+            _insert_after(metadata, None, gpus)
+        self.mark_changed()
+
+
+def _request_element(item: GpuRequestItem) -> Element:
+    """One `<gpulib:vgpu>` or `<gpulib:passthrough>` as metadata_request reads it."""
+    if isinstance(item, VgpuRequest):
+        elem = etree.Element(f"{{{GPULIB_NS}}}vgpu", nsmap={"gpulib": GPULIB_NS})
+        if item.profile is not None:
+            elem.set("profile", item.profile)
+        else:
+            elem.set("type", str(item.type_id))
+    else:
+        elem = etree.Element(f"{{{GPULIB_NS}}}passthrough", nsmap={"gpulib": GPULIB_NS})
+        elem.set("model", item.model)
+    elem.set("count", str(item.count))
+    if item.numa is not None:
+        elem.set("numa", str(item.numa))
+    return elem
+
 
 def derive_uuid(domain_uuid: str, index: int) -> str:
     """The UUID of the index-th on-demand vGPU of a domain, always the same.

@@ -21,6 +21,8 @@ COMMANDS = {
     "reconcile": ("gpulib.cli.pool", "reconcile_cmd"),
     "device": ("gpulib.cli.device", "device_group"),
     "snapshot": ("gpulib.cli.snapshot", "snapshot"),
+    "attach": ("gpulib.cli.attach", "attach_cmd"),
+    "detach": ("gpulib.cli.attach", "detach_cmd"),
 }
 
 
