@@ -53,7 +53,7 @@ from gpulib.domain import (
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.lazyre import lazy
 from gpulib.lifecycle import open_store
-from gpulib.mdev import check_uuid
+from gpulib.mdev import check_uuid, live_mdevs
 from gpulib.pci import PciAddress
 from gpulib.state import State
 
@@ -218,9 +218,7 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
     duuid = dom.uuid_checked()
     match = TypeMatch(wanted.profile, wanted.type_id, wanted.count)
     request = dom.metadata_request() or GpuRequest()
-    from gpulib import mdev
-
-    live = mdev.live_mdevs(ctx.sysfs)
+    live = live_mdevs(ctx.sysfs)
     # vGPUs this VM was already promised (attached, not live yet) need room too.
     pending = 0
     k = 0

@@ -52,7 +52,7 @@ def _report(change: Change, dry_run: bool, action: str) -> None:
 def attach_cmd(env: Env, vm: str, profile: Optional[str], type_id: Optional[str],
                gpu: Optional[str], count: int, dry_run: bool, force: bool,
                uri: Optional[str]) -> None:
-    """Give VM vGPUs or a GPU in its persistent definition (plain libvirt).
+    """Give a VM vGPUs or a GPU (plain libvirt: its persistent definition).
 
     vGPUs get UUIDs derived from the domain UUID and are created by gpulib's
     qemu hook when the VM starts; nothing is created or recorded now.
@@ -71,7 +71,7 @@ def attach_cmd(env: Env, vm: str, profile: Optional[str], type_id: Optional[str]
 @click.pass_obj
 def detach_cmd(env: Env, vm: str, devices: tuple[str, ...], dry_run: bool, force: bool,
                uri: Optional[str]) -> None:
-    """Take GPUs back from VM's persistent definition.
+    """Take GPUs and vGPUs back from a VM's persistent definition.
 
     DEVICE is a vGPU UUID or a PCI address (a GPU goes with its IOMMU-group
     peers); without one, every GPU and vGPU and gpulib's request go.
