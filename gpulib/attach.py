@@ -593,6 +593,8 @@ def _commit(libvirt: Libvirt, change: Change, running: bool) -> None:
         raise DeviceError(f"the definition of VM {change.vm} changed while gpulib edited it; "
                           "run the command again")
     libvirt.define(change.after)
+    for line in change.lines:
+        log.info("VM %s definition (%s): %s", change.vm, libvirt.where, line)
 
 
 def attach(ctx: Context, config: Config, libvirt: Libvirt, vm: str, wanted: Wanted,

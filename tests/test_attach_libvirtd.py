@@ -72,12 +72,17 @@ def define(env: Env, libvirtd: PrivateLibvirtd) -> Iterator[Callable[..., str]]:
         libvirtd.virsh("undefine", name)
 
 
-def gpulib(env: Env, daemon: PrivateLibvirtd, *args: str) -> subprocess.CompletedProcess[str]:
-    """The CLI as an administrator runs it, on the simulated host, against the daemon."""
+def gpulib(env: Env, daemon: PrivateLibvirtd, *args: str,
+           via_environment: bool = False) -> subprocess.CompletedProcess[str]:
+    """The CLI as an administrator runs it, on the simulated host, against the daemon
+    (named by --connect, or by LIBVIRT_DEFAULT_URI)."""
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("GPULIB_") and k != "LIBVIRT_DEFAULT_URI"}
     environ.update(GPULIB_ROOT=str(env.root), GPULIB_SIMULATE="1")
-    return subprocess.run([str(GPULIB), *args, "--connect", daemon.uri], capture_output=True,
+    if via_environment:
+        environ["LIBVIRT_DEFAULT_URI"] = daemon.uri
+    connect = [] if via_environment else ["--connect", daemon.uri]
+    return subprocess.run([str(GPULIB), *args, *connect], capture_output=True,
                           text=True, env=environ, timeout=120, check=False)
 
 
@@ -152,7 +157,7 @@ def test_attach_prepare_detach(env: Env, libvirtd: PrivateLibvirtd,
     assert devices_of(defined) == devices_of(planned)
     assert [h[1] for h in devices_of(defined)["hostdevs"]] == uuids
 
-    res = gpulib(env, libvirtd, "attach", name, "--gpu", GEFORCE)
+    res = gpulib(env, libvirtd, "attach", name, "--gpu", GEFORCE, via_environment=True)
     assert res.returncode == 0, res.stderr
     shown = devices_of(dumpxml(libvirtd, name))
     assert [h[:2] for h in shown["hostdevs"]] == [("mdev", uuids[0]), ("mdev", uuids[1]),
@@ -204,10 +209,12 @@ def test_running_vm_gets_the_change_at_next_start(env: Env, libvirtd: PrivateLib
 
 
 def test_unknown_and_transient_vms_are_refused(env: Env, libvirtd: PrivateLibvirtd) -> None:
-    res = gpulib(env, libvirtd, "attach", PREFIX + "nosuch", "--gpu", GEFORCE)
-    assert res.returncode == 2
-    assert res.stderr == (f"gpulib: error: no VM named '{PREFIX}nosuch' in libvirt "
-                          f"({libvirtd.uri})\n")
+    for via_environment in (False, True):
+        res = gpulib(env, libvirtd, "attach", PREFIX + "nosuch", "--gpu", GEFORCE,
+                     via_environment=via_environment)
+        assert res.returncode == 2
+        assert res.stderr == (f"gpulib: error: no VM named '{PREFIX}nosuch' in libvirt "
+                              f"({libvirtd.uri})\n")
 
     name = PREFIX + "transient"
     xml = env.base / f"{name}.xml"
