@@ -37,7 +37,7 @@ from lxml import etree
 from gpulib.allocator import PassthroughRequest as ModelMatch
 from gpulib.allocator import VgpuRequest as TypeMatch
 from gpulib.config import Config
-from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
+from gpulib.context import CLOUDSTACK_AGENT_DIR, DEFINED_DOMAINS, Context
 from gpulib.domain import (
     MAX_REQUEST_COUNT,
     Domain,
@@ -50,7 +50,7 @@ from gpulib.domain import (
     derive_uuid,
     parse_domain,
 )
-from gpulib.errors import DeviceError, InputError, NotAvailableError
+from gpulib.errors import DeviceError, GpulibError, InputError, NotAvailableError
 from gpulib.lazyre import lazy
 from gpulib.lifecycle import open_store
 from gpulib.mdev import check_uuid, live_mdevs
@@ -163,18 +163,47 @@ def _inventory(ctx: Context, config: Config) -> tuple[State, Inventory]:
 
 
 def _held_by(state: State, inv: Inventory, vm: str, ident: str) -> Optional[tuple[str, str]]:
-    """Who else holds a device: (VM, how), or None."""
+    """Who else holds a device now: (VM, how), or None. A hold is a gpulib
+    allocation (pending or active) or a running domain's hostdev; a stopped
+    VM's definition holds nothing (DESIGN section 4)."""
     for other, alloc in sorted(state.allocations.items()):
         if other != vm and any(d.id == ident for d in alloc.devices):
             return other, f"gpulib allocation, {alloc.status}"
-    try:
-        addr = PciAddress.parse(ident)
-        user = inv.usage.vm_for_pci(addr)
-    except InputError:
-        user = inv.usage.vm_for_mdev(ident)
-    if user is not None and user != vm:
-        return user, "running" if user in inv.usage.running else "defined, not running"
+    user = inv.usage.vm_for_pci(PciAddress.parse(ident))
+    if user is not None and user != vm and user in inv.usage.running:
+        return user, "running"
     return None
+
+
+def _defined_users(ctx: Context, vm: str) -> dict[PciAddress, list[str]]:
+    """PCI devices named in other VMs' definitions (etc/libvirt/qemu): they do
+    not hold them, but only one of those VMs can run at a time."""
+    out: dict[PciAddress, list[str]] = {}
+    for name in sorted(ctx.sysfs.listdir(DEFINED_DOMAINS)):
+        if not name.endswith(".xml"):
+            continue
+        try:
+            data = ctx.sysfs.read_bytes(f"{DEFINED_DOMAINS}/{name}")
+            if data is None or b"<hostdev" not in data:
+                continue
+            dom = parse_domain(data)
+            other = dom.name_checked()
+            addresses = [h.address for h in dom.pci_hostdevs()]
+        except (GpulibError, OSError) as exc:
+            log.debug("skipping the definition %s: %s", name, exc)
+            continue
+        if other != vm:
+            for a in addresses:
+                out.setdefault(a, []).append(other)
+    return out
+
+
+def _note_defined_elsewhere(change: Change, defined: dict[PciAddress, list[str]],
+                            addr: PciAddress) -> None:
+    others = defined.get(addr)
+    if others:
+        change.notes.append(f"{addr} is also in the definition of VM {', '.join(others)}: "
+                            "only one of them can run at a time")
 
 
 def _unmanaged(state: State, gpu: Gpu, address: Optional[PciAddress] = None) -> bool:
@@ -190,15 +219,14 @@ def _preferred_numa(dom: Domain) -> Optional[int]:
 # -- attach ----------------------------------------------------------------------------------
 
 
-def plan_attach(ctx: Context, config: Config, xml: str, wanted: Wanted,
-                force: bool = False) -> Change:
+def plan_attach(ctx: Context, config: Config, xml: str, wanted: Wanted) -> Change:
     """The edit `gpulib attach` makes to the definition `xml`; changes nothing."""
     wanted.check()
     dom = parse_domain(xml)
     change = Change(dom.name_checked(), xml, dom)
     state, inv = _inventory(ctx, config)
     if wanted.gpu is not None:
-        _attach_pci(ctx, config, change, state, inv, wanted.gpu, wanted.count, force)
+        _attach_pci(ctx, config, change, state, inv, wanted.gpu, wanted.count)
     else:
         _attach_vgpus(ctx, config, change, state, inv, wanted)
     return change
@@ -303,8 +331,9 @@ def _vgpu_capacity(state: State, inv: Inventory,
 
 
 def _attach_pci(ctx: Context, config: Config, change: Change, state: State, inv: Inventory,
-                target: str, count: int, force: bool) -> None:
+                target: str, count: int) -> None:
     dom = change.dom
+    defined = _defined_users(ctx, change.vm)
     try:
         address: Optional[PciAddress] = PciAddress.parse(target)
     except InputError:
@@ -313,9 +342,9 @@ def _attach_pci(ctx: Context, config: Config, change: Change, state: State, inv:
         if count != 1:
             raise InputError("--count goes with --profile, --type or --gpu VENDOR:DEVICE; "
                              "an address names one device")
-        picks = [_check_address(ctx, change, state, inv, address, force)]
+        picks = [_check_address(ctx, change, state, inv, address)]
     elif _VENDOR_DEVICE_RE.match(target):
-        picks = _pick_model(change, state, inv, target.lower(), count)
+        picks = _pick_model(change, state, inv, target.lower(), count, defined)
     else:
         raise InputError(f"--gpu takes a PCI address (0000:3b:00.0) or vendor:device "
                          f"(10de:2484), not {target!r}")
@@ -325,16 +354,17 @@ def _attach_pci(ctx: Context, config: Config, change: Change, state: State, inv:
         slot = h.guest_address
         on = f" on guest slot {slot.slot:#04x}" if slot is not None and peers else ""
         change.lines.append(f"+ PCI {addr} ({name}){on}")
+        _note_defined_elsewhere(change, defined, addr)
         for peer in peers:
             holder = _held_by(state, inv, change.vm, str(peer))
-            if holder is not None and (holder[1] != "defined, not running" or not force):
+            if holder is not None:
                 raise DeviceError(f"PCI device {peer} (in the IOMMU group of {addr}) is held "
                                   f"by VM {holder[0]} ({holder[1]})")
             change.lines.append(f"+ PCI {peer} (IOMMU group of {addr}, same guest slot)")
 
 
 def _check_address(ctx: Context, change: Change, state: State, inv: Inventory,
-                   addr: PciAddress, force: bool) -> tuple[PciAddress, bool, str]:
+                   addr: PciAddress) -> tuple[PciAddress, bool, str]:
     vm = change.vm
     if not ctx.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
         raise InputError(f"no PCI device {addr} on this host")
@@ -368,19 +398,12 @@ def _check_address(ctx: Context, change: Change, state: State, inv: Inventory,
             name = vf.nvidia.profile_name or name
     holder = _held_by(state, inv, vm, str(addr))
     if holder is not None:
-        if holder[1] == "defined, not running" and force:
-            change.notes.append(f"{addr} is also in the definition of VM {holder[0]}: "
-                                "only one of them can run at a time")
-        elif holder[1] == "defined, not running":
-            raise DeviceError(f"PCI device {addr} is in the definition of VM {holder[0]} "
-                              "(not running); use --force to give it to both")
-        else:
-            raise DeviceError(f"PCI device {addr} is held by VM {holder[0]} ({holder[1]})")
+        raise DeviceError(f"PCI device {addr} is held by VM {holder[0]} ({holder[1]})")
     return addr, managed, name
 
 
-def _pick_model(change: Change, state: State, inv: Inventory, model: str,
-                count: int) -> list[tuple[PciAddress, bool, str]]:
+def _pick_model(change: Change, state: State, inv: Inventory, model: str, count: int,
+                defined: dict[PciAddress, list[str]]) -> list[tuple[PciAddress, bool, str]]:
     match = ModelMatch(model, count)
     matching = [g for g in inv.gpus if match.matches(g)]
     if not matching:
@@ -402,8 +425,10 @@ def _pick_model(change: Change, state: State, inv: Inventory, model: str,
         raise NotAvailableError(f"no capacity left: {len(free)} of the {count} GPU(s) "
                                 f"{model} asked for are free{why}")
     node = _preferred_numa(change.dom)
-    # The VM's own NUMA node first, as the allocator places vGPUs.
-    free.sort(key=lambda g: (node is not None and g.fn.numa_node != node, str(g.address)))
+    # The VM's own NUMA node first, as the allocator places vGPUs; then GPUs no
+    # other VM's definition names.
+    free.sort(key=lambda g: (node is not None and g.fn.numa_node != node,
+                             g.address in defined, str(g.address)))
     return [(g.address, True, g.device_name) for g in free[:count]]
 
 
@@ -601,7 +626,7 @@ def attach(ctx: Context, config: Config, libvirt: Libvirt, vm: str, wanted: Want
            dry_run: bool = False, force: bool = False) -> Change:
     wanted.check()
     xml, running = _definition(ctx, libvirt, vm, force)
-    change = plan_attach(ctx, config, xml, wanted, force=force)
+    change = plan_attach(ctx, config, xml, wanted)
     if dry_run:
         if running:
             change.notes.append(f"VM {vm} is running: the change would apply at its next "

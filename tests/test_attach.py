@@ -309,17 +309,29 @@ def test_transient_domain_is_refused(ctx: Context, config: Config) -> None:
     assert libvirt.defined == []
 
 
-def test_device_in_another_stopped_vm_needs_force(host: FakeHost, ctx: Context,
-                                                  config: Config) -> None:
+def test_device_in_another_stopped_vm_is_given_with_a_note(host: FakeHost, ctx: Context,
+                                                           config: Config) -> None:
+    """A stopped VM's definition holds nothing (DESIGN 4): two VMs may name one GPU."""
     host.add_defined_domain("db1", "0f5c1a3e-2b4d-4c6e-8f0a-1b2c3d4e5f60",
                             pci=(T4_PASSTHROUGH,))
     libvirt = FakeLibvirt(domain())
-    with pytest.raises(DeviceError, match=r"in the definition of VM db1 .*use --force"):
-        attach(ctx, config, libvirt, VM, Wanted(gpu=T4_PASSTHROUGH))
-    assert libvirt.defined == []
-    change = attach(ctx, config, libvirt, VM, Wanted(gpu=T4_PASSTHROUGH), force=True)
+    change = attach(ctx, config, libvirt, VM, Wanted(gpu=T4_PASSTHROUGH))
     assert hostdev_sources(libvirt.defined[-1]) == [f"pci {T4_PASSTHROUGH}"]
-    assert any("only one of them can run" in n for n in change.notes)
+    assert change.notes == [f"{T4_PASSTHROUGH} is also in the definition of VM db1: only one "
+                            "of them can run at a time"]
+
+
+def test_running_vm_holding_the_gpu_is_refused(host: FakeHost, ctx: Context,
+                                               config: Config) -> None:
+    host.add_running_domain("db3", "0f5c1a3e-2b4d-4c6e-8f0a-1b2c3d4e5f61",
+                            pci=(T4_PASSTHROUGH,))
+    libvirt = FakeLibvirt(domain())
+    with pytest.raises(DeviceError, match=f"PCI device {T4_PASSTHROUGH} is held by VM db3 "
+                       r"\(running\)"):
+        attach(ctx, config, libvirt, VM, Wanted(gpu=T4_PASSTHROUGH))
+    with pytest.raises(NotAvailableError, match="0 of the 1 GPU"):
+        attach(ctx, config, libvirt, VM, Wanted(gpu="10de:1eb8"))
+    assert libvirt.defined == []
 
 
 def test_device_in_a_gpulib_allocation_is_refused(host: FakeHost, ctx: Context,

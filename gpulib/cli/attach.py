@@ -16,8 +16,8 @@ connect_option = click.option(
 dry_run_option = click.option("--dry-run", is_flag=True,
                               help="Print the change as a unified diff; change nothing.")
 force_option = click.option("--force", is_flag=True,
-                            help="Edit even on a CloudStack host, or give a GPU another "
-                                 "stopped VM names too.")
+                            help="Edit even on a CloudStack host (whose management server "
+                                 "owns the XML).")
 
 
 def _report(change: Change, dry_run: bool, action: str) -> None:
