@@ -597,6 +597,37 @@ def test_change_diff_is_empty_without_edit(ctx: Context, config: Config) -> None
     assert not change.changed
 
 
+_NAMES = st.text(st.sampled_from("ABCTQ-_ 0123456789:."), min_size=1, max_size=20).filter(
+    lambda t: t.strip() == t and t.strip() != "" and ".." not in t and not t.startswith("."))
+_ITEMS = st.one_of(
+    st.builds(VgpuRequest, _NAMES, st.none(), st.integers(1, 16),
+              st.one_of(st.none(), st.integers(0, 7))),
+    st.builds(VgpuRequest, st.none(), _NAMES.filter(lambda t: " " not in t),
+              st.integers(1, 16), st.one_of(st.none(), st.integers(0, 7))),
+    st.builds(PassthroughRequest, _NAMES, st.integers(1, 16),
+              st.one_of(st.none(), st.integers(0, 7))))
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=st.lists(_ITEMS, max_size=4), second=st.lists(_ITEMS, min_size=1, max_size=4),
+       other_metadata=st.booleans())
+def test_request_writer_property(first: list[object], second: list[object],
+                                 other_metadata: bool) -> None:
+    """Whatever is written reads back the same; rewriting replaces it; removing it
+    leaves the document as it was (other applications' metadata untouched)."""
+    meta = ("  <metadata>\n    <app:x xmlns:app='http://example.org/app'>keep</app:x>\n"
+            "  </metadata>\n") if other_metadata else ""
+    original = domain(metadata=meta)
+    dom = parse_domain(original)
+    for items in (first, second):
+        request = GpuRequest(tuple(items))  # type: ignore[arg-type]
+        dom.set_metadata_request(request)
+        dom = parse_domain(dom.to_xml())
+        assert dom.metadata_request() == (request if items else None)
+    dom.set_metadata_request(None)
+    assert lxml_form(dom.to_xml()) == lxml_form(original)
+
+
 def test_request_writer_round_trips_through_the_parser() -> None:
     request = GpuRequest((VgpuRequest("GRID T4-2Q", None, 2, 1),
                           PassthroughRequest("10de:2484", 1, None),
