@@ -162,16 +162,20 @@ def _inventory(ctx: Context, config: Config) -> tuple[State, Inventory]:
     return state, discover_host(ctx, config, state=state, learn=False)
 
 
-def _held_by(state: State, inv: Inventory, vm: str, ident: str) -> Optional[tuple[str, str]]:
-    """Who else holds a device now: (VM, how), or None. A hold is a gpulib
-    allocation (pending or active) or a running domain's hostdev; a stopped
-    VM's definition holds nothing (DESIGN section 4)."""
+def _held_by(state: State, inv: Inventory, vm: str, ident: str) -> Optional[str]:
+    """Why `vm` may not take a PCI device now (one line), or None: the one
+    occupancy rule of the hooks and discovery (a stopped VM's definition
+    holds nothing, DESIGN section 4)."""
+    # Adapter until the occupancy model lands: its wording, from the same sources
+    # (gpulib's allocations, then the running domains' status files).
     for other, alloc in sorted(state.allocations.items()):
         if other != vm and any(d.id == ident for d in alloc.devices):
-            return other, f"gpulib allocation, {alloc.status}"
+            if alloc.status == "pending":
+                return f"PCI device {ident} is in use by starting VM {other} (pending allocation)"
+            return f"PCI device {ident} is in use by running VM {other}"
     user = inv.usage.vm_for_pci(PciAddress.parse(ident))
     if user is not None and user != vm and user in inv.usage.running:
-        return user, "running"
+        return f"PCI device {ident} is in use by running VM {user}"
     return None
 
 
@@ -356,10 +360,9 @@ def _attach_pci(ctx: Context, config: Config, change: Change, state: State, inv:
         change.lines.append(f"+ PCI {addr} ({name}){on}")
         _note_defined_elsewhere(change, defined, addr)
         for peer in peers:
-            holder = _held_by(state, inv, change.vm, str(peer))
-            if holder is not None:
-                raise DeviceError(f"PCI device {peer} (in the IOMMU group of {addr}) is held "
-                                  f"by VM {holder[0]} ({holder[1]})")
+            held = _held_by(state, inv, change.vm, str(peer))
+            if held is not None:
+                raise DeviceError(f"{held} (in the IOMMU group of {addr})")
             change.lines.append(f"+ PCI {peer} (IOMMU group of {addr}, same guest slot)")
 
 
@@ -396,9 +399,9 @@ def _check_address(ctx: Context, change: Change, state: State, inv: Inventory,
             # libvirt would unbind the nvidia driver from a managed VF: never managed.
             managed = False
             name = vf.nvidia.profile_name or name
-    holder = _held_by(state, inv, vm, str(addr))
-    if holder is not None:
-        raise DeviceError(f"PCI device {addr} is held by VM {holder[0]} ({holder[1]})")
+    held = _held_by(state, inv, vm, str(addr))
+    if held is not None:
+        raise DeviceError(held)
     return addr, managed, name
 
 
@@ -414,10 +417,10 @@ def _pick_model(change: Change, state: State, inv: Inventory, model: str, count:
         ident = str(g.address)
         if change.dom.find_pci_hostdev(g.address) is not None:
             continue
-        holder = _held_by(state, inv, change.vm, ident)
-        if _unmanaged(state, g) or not g.passthrough_enabled or holder is not None:
-            busy.append(f"{ident}: " + (f"VM {holder[0]}" if holder else
-                                        "unmanaged" if _unmanaged(state, g) else g.mode))
+        held = _held_by(state, inv, change.vm, ident)
+        if _unmanaged(state, g) or not g.passthrough_enabled or held is not None:
+            busy.append(held or f"{ident} " + ("is unmanaged" if _unmanaged(state, g) else
+                                               f"hands out vGPUs or VFs ({g.mode})"))
             continue
         free.append(g)
     if len(free) < count:

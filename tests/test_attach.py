@@ -263,7 +263,7 @@ REFUSALS = {
                         "no PCI device 0000:99:00.0 on this host"),
     "not a GPU": (Wanted(gpu="0000:18:00.0"), InputError, "is not a GPU or a VF of one"),
     "held by a running VM": (Wanted(gpu=L40S_VF_IN_USE), DeviceError,
-                             f"PCI device {L40S_VF_IN_USE} is held by VM i-4-20-VM (running)"),
+                             f"PCI device {L40S_VF_IN_USE} is in use by running VM i-4-20-VM"),
     "GPU that hands out vGPUs": (Wanted(gpu=DEMO_T4), NotAvailableError,
                                  f"GPU {DEMO_T4} hands out vGPUs or VFs (mdev)"),
     "vendor VF without type": (Wanted(gpu="0000:41:00.5"), InputError,
@@ -326,8 +326,8 @@ def test_running_vm_holding_the_gpu_is_refused(host: FakeHost, ctx: Context,
     host.add_running_domain("db3", "0f5c1a3e-2b4d-4c6e-8f0a-1b2c3d4e5f61",
                             pci=(T4_PASSTHROUGH,))
     libvirt = FakeLibvirt(domain())
-    with pytest.raises(DeviceError, match=f"PCI device {T4_PASSTHROUGH} is held by VM db3 "
-                       r"\(running\)"):
+    with pytest.raises(DeviceError, match=f"PCI device {T4_PASSTHROUGH} is in use by "
+                       "running VM db3"):
         attach(ctx, config, libvirt, VM, Wanted(gpu=T4_PASSTHROUGH))
     with pytest.raises(NotAvailableError, match="0 of the 1 GPU"):
         attach(ctx, config, libvirt, VM, Wanted(gpu="10de:1eb8"))
@@ -342,7 +342,8 @@ def test_device_in_a_gpulib_allocation_is_refused(host: FakeHost, ctx: Context,
     with open_store(ctx, config).transaction() as state:
         state.allocations["db2"] = Allocation("db2", None, "pending", "2026-01-01T00:00:00Z",
                                               [Device("pci", GEFORCE)])
-    with pytest.raises(DeviceError, match="held by VM db2 \\(gpulib allocation, pending\\)"):
+    with pytest.raises(DeviceError, match=f"PCI device {GEFORCE} is in use by starting VM "
+                       r"db2 \(pending allocation\)"):
         attach(ctx, config, FakeLibvirt(domain()), VM, Wanted(gpu=GEFORCE))
 
 
