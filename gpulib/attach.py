@@ -179,6 +179,12 @@ def _held_by(state: State, inv: Inventory, vm: str, ident: str) -> Optional[str]
     return None
 
 
+def _whole_taken(state: State, inv: Inventory, vm: str, parent: PciAddress) -> bool:
+    """Whether another VM holds a vGPU parent (a GPU or VF) whole, so that no new
+    vGPU can go on it. Other vGPUs on it do not count: they share it."""
+    return _held_by(state, inv, vm, str(parent)) is not None
+
+
 def _defined_users(ctx: Context, vm: str) -> dict[PciAddress, list[str]]:
     """PCI devices named in other VMs' definitions (etc/libvirt/qemu): they do
     not hold them, but only one of those VMs can run at a time."""
@@ -261,7 +267,7 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
                 pending += 1
             k += 1
     first = k
-    free, offered, vendor_only = _vgpu_capacity(state, inv, match)
+    free, offered, vendor_only = _vgpu_capacity(state, inv, change.vm, match)
     if not offered:
         if vendor_only:
             raise InputError(
@@ -306,7 +312,7 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
         change.lines.append(f"+ vGPU {uuid} ({label}{where}; created when the VM starts)")
 
 
-def _vgpu_capacity(state: State, inv: Inventory,
+def _vgpu_capacity(state: State, inv: Inventory, vm: str,
                    match: TypeMatch) -> tuple[dict[int, int], bool, list[str]]:
     """vGPUs of a type that can be created now, by NUMA node; whether any GPU
     offers the type as an mdev type; the VFs offering it vendor-specifically."""
@@ -315,10 +321,11 @@ def _vgpu_capacity(state: State, inv: Inventory,
     offered = False
     vendor: list[str] = []
     for gpu in inv.gpus:
-        usable = not _unmanaged(state, gpu) and gpu.used_by is None
+        usable = not _unmanaged(state, gpu) and not _whole_taken(state, inv, vm, gpu.address)
         types = [(t, usable) for t in gpu.mdev_types]
         for vf in gpu.vfs:
-            vf_ok = usable and vf.used_by is None and str(vf.address) not in taken and \
+            vf_ok = usable and str(vf.address) not in taken and \
+                not _whole_taken(state, inv, vm, vf.address) and \
                 not _unmanaged(state, gpu, vf.address)
             types.extend((t, vf_ok) for t in vf.mdev_types)
             if vf.nvidia is not None and any(match.matches_vendor(tid, name)

@@ -334,6 +334,20 @@ def test_running_vm_holding_the_gpu_is_refused(host: FakeHost, ctx: Context,
     assert libvirt.defined == []
 
 
+def test_vgpus_of_other_vms_on_a_gpu_leave_room_for_more(host: FakeHost, ctx: Context,
+                                                         config: Config) -> None:
+    """A running VM with a vGPU on the T4 shares it; it does not hold it whole."""
+    used = "5b2d9c1e-3f4a-4b6c-8d7e-9f0a1b2c3d4e"
+    host.add_mdev(used, DEMO_T4, "nvidia-231")
+    host.add_running_domain("db4", "0f5c1a3e-2b4d-4c6e-8f0a-1b2c3d4e5f62", mdevs=(used,))
+    change = plan_attach(ctx, config, domain(), Wanted(type_id="nvidia-231"))
+    assert len(parse_domain(change.after).mdev_hostdevs()) == 1
+    # Given whole to a running VM, the T4 has no room left for anyone.
+    host.add_running_domain("db5", "0f5c1a3e-2b4d-4c6e-8f0a-1b2c3d4e5f63", pci=(DEMO_T4,))
+    with pytest.raises(NotAvailableError, match="0 can be created"):
+        plan_attach(ctx, config, domain(), Wanted(type_id="nvidia-231"))
+
+
 def test_device_in_a_gpulib_allocation_is_refused(host: FakeHost, ctx: Context,
                                                   config: Config) -> None:
     from gpulib.lifecycle import open_store
