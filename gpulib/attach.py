@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
 
 from lxml import etree
@@ -302,6 +303,7 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
     if not merged:
         items.append(VgpuRequest(wanted.profile, wanted.type_id, wanted.count, numa))
     dom.set_metadata_request(GpuRequest(tuple(items)))
+    _note_missing_hook(ctx, change)
     where = f" on NUMA node {numa}" if numa is not None else ""
     for index in range(first, first + wanted.count):
         uuid = derive_uuid(duuid, index)
@@ -310,6 +312,15 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
                              "request: detach it first")
         dom.add_mdev_hostdev(uuid, display="off")
         change.lines.append(f"+ vGPU {uuid} ({label}{where}; created when the VM starts)")
+
+
+def _note_missing_hook(ctx: Context, change: Change) -> None:
+    from gpulib.doctor import LIBVIRT_HOOK
+
+    # lexists: the hook is a link to /usr/libexec, which need not exist below the root.
+    if not os.path.lexists(ctx.path(LIBVIRT_HOOK)):
+        change.notes.append(f"gpulib's qemu hook is not installed (/{LIBVIRT_HOOK}): nothing "
+                            "will create the vGPUs when the VM starts (see gpulib doctor)")
 
 
 def _vgpu_capacity(state: State, inv: Inventory, vm: str,

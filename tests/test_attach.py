@@ -149,6 +149,17 @@ def test_vgpus_get_a_request_and_hostdevs_with_derived_uuids(host: FakeHost, ctx
     assert fingerprint(host.root) == before
 
 
+def test_missing_qemu_hook_is_noted(host: FakeHost, ctx: Context, config: Config) -> None:
+    from gpulib.doctor import LIBVIRT_HOOK
+
+    change = plan_attach(ctx, config, domain(), Wanted(type_id="nvidia-231"))
+    assert any("qemu hook is not installed" in n for n in change.notes)
+    os.makedirs(os.path.dirname(ctx.path(LIBVIRT_HOOK)), exist_ok=True)
+    os.symlink("/usr/libexec/gpulib/gpulib-qemu-hook", ctx.path(LIBVIRT_HOOK))
+    change = plan_attach(ctx, config, domain(), Wanted(type_id="nvidia-231"))
+    assert change.notes == []
+
+
 def test_no_numa_binding_leaves_placement_open(ctx: Context, config: Config) -> None:
     change = plan_attach(ctx, config, domain(), Wanted(type_id="nvidia-231"))
     assert parse_domain(change.after).metadata_request() == \
