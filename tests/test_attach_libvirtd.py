@@ -260,6 +260,13 @@ def test_pipe_workflow(env: Env, libvirtd: PrivateLibvirtd, define: Callable[...
     state = json.loads((env.root / "var/lib/gpulib/state.json").read_text())
     assert {d["id"] for d in state["allocations"][name]["devices"]} == \
         {GEFORCE, GEFORCE_AUDIO}
+    # libvirt starts it: `prepare begin` accepts what the transformer wrote (then libvirt
+    # fails for lack of VFIO here, and `release end` releases the GPU).
+    res = libvirtd.virsh("start", name)
+    calls = env.calls(name)
+    assert calls[0]["op"] == "prepare begin" and calls[0]["rc"] == 0, env.explain(res)
+    assert calls[-1]["op"] == "release end" and calls[-1]["rc"] == 0, env.explain(res)
+    assert name not in env.state()["allocations"]
     # Released again so that the other tests of this module find the GPU free.
     res = gpulib(env, libvirtd, "detach", name)
     assert res.returncode == 0, res.stderr
