@@ -386,8 +386,7 @@ class PciHostdev(_XmlNode):
                 raise DomainXmlError(f"PCI hostdev <source><address> has no {name}=")
         try:
             return PciAddress.from_libvirt(
-                addr.get("domain") or "0", addr.get("bus"), addr.get("slot"),
-                addr.get("function") or "0")
+                addr.get("domain"), addr.get("bus"), addr.get("slot"), addr.get("function"))
         except InputError as exc:
             raise DomainXmlError(f"PCI hostdev: {exc.message}") from None
 
@@ -412,8 +411,7 @@ class PciHostdev(_XmlNode):
             return None
         try:
             return PciAddress.from_libvirt(
-                addr.get("domain") or "0", addr.get("bus") or "0", addr.get("slot") or "0",
-                addr.get("function") or "0")
+                addr.get("domain"), addr.get("bus"), addr.get("slot"), addr.get("function"))
         except InputError as exc:
             raise DomainXmlError(f"PCI hostdev guest address: {exc.message}") from None
 

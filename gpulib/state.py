@@ -59,7 +59,7 @@ DEVICE_KINDS = ("mdev", "vf", "pci")
 ALLOCATION_STATUSES = ("pending", "active")
 
 _VM_NAME_MAX = 255
-_PCI_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
+_PCI_RE = lazy(r"(?:[0-9a-f]{4}|[1-9a-f][0-9a-f]{4,7}):[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
 _MODEL_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{4}")
 _TYPE_NUMBER_RE = lazy(r"[0-9]+")
 

@@ -287,8 +287,9 @@ def test_packaging_check_never_lets_man_cache_a_page() -> None:
     cat8/gpulib-qemu-hook.8.gz, and the check then reports them as left
     behind. Every man call must either only locate (-w) or render a local
     file (--local-file, never cached); systemd-analyze runs with --man=no."""
-    calls = [line.strip() for line in CHECK.read_text(encoding="utf-8").splitlines()
-             if re.search(r"(^|\$\(|=\S+ )man\s+-", line.strip()) and not line.lstrip().startswith("#")]
+    lines = [line.strip() for line in CHECK.read_text(encoding="utf-8").splitlines()]
+    calls = [line for line in lines
+             if re.search(r"(^|\$\(|=\S+ )man\s+-", line) and not line.startswith("#")]
     assert calls, "the check renders no man page any more"
     for line in calls:
         assert re.search(r"\bman (-w|--warnings --local-file)\b", line), line
