@@ -21,6 +21,8 @@ Check ids (stable: scripts and the JSON depend on them):
 * `config`         gpulib.conf parses without errors or unknown keys
 * `state`          the state file is readable and consistent, the lock works
 * `discovery`      the CloudStack discovery JSON is valid for the agent
+* `logging`        no hook or command lost log records since boot (a full log
+                   disk, a broken syslog: `run/gpulib/log-failures`)
 
 A check emits one `ok` result summing up what it saw, or one result per
 problem. The report's status is the worst status; the exit code is 0 when
@@ -50,6 +52,7 @@ from gpulib.context import (
     CLOUDSTACK_AGENT_DIR,
     CONFIG_FILE,
     LOCK_FILE,
+    LOG_DIR,
     MODPROBE_DIR,
     PROC_CMDLINE,
     STATE_DIR,
@@ -73,7 +76,7 @@ EXIT_CODES = {OK: 0, FAIL: 1, WARN: 2}
 SCHEMA = 1
 
 CHECK_IDS = ("iommu", "nouveau", "driver-binding", "iommu-group", "sriov", "mdev", "hooks",
-             "libvirt", "config", "state", "discovery")
+             "libvirt", "config", "state", "discovery", "logging")
 
 AMD_VENDOR = 0x1002
 # Drivers that make a GPU the host's: a passthrough GPU must not be on one.
@@ -594,6 +597,7 @@ class Doctor:
             ("config", self.check_config),
             ("state", self.check_state),
             ("discovery", self.check_discovery),
+            ("logging", lambda: check_logging(self.ctx)),
         ]
 
     def run(self, only: Optional[list[str]] = None) -> Report:
@@ -1146,6 +1150,22 @@ class Doctor:
         return [Result(cid, OK, "gpulib discover --format cloudstack",
                        f"valid for the CloudStack agent: {len(doc['gpus'])} GPU(s), "
                        f"{vgpus} vGPU instance(s), {vfs} VF instance(s)")]
+
+
+def check_logging(ctx: Context) -> list[Result]:
+    """`logging`: log records lost since boot (the hooks drop them silently:
+    their stderr belongs to the agent's XML), from `run/gpulib/log-failures`."""
+    from gpulib.logs import LOG_FAILURES_FILE, read_failures
+
+    shown = host_path(LOG_FAILURES_FILE)
+    notes = read_failures(ctx)
+    if not notes:
+        return [Result("logging", OK, "log", "no log record lost since boot")]
+    return [Result("logging", WARN, shown,
+                   f"{len(notes)} gpulib run(s) since boot could not write their log; the "
+                   f"last: {notes[-1]}",
+                   f"free space under {host_path(LOG_DIR)} or repair syslog (/dev/log), then "
+                   f"rm {shown}")]
 
 
 def _link_hooks_command(directory: str) -> str:

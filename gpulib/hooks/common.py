@@ -47,8 +47,8 @@ def error_line(program: str, message: str) -> None:
     try:
         sys.stderr.write(f"{program}: {text}\n")
         sys.stderr.flush()
-    except OSError:
-        pass
+    except (OSError, ValueError, AttributeError):
+        pass  # stderr closed (None when the caller closed fd 2): nowhere to say it
 
 
 def write_stdout(text: str) -> None:

@@ -1,0 +1,90 @@
+"""The edges: what gpulib prints can never corrupt the agent's XML, a failing
+hook never kills a running VM, hooks never wait past the agent's patience.
+
+The hook tests run the installed executables as their callers do: the agent
+passes the XML as argv, merges stderr into stdout, gives 30 s and reads the
+output after the process exited.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from lxml import etree
+
+from gpulib import doctor as dr
+from gpulib.context import Context
+from gpulib.logs import LOG_FAILURES_FILE
+from gpulib.sim.hosts import build_demo
+from tests.conftest import DATA
+from tests.hookrun import QEMU_HOOK, as_agent, hook_env
+
+VGPU_XML = DATA / "cloudstack-xml" / "vgpu-mdev.xml"
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> str:
+    return build_demo(str(tmp_path / "demo")).root
+
+
+def write_config(root: str, text: str) -> None:
+    path = Path(root, "etc/gpulib/gpulib.conf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+# -- 3. a full log disk ------------------------------------------------------------------
+
+def test_a_full_log_disk_never_reaches_the_agents_xml(demo: str) -> None:
+    """Reproduction: `syslog = no` (or no /dev/log) and a full disk under
+    /var/log/gpulib; the agent runs `libvirt-vm-xml-transformer.sh transform
+    '<domain>...'` on a vGPU domain. Python printed `--- Logging error ---`
+    and a traceback to stderr, which the agent merged into the domain XML it
+    then used (exit 0). Here the log file is /dev/full (every write: ENOSPC)."""
+    write_config(demo, "[log]\nsyslog = no\nlevel = debug\n")
+    log_dir = Path(demo, "var/log/gpulib")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    os.symlink("/dev/full", log_dir / "gpulib.log")
+    xml = VGPU_XML.read_text(encoding="utf-8")
+    res = as_agent(demo, xml)
+    out = res.stdout.decode()
+    assert res.returncode == 0, out
+    assert "Logging error" not in out and "Traceback" not in out, out
+    root = etree.fromstring(res.stdout)  # the whole output is the domain, nothing else
+    assert root.tag == "domain" and root.findall("devices/hostdev")
+    # The loss is noted where doctor finds it, once for the run.
+    notes = Path(demo, LOG_FAILURES_FILE).read_text(encoding="utf-8").splitlines()
+    assert len(notes) == 1 and "libvirt-vm-xml-transformer" in notes[0], notes
+    assert "No space left on device" in notes[0] or "OSError" in notes[0], notes
+    report = dr.run(Context.for_root(demo), only=["logging"])
+    (result,) = report.results_for("logging")
+    assert result.status == dr.WARN and "1 " in result.message and result.fix
+
+
+def test_doctor_logging_check_is_ok_without_failures(demo: str) -> None:
+    report = dr.run(Context.for_root(demo), only=["logging"])
+    (result,) = report.results_for("logging")
+    assert result.status == dr.OK
+
+
+# -- 4. reconnect with stderr closed --------------------------------------------------
+
+@pytest.mark.parametrize("stdin", [b"\x00garbage<", b"<domain><name>vm-r</name></domain>"])
+def test_reconnect_exits_0_with_stderr_closed(demo: str, stdin: bytes) -> None:
+    """Reproduction: libvirtd restarts and runs `50-gpulib vm-r reconnect begin -`
+    with fd 2 closed (sys.stderr is None) and an XML gpulib cannot use: the
+    one-line error raised AttributeError and the hook exited 1, and libvirt
+    kills a running VM whose reconnect hook fails. It must exit 0."""
+    res = subprocess.run(["sh", "-c", 'exec "$@" 2>&-', "sh", QEMU_HOOK, "vm-r", "reconnect",
+                          "begin", "-"], input=stdin, stdout=subprocess.PIPE,
+                         env=hook_env(demo), timeout=30)
+    assert res.returncode == 0
+    assert res.stdout == b""
+    # With stdin closed as well.
+    res = subprocess.run(["sh", "-c", 'exec "$@" 2>&- <&-', "sh", QEMU_HOOK, "vm-r",
+                          "reconnect", "begin", "-"], stdout=subprocess.PIPE,
+                         env=hook_env(demo), timeout=30)
+    assert res.returncode == 0
