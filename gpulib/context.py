@@ -35,6 +35,9 @@ class Context:
     def __init__(self, sysfs: Sysfs) -> None:
         self.sysfs = sysfs
         self.root = sysfs.root
+        # Set by the hooks (state.HOOK_LOCK_TIMEOUT_CAP): the longest any state
+        # lock wait may last in this process, whatever the configuration says.
+        self.lock_wait_cap: Optional[float] = None
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Context:

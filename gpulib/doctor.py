@@ -1038,6 +1038,9 @@ class Doctor:
             return [Result(cid, WARN, path, " ".join(m.split(": ", 1)[-1] for m in
                                                      self._config_warnings),
                            f"remove or correct the key named in {path}")]
+        capped = lock_timeout_problem(config, path)
+        if capped:
+            return [capped]
         if not os.path.exists(self.ctx.config_path):
             return [Result(cid, OK, path, "no configuration file: defaults apply")]
         return [Result(cid, OK, path, f"valid ({len(config.pools)} pool(s))")]
@@ -1150,6 +1153,20 @@ class Doctor:
         return [Result(cid, OK, "gpulib discover --format cloudstack",
                        f"valid for the CloudStack agent: {len(doc['gpus'])} GPU(s), "
                        f"{vgpus} vGPU instance(s), {vfs} VF instance(s)")]
+
+
+def lock_timeout_problem(config: Config, path: str) -> Optional[Result]:
+    """`[state] lock_timeout` above what the hooks wait (HOOK_LOCK_TIMEOUT_CAP)."""
+    from gpulib.state import HOOK_LOCK_TIMEOUT_CAP
+
+    value = config.get_float("state", "lock_timeout")
+    if value <= HOOK_LOCK_TIMEOUT_CAP:
+        return None
+    return Result("config", WARN, path,
+                  f"[state] lock_timeout = {value:g} s is above the {HOOK_LOCK_TIMEOUT_CAP:g} s "
+                  "the hooks wait at most (the CloudStack agent kills a hook after 30 s): "
+                  "the hooks use the cap, only gpulib commands wait longer",
+                  f"set lock_timeout to {HOOK_LOCK_TIMEOUT_CAP:g} or less in {path}")
 
 
 def check_logging(ctx: Context) -> list[Result]:

@@ -55,6 +55,11 @@ SCHEMA_VERSION = 1
 DEFAULT_LOCK_TIMEOUT = 20.0
 """Seconds to wait for the state lock: well inside the agent's 30 s hook timeout."""
 
+HOOK_LOCK_TIMEOUT_CAP = 20.0
+"""The longest a hook waits for the state lock, whatever `lock_timeout` says:
+the agent kills a hook after 30 s, so a hook gives up in time to answer with
+its one-line error. `gpulib doctor` flags a configured value above it."""
+
 DEVICE_KINDS = ("mdev", "vf", "pci")
 ALLOCATION_STATUSES = ("pending", "active")
 
@@ -501,7 +506,11 @@ class StateStore:
 
     @classmethod
     def for_context(cls, ctx: Context, **kw: Any) -> StateStore:
-        """The store below the context's root (`var/lib/gpulib/state.json`)."""
+        """The store below the context's root (`var/lib/gpulib/state.json`); a
+        hook's context caps the lock wait (`Context.lock_wait_cap`)."""
+        cap = ctx.lock_wait_cap
+        if cap is not None:
+            kw["timeout"] = min(float(kw.get("timeout", DEFAULT_LOCK_TIMEOUT)), cap)
         return cls(ctx.state_path, ctx.lock_path, **kw)
 
     # -- reading ---------------------------------------------------------
@@ -689,6 +698,7 @@ __all__ = [
     "ALLOCATION_STATUSES",
     "DEFAULT_LOCK_TIMEOUT",
     "DEVICE_KINDS",
+    "HOOK_LOCK_TIMEOUT_CAP",
     "SCHEMA_VERSION",
     "Allocation",
     "CorruptStateError",

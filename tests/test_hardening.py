@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from gpulib import doctor as dr
 from gpulib.context import Context
 from gpulib.logs import LOG_FAILURES_FILE
 from gpulib.sim.hosts import build_demo
+from gpulib.state import HOOK_LOCK_TIMEOUT_CAP, StateStore
 from tests.conftest import DATA
 from tests.hookrun import QEMU_HOOK, as_agent, hook_env
 
@@ -88,3 +90,50 @@ def test_reconnect_exits_0_with_stderr_closed(demo: str, stdin: bytes) -> None:
                           "reconnect", "begin", "-"], stdout=subprocess.PIPE,
                          env=hook_env(demo), timeout=30)
     assert res.returncode == 0
+
+
+# -- 6. the hooks' lock wait is capped -----------------------------------------------
+
+def test_hook_context_caps_the_lock_wait(demo: str) -> None:
+    ctx = Context.for_root(demo)
+    assert StateStore.for_context(ctx, timeout=3600.0).timeout == 3600.0  # the CLI
+    ctx.lock_wait_cap = HOOK_LOCK_TIMEOUT_CAP
+    assert StateStore.for_context(ctx, timeout=3600.0).timeout == HOOK_LOCK_TIMEOUT_CAP
+    assert StateStore.for_context(ctx, timeout=2.0).timeout == 2.0
+    assert StateStore.for_context(ctx).timeout <= HOOK_LOCK_TIMEOUT_CAP
+    assert HOOK_LOCK_TIMEOUT_CAP + 5 < 30  # time left to answer inside the agent's 30 s
+
+
+@pytest.mark.slow
+def test_a_huge_lock_timeout_never_makes_a_hook_wait_past_the_agent(demo: str) -> None:
+    """Reproduction: `[state] lock_timeout = 3600` in gpulib.conf and the state
+    lock held by another process; the agent runs the transformer on a vGPU
+    domain with its 30 s timeout: the hook waited 3600 s and the agent killed
+    it. It must give up at HOOK_LOCK_TIMEOUT_CAP with exit 3 and one line."""
+    import filelock
+
+    write_config(demo, "[state]\nlock_timeout = 3600\n")
+    ctx = Context.for_root(demo)
+    os.makedirs(os.path.dirname(ctx.lock_path), exist_ok=True)
+    lock = filelock.FileLock(ctx.lock_path)
+    lock.acquire()
+    try:
+        began = time.monotonic()
+        res = as_agent(demo, VGPU_XML.read_text(encoding="utf-8"), timeout=30)
+        took = time.monotonic() - began
+    finally:
+        lock.release()
+    out = res.stdout.decode()
+    assert res.returncode == 3, out
+    assert took < 27, took
+    assert len(out.splitlines()) == 1 and "lock" in out, out
+    # doctor says the configured value is above what the hooks use.
+    (result,) = dr.run(ctx, only=["config"]).results_for("config")
+    assert result.status == dr.WARN and "lock_timeout" in result.message, result.to_json()
+    assert f"{HOOK_LOCK_TIMEOUT_CAP:g}" in (result.fix or "")
+
+
+def test_doctor_accepts_a_lock_timeout_within_the_cap(demo: str) -> None:
+    write_config(demo, f"[state]\nlock_timeout = {HOOK_LOCK_TIMEOUT_CAP:g}\n")
+    (result,) = dr.run(Context.for_root(demo), only=["config"]).results_for("config")
+    assert result.status == dr.OK, result.to_json()

@@ -61,8 +61,11 @@ def start(program: str) -> tuple[Context, Config]:
     from gpulib import logs
     from gpulib.config import Config
     from gpulib.context import Context
+    from gpulib.state import HOOK_LOCK_TIMEOUT_CAP
 
     ctx = Context.from_env()
+    # The agent gives a hook 30 s: no lock_timeout may make it wait longer.
+    ctx.lock_wait_cap = HOOK_LOCK_TIMEOUT_CAP
     config = Config.load(ctx.config_path)
     logs.setup(ctx, program, level=config.get("log", "level"),
                use_syslog=config.get_bool("log", "syslog"))
