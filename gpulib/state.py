@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 from gpulib import atomicfile
 from gpulib.errors import InputError, LockTimeout, StateError
@@ -489,6 +489,23 @@ def _reason(e: OSError) -> str:
     return e.strerror or str(e)
 
 
+class Repair(NamedTuple):
+    """A corrupt state file moved aside and rebuilt from the host."""
+
+    reason: str
+    moved_to: str
+    rebuilt: State
+
+    def summary(self) -> str:
+        """What was rebuilt, in words (`gpulib status`)."""
+        st = self.rebuilt
+        vms = ", ".join(sorted(st.allocations)) or "none"
+        return (f"{len(st.vgpus)} live vGPU(s), {len(st.vf_types)} VF type(s) and "
+                f"{len(st.allocations)} running VM allocation(s) ({vms}); what only the "
+                "old file knew (on-demand marks, learned names, unmanaged devices) is in "
+                f"{self.moved_to}")
+
+
 class StateStore:
     """The state file and its lock.
 
@@ -503,6 +520,10 @@ class StateStore:
         self.timeout = timeout
         self.rebuild: Callable[[], State] = rebuild or State
         self._in_transaction = False
+        # What the last load() found wrong, and what the last repair did:
+        # `gpulib status` says both instead of showing an empty state.
+        self.corrupt_reason: Optional[str] = None
+        self.last_repair: Optional[Repair] = None
 
     @classmethod
     def for_context(cls, ctx: Context, **kw: Any) -> StateStore:
@@ -557,12 +578,14 @@ class StateStore:
         an empty state (the next transaction moves it aside and rebuilds). A
         file from a newer gpulib raises StateVersionError.
         """
+        self.corrupt_reason = None
         raw = self._read()
         if raw is None:
             return State()
         try:
             return self._parse(raw)
         except CorruptStateError as e:
+            self.corrupt_reason = e.message
             log.error("state file %s is corrupt (%s): reading it as empty; the next "
                       "change will move it aside and rebuild it", self.state_path, e.message)
             return State()
@@ -690,6 +713,7 @@ class StateStore:
                       self.state_path, e.message, aside)
             text = dumps(state)
             self._write(text)
+            self.last_repair = Repair(e.message, aside, State.from_json(json.loads(text)))
             return state, text
         return state, dumps(state)
 
@@ -703,6 +727,7 @@ __all__ = [
     "Allocation",
     "CorruptStateError",
     "Device",
+    "Repair",
     "State",
     "StateStore",
     "StateVersionError",

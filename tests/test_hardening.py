@@ -8,6 +8,7 @@ output after the process exited.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -19,10 +20,11 @@ from lxml import etree
 from gpulib import doctor as dr
 from gpulib.context import Context
 from gpulib.logs import LOG_FAILURES_FILE
-from gpulib.sim.hosts import build_demo
+from gpulib.sim.fakehost import FakeHost
+from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import HOOK_LOCK_TIMEOUT_CAP, StateStore
 from tests.conftest import DATA
-from tests.hookrun import QEMU_HOOK, as_agent, hook_env
+from tests.hookrun import BIN, QEMU_HOOK, as_agent, hook_env
 
 VGPU_XML = DATA / "cloudstack-xml" / "vgpu-mdev.xml"
 
@@ -137,3 +139,41 @@ def test_doctor_accepts_a_lock_timeout_within_the_cap(demo: str) -> None:
     write_config(demo, f"[state]\nlock_timeout = {HOOK_LOCK_TIMEOUT_CAP:g}\n")
     (result,) = dr.run(Context.for_root(demo), only=["config"]).results_for("config")
     assert result.status == dr.OK, result.to_json()
+
+
+# -- 8. status on a corrupt state file ---------------------------------------------------
+
+def gpulib_cli(root: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = hook_env(root, simulate=False)
+    return subprocess.run([str(BIN / "gpulib"), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_status_says_the_state_was_corrupt_and_what_was_rebuilt(demo: str) -> None:
+    """Reproduction: `echo garbage > /var/lib/gpulib/state.json; gpulib status`
+    showed an empty state (no allocations, no vGPUs) without a word. It must
+    say the file was corrupt, where the old one went and what was rebuilt."""
+    host = FakeHost(demo)
+    host.add_mdev(DEMO_POOL_MDEVS[1], DEMO_T4, "nvidia-232")
+    host.add_running_domain("vm-r", "2f0c8e0a-6a55-4b1e-9d35-7a3c1f0e9b21",
+                            mdevs=(DEMO_POOL_MDEVS[1],))
+    state = Path(demo, "var/lib/gpulib/state.json")
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_bytes(b"{garbage")
+    res = gpulib_cli(demo, "status", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    repair = doc["state_repair"]
+    assert repair["corrupt"].startswith("not JSON")
+    aside = Path(repair["moved_to"])
+    assert aside.parent == state.parent and aside.read_bytes() == b"{garbage"
+    assert "vm-r" in repair["rebuilt"]["allocations"]
+    assert DEMO_POOL_MDEVS[1] in repair["rebuilt"]["vgpus"]
+    assert "vm-r" in doc["allocations"]
+    (line,) = res.stderr.splitlines()
+    assert "was corrupt" in line and str(aside) in line and "vm-r" in line, line
+    # The file is whole again: the next status says nothing.
+    assert json.loads(state.read_text())["allocations"]["vm-r"]["status"] == "active"
+    again = gpulib_cli(demo, "status")
+    assert again.returncode == 0 and again.stderr == "", again.stderr
+    assert "vm-r" in again.stdout
