@@ -177,3 +177,57 @@ def test_status_says_the_state_was_corrupt_and_what_was_rebuilt(demo: str) -> No
     again = gpulib_cli(demo, "status")
     assert again.returncode == 0 and again.stderr == "", again.stderr
     assert "vm-r" in again.stdout
+
+
+# -- 9. vf set-type by name ------------------------------------------------------------------
+
+A10_VF = "0000:41:00.5"
+
+
+def _simulated_cli(root: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "gpulib"), *args], capture_output=True, text=True,
+                          env=hook_env(root), timeout=60)
+
+
+def test_vf_set_type_takes_the_name_creatable_vgpu_types_lists(demo: str) -> None:
+    """Reproduction: `gpulib vf set-type 0000:41:00.5 "NVIDIA A10-6Q"` failed with
+    "not an NVIDIA vGPU type id" although pools accept names. The name as
+    creatable_vgpu_types lists it, any case, gives type 594."""
+    current = Path(demo, f"sys/bus/pci/devices/{A10_VF}/nvidia/current_vgpu_type")
+    res = _simulated_cli(demo, "vf", "set-type", A10_VF, "nvidia a10-6Q")
+    assert res.returncode == 0, res.stderr
+    assert current.read_text().strip() == "594"
+    assert "594" in res.stdout and "NVIDIA A10-6Q" in res.stdout
+    state = json.loads(Path(demo, "var/lib/gpulib/state.json").read_text())
+    assert state["vf_types"][A10_VF]["type_id"] == 594
+    # Numeric ids keep working.
+    other = "0000:41:00.6"
+    assert _simulated_cli(demo, "vf", "set-type", other, "nvidia-594").returncode == 0
+    assert Path(demo, f"sys/bus/pci/devices/{other}/nvidia/current_vgpu_type") \
+        .read_text().strip() == "594"
+
+
+@pytest.mark.parametrize("name", ["NVIDIA A10-6", "A10-6Q", "NVIDIA A10-6Q ", "../594"])
+def test_vf_set_type_refuses_unknown_names_with_the_list(demo: str, name: str) -> None:
+    current = Path(demo, f"sys/bus/pci/devices/{A10_VF}/nvidia/current_vgpu_type")
+    before = current.read_text()
+    res = _simulated_cli(demo, "vf", "set-type", A10_VF, name)
+    if name == "NVIDIA A10-6Q ":  # surrounding blanks are not part of a name
+        assert res.returncode == 0, res.stderr
+        return
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.splitlines()
+    assert "no creatable vGPU type named" in line and "594 (NVIDIA A10-6Q)" in line, line
+    assert current.read_text() == before
+    assert not Path(demo, "var/lib/gpulib/state.json").exists() or \
+        A10_VF not in json.loads(Path(demo, "var/lib/gpulib/state.json").read_text())["vf_types"]
+
+
+def test_vf_set_type_refuses_an_ambiguous_name(demo: str) -> None:
+    creatable = Path(demo, f"sys/bus/pci/devices/{A10_VF}/nvidia/creatable_vgpu_types")
+    creatable.write_text("ID    : vGPU Name\n594   : NVIDIA A10-6Q\n606   : nvidia a10-6q\n")
+    res = _simulated_cli(demo, "vf", "set-type", A10_VF, "NVIDIA A10-6Q")
+    assert res.returncode == 2
+    assert "ambiguous" in res.stderr and "594, 606" in res.stderr, res.stderr
+    assert Path(demo, f"sys/bus/pci/devices/{A10_VF}/nvidia/current_vgpu_type") \
+        .read_text().strip() == "0"

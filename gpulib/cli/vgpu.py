@@ -121,13 +121,14 @@ def vf_group() -> None:
 
 @vf_group.command("set-type")
 @click.argument("address")
-@click.argument("type_id")
+@click.argument("type_id", metavar="TYPE")
 @click.option("--keep/--no-keep", default=True, help="Record it so restore sets it after reboots.")
 @click.pass_obj
 def vf_set_type(env: Env, address: str, type_id: str, keep: bool) -> None:
-    """Give a VF a vGPU type (numeric id from its creatable_vgpu_types)."""
+    """Give a VF a vGPU type: the numeric id or the name (case-insensitive) as
+    its nvidia/creatable_vgpu_types lists it, e.g. 594 or "NVIDIA A10-6Q"."""
     vf = PciAddress.parse(address)
-    tid = nvidia.check_type(type_id[7:] if type_id.startswith("nvidia-") else type_id)
+    tid = nvidia.resolve_type(env.ctx.sysfs, vf, type_id)
     with open_store(env.ctx, env.config).transaction() as state:
         name = nvidia.creatable_types(env.ctx.sysfs, vf).get(tid)
         nvidia.set_type(env.ctx.sysfs, vf, tid)
