@@ -8,9 +8,14 @@ output after the process exited.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import socket
+import stat
 import subprocess
+import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +23,9 @@ import pytest
 from lxml import etree
 
 from gpulib import doctor as dr
+from gpulib import snapshot as snap
 from gpulib.context import Context
+from gpulib.errors import InputError
 from gpulib.logs import LOG_FAILURES_FILE
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
@@ -231,3 +238,79 @@ def test_vf_set_type_refuses_an_ambiguous_name(demo: str) -> None:
     assert "ambiguous" in res.stderr and "594, 606" in res.stderr, res.stderr
     assert Path(demo, f"sys/bus/pci/devices/{A10_VF}/nvidia/current_vgpu_type") \
         .read_text().strip() == "0"
+
+
+# -- 2. snapshot -o PATH -----------------------------------------------------------------------
+
+def _snapshot(root: str, output: str) -> tuple[str, snap.Summary]:
+    return snap.create(Context.for_root(root), output)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a character device needs root")
+def test_snapshot_into_a_character_device_writes_through_it(demo: str, tmp_path: Path) -> None:
+    """Reproduction: `gpulib snapshot -o /dev/null` as root wrote
+    /dev/null.<pid>.tmp and renamed it over /dev/null, which became a regular
+    file. Here a private copy of /dev/null (same device numbers): it stays the
+    character device, and a link to it is written through as well."""
+    null = tmp_path / "null"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.symlink(null, tmp_path / "stdout-like")
+    for target in (null, tmp_path / "stdout-like"):
+        _, summary = _snapshot(demo, str(target))
+        assert summary.files > 0
+        assert stat.S_ISCHR(os.stat(null).st_mode)
+        assert os.stat(null).st_rdev == os.makedev(1, 3)
+    assert os.path.islink(tmp_path / "stdout-like")
+    assert sorted(os.listdir(tmp_path)) == ["demo", "null", "stdout-like"]
+
+
+def test_snapshot_into_a_fifo_streams_the_tarball(demo: str, tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    # A daemon: if the FIFO were replaced, the reader would wait for ever.
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    _snapshot(demo, str(fifo))
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    reader.join(30)
+    assert got, "nothing was written into the FIFO"
+    with tarfile.open(fileobj=io.BytesIO(got[0]), mode="r:gz") as tf:
+        assert "proc/cmdline" in tf.getnames()
+
+
+def test_snapshot_refuses_a_link_to_a_file_and_other_special_files(demo: str,
+                                                                   tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    link = tmp_path / "out.tar.gz"
+    os.symlink(victim, link)
+    sock = socket.socket(socket.AF_UNIX)
+    sock_path = tmp_path / "sock"
+    sock.bind(str(sock_path))
+    try:
+        for target in (link, sock_path):
+            with pytest.raises(InputError, match="refusing to write the snapshot"):
+                _snapshot(demo, str(target))
+        res = gpulib_cli(demo, "snapshot", "-o", str(link))
+        assert res.returncode == 2 and "is a symbolic link" in res.stderr, res.stderr
+    finally:
+        sock.close()
+    assert victim.read_text() == "keep me\n" and os.path.islink(link)
+    assert stat.S_ISSOCK(os.lstat(sock_path).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["demo", "out.tar.gz", "sock", "victim"]
+
+
+def test_snapshot_temp_file_never_follows_a_planted_link(demo: str, tmp_path: Path) -> None:
+    """The old temp name `<path>.<pid>.tmp` was predictable and opened without
+    O_EXCL: a link planted there made the snapshot overwrite its target."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    out = tmp_path / "snap.tar.gz"
+    out.write_text("old\n")
+    os.symlink(victim, f"{out}.{os.getpid()}.tmp")
+    path, _ = _snapshot(demo, str(out))
+    assert path == str(out) and tarfile.is_tarfile(out) and not os.path.islink(out)
+    assert victim.read_text() == "keep me\n"
+    assert sorted(os.listdir(tmp_path)) == ["demo", "snap.tar.gz", f"snap.tar.gz.{os.getpid()}.tmp",
+                                            "victim"]
