@@ -52,8 +52,84 @@ def error_line(program: str, message: str) -> None:
 
 
 def write_stdout(text: str) -> None:
-    sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
-    sys.stdout.buffer.flush()
+    """The hook's answer on stdout, without making the exit wait for the reader.
+
+    The CloudStack agent reads a hook's output only after the process exited:
+    an answer larger than the pipe's buffer (64 KiB) would block the write,
+    and the exit, until the agent's 30 s timeout. So on a pipe as much as fits
+    is written at once, and the rest is handed to a child process that
+    outlives this one; the hook exits at once. (What stays limited: an XML
+    passed as argv is at most 128 KiB, the kernel's limit on one argument.)
+    """
+    import os
+
+    data = text.encode("utf-8", "surrogateescape")
+    sys.stdout.flush()
+    fd = sys.stdout.fileno()
+    written = 0
+    if _is_pipe(fd):
+        written = _write_without_blocking(fd, data)
+        if written == len(data) or _hand_to_child(fd, data[written:]):
+            return
+    view = memoryview(data)[written:]
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _is_pipe(fd: int) -> bool:
+    import os
+    import stat
+
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def _write_without_blocking(fd: int, data: bytes) -> int:
+    """Write what the pipe takes now; the number of bytes written."""
+    import fcntl
+    import os
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    view = memoryview(data)
+    done = 0
+    try:
+        while done < len(data):
+            try:
+                done += os.write(fd, view[done:])
+            except BlockingIOError:
+                break
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return done
+
+
+def _hand_to_child(fd: int, rest: bytes) -> bool:
+    """Fork a child that writes `rest` to `fd` and exits; False if it cannot."""
+    import os
+
+    try:
+        pid = os.fork()
+    except OSError:
+        return False
+    if pid:
+        return True
+    # The child: nothing but the bytes, no stderr (it belongs to the XML), no
+    # Python exit handlers (logging, the lock: the parent owns those).
+    code = 0
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 2)
+        view = memoryview(rest)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        code = 1
+    os._exit(code)
 
 
 def start(program: str) -> tuple[Context, Config]:
