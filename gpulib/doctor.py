@@ -17,7 +17,8 @@ Check ids (stable: scripts and the JSON depend on them):
 * `mdev`           mdev types offered, instances left, pools name offered types
 * `hooks`          gpulib's hooks are installed and executable (libvirt's qemu.d,
                    the CloudStack agent's hook directory)
-* `libvirt`        libvirtd was (re)started after the qemu hook appeared
+* `libvirt`        libvirtd was (re)started after the qemu hook appeared (the
+                   link's ctime: packages set its mtime to their build time)
 * `config`         gpulib.conf parses without errors or unknown keys
 * `state`          the state file is readable and consistent, the lock works
 * `discovery`      the CloudStack discovery JSON is valid for the agent
@@ -1015,7 +1016,10 @@ class Doctor:
             return [Result(cid, WARN, hook,
                            f"{why}: libvirtd reads its hooks only when it starts, so it may "
                            "not run gpulib's hook", "systemctl restart libvirtd")]
-        appeared = st.st_mtime
+        # When the link appeared on this host: its ctime (set when it is made,
+        # renamed into place or changed). Never the mtime: dpkg and rpm give it
+        # the package's build time, long before libvirtd's start.
+        appeared = st.st_ctime
         if appeared > started + _START_SLACK:
             return [Result(cid, FAIL, hook,
                            f"{daemon} started at {_when(started)}, before the qemu hook "

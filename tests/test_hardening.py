@@ -362,3 +362,30 @@ def test_an_output_larger_than_the_pipe_never_delays_the_exit(demo: str, fixture
         dom = etree.fromstring(out)
         assert len(dom.findall("devices/serial")) == xml.count("<serial ")
         assert dom.findall("devices/hostdev")
+
+
+# -- 12. doctor: when the qemu hook appeared ---------------------------------------------------
+
+def test_doctor_uses_the_hook_links_ctime_not_dpkgs_mtime(tmp_path: Path) -> None:
+    """Reproduction: install the package (dpkg gives the link
+    /etc/libvirt/hooks/qemu.d/50-gpulib the build time as mtime) on a host whose
+    libvirtd runs since before the installation: `gpulib doctor` said ok
+    ("libvirtd started after the qemu hook appeared") while libvirtd does not
+    run the hook until restarted. The packaging check repeats this with the
+    real package (scripts/packaging-check, step 5)."""
+    from tests.hosts import HOOKS_AT, healthy_host, start_libvirtd
+
+    host = healthy_host(str(tmp_path))
+    link = host.p(dr.LIBVIRT_HOOK)
+    os.unlink(link)
+    before_install = time.time() - 60
+    start_libvirtd(host, started=before_install)  # running for a minute
+    os.symlink("/usr/libexec/gpulib/gpulib-qemu-hook", link)
+    os.utime(link, (HOOKS_AT, HOOKS_AT), follow_symlinks=False)  # the build time
+    assert os.lstat(link).st_mtime < before_install < os.lstat(link).st_ctime
+    (result,) = dr.run(Context.for_root(host.root), only=["libvirt"]).results_for("libvirt")
+    assert result.status == dr.FAIL, result.to_json()
+    assert (result.fix or "").startswith("systemctl restart libvirtd")
+    start_libvirtd(host)  # restarted after the installation
+    (result,) = dr.run(Context.for_root(host.root), only=["libvirt"]).results_for("libvirt")
+    assert result.status == dr.OK, result.to_json()
