@@ -524,6 +524,9 @@ class StateStore:
         # `gpulib status` says both instead of showing an empty state.
         self.corrupt_reason: Optional[str] = None
         self.last_repair: Optional[Repair] = None
+        # Called with the lock held, before anything is read: a hook checks
+        # there that gpulib was not upgraded while it waited (it may raise).
+        self.on_lock: Optional[Callable[[], None]] = None
 
     @classmethod
     def for_context(cls, ctx: Context, **kw: Any) -> StateStore:
@@ -532,7 +535,9 @@ class StateStore:
         cap = ctx.lock_wait_cap
         if cap is not None:
             kw["timeout"] = min(float(kw.get("timeout", DEFAULT_LOCK_TIMEOUT)), cap)
-        return cls(ctx.state_path, ctx.lock_path, **kw)
+        store = cls(ctx.state_path, ctx.lock_path, **kw)
+        store.on_lock = ctx.on_lock
+        return store
 
     # -- reading ---------------------------------------------------------
 
@@ -682,6 +687,8 @@ class StateStore:
         try:
             lock = self._acquire()
             try:
+                if self.on_lock is not None:
+                    self.on_lock()
                 self._remove_stale_temp_files()
                 state, before = self._load_locked()
                 yield state

@@ -11,9 +11,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -32,6 +34,7 @@ from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import HOOK_LOCK_TIMEOUT_CAP, StateStore
 from tests.conftest import DATA
 from tests.hookrun import BIN, QEMU_HOOK, TRANSFORMER, as_agent, hook_env
+from tests.hosts import tree_contents
 
 VGPU_XML = DATA / "cloudstack-xml" / "vgpu-mdev.xml"
 
@@ -389,3 +392,59 @@ def test_doctor_uses_the_hook_links_ctime_not_dpkgs_mtime(tmp_path: Path) -> Non
     start_libvirtd(host)  # restarted after the installation
     (result,) = dr.run(Context.for_root(host.root), only=["libvirt"]).results_for("libvirt")
     assert result.status == dr.OK, result.to_json()
+
+
+# -- 14. an upgrade while a hook waits for the lock --------------------------------------------
+
+def test_a_hook_never_runs_with_modules_of_two_versions(demo: str, tmp_path: Path) -> None:
+    """Reproduction: a VM starts while `apt-get upgrade` unpacks a new gpulib:
+    the hook, started with the old modules, lazily imported a new module
+    whose functions the old callers call differently (TypeError). The
+    maintainer scripts hold the state lock across the unpack; a hook that
+    waited for it sees that gpulib changed under it and stops with one line
+    and exit 3, having done nothing. The lock is held by this test, so the
+    order is fixed: hook started, "unpack", lock released."""
+    import filelock
+
+    import gpulib
+
+    site = tmp_path / "site"
+    shutil.copytree(os.path.dirname(gpulib.__file__), site / "gpulib",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = hook_env(demo)
+    env["PYTHONPATH"] = str(site)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    ctx = Context.for_root(demo)
+    os.makedirs(os.path.dirname(ctx.lock_path), exist_ok=True)
+    before = tree_contents(demo)
+    lock = filelock.FileLock(ctx.lock_path)
+    lock.acquire()
+    ready_r, ready_w = os.pipe()
+    try:
+        # The hook as its executable runs it, plus one byte on a side pipe
+        # once it started (its modules so far are the old ones).
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import os, sys; from gpulib.hooks.transformer import main; "
+             "import gpulib.hooks.common; os.write(int(os.environ['READY_FD']), b'r'); "
+             "sys.exit(main(sys.argv))", "transform", VGPU_XML.read_text(encoding="utf-8")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+            env=dict(env, READY_FD=str(ready_w)), pass_fds=(ready_w,))
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"r", "the hook did not start"
+        # The unpack: every module renamed into place, as dpkg does, and an
+        # incompatible new one among them.
+        for module in sorted((site / "gpulib").rglob("*.py")):
+            new = module.with_name(module.name + ".dpkg-new")
+            text = module.read_text(encoding="utf-8")
+            if module.name == "allocator.py":
+                text += "\ndef allocate(*args, **kwargs):\n    raise TypeError('new API')\n"
+            new.write_text(text, encoding="utf-8")
+            os.replace(new, module)
+    finally:
+        lock.release()
+        os.close(ready_r)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3, out
+    (line,) = out.decode().splitlines()
+    assert "upgraded while this hook waited" in line and "TypeError" not in line
+    assert tree_contents(demo) == before  # nothing written: sysfs, state

@@ -22,6 +22,37 @@ if TYPE_CHECKING:
 MAX_INPUT_BYTES = 8 * 1024 * 1024
 
 
+def installation_stamp() -> tuple[int, ...]:
+    """The ctime of the directories holding gpulib's modules: installing a new
+    version (dpkg, rpm, pip) renames files into them, which changes it."""
+    import os
+
+    base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    stamp = []
+    for directory in (base, os.path.join(base, "hooks")):
+        try:
+            stamp.append(os.stat(directory).st_ctime_ns)
+        except OSError:
+            stamp.append(0)
+    return tuple(stamp)
+
+
+# Taken when the hook starts, before it imported anything but this module.
+_STARTED_WITH = installation_stamp()
+
+
+def check_not_upgraded() -> None:
+    """With the state lock held: refuse to go on if gpulib was upgraded since
+    this hook started. Its modules would be of two versions (those loaded
+    before, the new ones it would import now). The package's maintainer
+    scripts hold the state lock across the upgrade, so this is seen here."""
+    if installation_stamp() != _STARTED_WITH:
+        from gpulib.errors import LockTimeout
+
+        raise LockTimeout("gpulib was upgraded while this hook waited for the state lock: "
+                          "nothing was done; run it again")
+
+
 class HookInputError(Exception):
     """Input refused before anything else ran (exit 2)."""
 
@@ -142,6 +173,7 @@ def start(program: str) -> tuple[Context, Config]:
     ctx = Context.from_env()
     # The agent gives a hook 30 s: no lock_timeout may make it wait longer.
     ctx.lock_wait_cap = HOOK_LOCK_TIMEOUT_CAP
+    ctx.on_lock = check_not_upgraded
     config = Config.load(ctx.config_path)
     logs.setup(ctx, program, level=config.get("log", "level"),
                use_syslog=config.get_bool("log", "syslog"))
