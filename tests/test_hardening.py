@@ -448,3 +448,26 @@ def test_a_hook_never_runs_with_modules_of_two_versions(demo: str, tmp_path: Pat
     (line,) = out.decode().splitlines()
     assert "upgraded while this hook waited" in line and "TypeError" not in line
     assert tree_contents(demo) == before  # nothing written: sysfs, state
+
+
+# -- 16. a GPU behind Intel VMD (PCI domain 10000) --------------------------------------------
+
+def test_a_gpu_in_a_five_digit_pci_domain_is_discovered(demo: str) -> None:
+    """Reproduction: a GPU behind an Intel VMD controller, which Linux names
+    `10000:01:00.0`: PciAddress.parse refused it as "out of range" and the GPU
+    vanished from discovery without a word. It is listed, with libvirt's
+    address `domain='0x10000'`."""
+    from gpulib.runtime import discover_host
+    from gpulib.sim.hosts import add_model, models
+
+    host = FakeHost(demo)
+    host.add_bridge("10000:00:02.0")
+    t4 = models()["t4"]
+    add_model(host, t4, "10000:01:00.0", 0, parent="10000:00:02.0")
+    res = gpulib_cli(demo, "discover", "--format", "cloudstack")
+    assert res.returncode == 0, res.stderr
+    gpus = {g["pci_address"]: g for g in json.loads(res.stdout)["gpus"]}
+    assert "10000:01:00.0" in gpus, sorted(gpus)
+    assert gpus["10000:01:00.0"]["full_passthrough"]["libvirt_address"]["domain"] == "0x10000"
+    inv = discover_host(Context.for_root(demo), learn=False)
+    assert any(str(g.address) == "10000:01:00.0" for g in inv.gpus)
