@@ -105,7 +105,7 @@ BAD_CLI = [
     ("mdev", "create", "--parent", "0000:3b:00.0", "--type", "nvidia-222", "--uuid", "xyz"),
     ("mdev", "create", "--parent", "0000:3b:00.0", "--type", "../nvidia-222"),
     ("mdev", "create", "--parent", "0000:3b:20.0", "--type", "nvidia-222"),
-    ("mdev", "create", "--parent", "10000:3b:00.0", "--type", "nvidia-222"),
+    ("mdev", "create", "--parent", "100000000:3b:00.0", "--type", "nvidia-222"),
     ("mdev", "remove", "not-a-uuid"),
     ("vf", "set-type", "0000:3b:00.0", "../1"),
     ("release", "a/b"),
