@@ -33,6 +33,8 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
     # Whatever handler fails (ours or one added later), never a traceback on
     # stderr (logging.Handler.handleError prints only when this is set).
     logging.raiseExceptions = False
+    # Python's warnings print to stderr too: into the log with them.
+    logging.captureWarnings(True)
     failures = FailureNote(ctx.path(LOG_FAILURES_FILE), program)
     root = logging.getLogger()
     root.setLevel(min(_level(level), _level(stderr_level) if stderr_level else logging.CRITICAL))

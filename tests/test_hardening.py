@@ -471,3 +471,26 @@ def test_a_gpu_in_a_five_digit_pci_domain_is_discovered(demo: str) -> None:
     assert gpus["10000:01:00.0"]["full_passthrough"]["libvirt_address"]["domain"] == "0x10000"
     inv = discover_host(Context.for_root(demo), learn=False)
     assert any(str(g.address) == "10000:01:00.0" for g in inv.gpus)
+
+
+def test_a_python_warning_goes_to_the_log_not_stderr(demo: str) -> None:
+    """A warning raised while a hook runs (here every warning made visible by
+    PYTHONWARNINGS=always, as an administrator's environment might) never
+    reaches the agent's XML: captured into gpulib's log."""
+    env = hook_env(demo)
+    env["PYTHONWARNINGS"] = "always"
+    xml = VGPU_XML.read_text(encoding="utf-8")
+    code = ("import sys, warnings; from gpulib.hooks import transformer, common\n"
+            "real = common.start\n"
+            "def start(program):\n"
+            "    out = real(program)\n"
+            "    warnings.warn('something odd', UserWarning)\n"
+            "    return out\n"
+            "common.start = start\n"
+            "sys.exit(transformer.main(sys.argv))\n")
+    res = subprocess.run([sys.executable, "-c", code, "transform", xml], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, env=env, timeout=30)
+    assert res.returncode == 0, res.stdout[-500:]
+    assert b"something odd" not in res.stdout
+    etree.fromstring(res.stdout)
+    assert "something odd" in Path(demo, "var/log/gpulib/gpulib.log").read_text()
