@@ -494,3 +494,18 @@ def test_a_python_warning_goes_to_the_log_not_stderr(demo: str) -> None:
     assert b"something odd" not in res.stdout
     etree.fromstring(res.stdout)
     assert "something odd" in Path(demo, "var/log/gpulib/gpulib.log").read_text()
+
+
+def test_guest_slots_in_use_are_read_as_libvirt_reads_them(demo: str) -> None:
+    """A device of the domain at guest address bus='00' slot='0x10' (bus 0 for
+    libvirt): the slot gpulib picks for a passed-through GPU with its audio
+    function must not be 0x10 (libvirt would refuse the double use)."""
+    xml = (DATA / "cloudstack-xml" / "passthrough-1gpu.xml").read_text(encoding="utf-8")
+    taken = ("<controller type='usb' index='1' model='ich9-ehci1'><address type='pci' "
+             "domain='0x0000' bus='00' slot='0x10' function='0x0'/></controller>")
+    xml = xml.replace("</devices>", taken + "</devices>", 1)
+    res = as_agent(demo, xml)
+    assert res.returncode == 0, res.stdout.decode()[-300:]
+    dom = etree.fromstring(res.stdout)
+    slots = [a.get("slot") for a in dom.iterfind("devices/hostdev/address")]
+    assert slots and "0x10" not in slots, slots

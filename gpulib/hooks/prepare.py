@@ -38,7 +38,7 @@ from gpulib.domain import Domain, GpuRequest, PciHostdev, derive_uuid
 from gpulib.errors import DeviceError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.lifecycle import open_store, read_mdevctl
-from gpulib.pci import PciAddress, PciFunction, iommu_group_members
+from gpulib.pci import PciAddress, PciFunction, iommu_group_members, libvirt_uint
 from gpulib.state import Device, State
 from gpulib.usage import Usage, read_usage
 
@@ -244,11 +244,11 @@ class Preparer:
     def _free_guest_slot(self) -> int:
         used = set()
         for elem in self.dom.root.iter("address"):
-            if elem.get("type") == "pci" and (elem.get("bus") or "0x00") in ("0x00", "0x0", "0"):
-                try:
-                    used.add(int(elem.get("slot") or "0", 0))
-                except ValueError:
-                    continue
+            # Read as libvirt reads them (bus='00' is bus 0 too).
+            if elem.get("type") == "pci" and libvirt_uint(elem.get("bus") or "0") == 0:
+                slot = libvirt_uint(elem.get("slot") or "0")
+                if slot is not None:
+                    used.add(slot)
         for slot in range(FIRST_GUEST_SLOT, 0x1F):
             if slot not in used:
                 return slot
