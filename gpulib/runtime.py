@@ -18,7 +18,9 @@ from gpulib.context import Context
 from gpulib.discovery import Discovery, Inventory, Known
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import open_store
+from gpulib.occupancy import Occupancy
 from gpulib.state import State, StateStore
+from gpulib.usage import running_domains
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +29,20 @@ def allocations_view(state: State) -> dict[str, list[tuple[str, str]]]:
     return {vm: [(d.kind, d.id) for d in a.devices] for vm, a in state.allocations.items()}
 
 
-def known_from_state(state: State) -> Known:
+def known_from_state(state: State, occupancy: Optional[Occupancy] = None) -> Known:
     return Known(
         learned=state.type_names,
         allocations=allocations_view(state),
         vf_types={a: (r.type_id, r.name) for a, r in state.vf_types.items()},
-        registry={u: (r.parent, r.type_id) for u, r in state.vgpus.items()})
+        registry={u: (r.parent, r.type_id) for u, r in state.vgpus.items()},
+        occupancy=occupancy)
 
 
 def discover_host(ctx: Context, config: Optional[Config] = None,
-                  state: Optional[State] = None, learn: bool = True) -> Inventory:
+                  state: Optional[State] = None, learn: bool = True,
+                  occupancy: Optional[Occupancy] = None) -> Inventory:
+    """The host's GPUs; `occupancy` (who holds what) is built from `state` and the
+    running domains when not given, so every caller asks the same model."""
     if state is None:
         try:
             state = open_store(ctx, config).load()
@@ -44,7 +50,9 @@ def discover_host(ctx: Context, config: Optional[Config] = None,
             # A state file we cannot use must not hide the host's GPUs.
             log.error("discovery without gpulib state: %s", exc)
             state = State()
-    disc = Discovery(ctx.sysfs, config, known_from_state(state))
+    if occupancy is None:
+        occupancy = Occupancy.build(ctx.sysfs, state, running_domains(ctx.sysfs))
+    disc = Discovery(ctx.sysfs, config, known_from_state(state, occupancy))
     inventory = disc.run()
     if learn and disc.new_names:
         # The same store as everywhere: a corrupt file found here is rebuilt

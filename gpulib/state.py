@@ -50,12 +50,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: allocations are the only record of who holds a device (v1 also kept a
+`vm` on vGPU and VF records; `_migrate_v1` folds those into allocations), an
+allocation records the boot it was made in (`boot_id`, `uptime`: proof that
+a pending start is dead, robust to wall-clock jumps), and `intents` hold the
+write-ahead records of sysfs changes a start is making."""
 
 DEFAULT_LOCK_TIMEOUT = 20.0
 """Seconds to wait for the state lock: well inside the agent's 30 s hook timeout."""
 
 DEVICE_KINDS = ("mdev", "vf", "pci")
+INTENT_ACTIONS = ("create-mdev", "set-vf-type")
 ALLOCATION_STATUSES = ("pending", "active")
 
 _VM_NAME_MAX = 255
@@ -149,31 +155,29 @@ class _Record:
 class VgpuRecord(_Record):
     """An mdev gpulib created or adopted, so it can be recreated after a reboot."""
 
-    __slots__ = ("created", "on_demand", "parent", "pool", "type_id", "vm")
+    __slots__ = ("created", "on_demand", "parent", "pool", "type_id")
 
     def __init__(self, parent: str, type_id: str, pool: Optional[str] = None,
-                 on_demand: bool = False, vm: Optional[str] = None,
-                 created: Optional[str] = None) -> None:
+                 on_demand: bool = False, created: Optional[str] = None) -> None:
         self.parent = parent  # the parent device's name, a PCI address for GPUs
         self.type_id = type_id  # the mdev type, e.g. 'nvidia-558'
         self.pool = pool  # the declared pool it belongs to, if any
         self.on_demand = on_demand  # created for one VM: destroyed when that VM stops
-        self.vm = vm  # the VM using it
+        # Who uses it is an allocation's business (schema 2), never the record's.
         self.created = created if created is not None else utc_now()  # ISO 8601 UTC
 
 
 class VfRecord(_Record):
     """The NVIDIA vendor-specific vGPU type gpulib gave a VF."""
 
-    __slots__ = ("name", "on_demand", "pool", "type_id", "vm")
+    __slots__ = ("name", "on_demand", "pool", "type_id")
 
     def __init__(self, type_id: int, name: Optional[str] = None, pool: Optional[str] = None,
-                 on_demand: bool = False, vm: Optional[str] = None) -> None:
+                 on_demand: bool = False) -> None:
         self.type_id = type_id  # the numeric `current_vgpu_type`
         self.name = name  # its name, e.g. 'NVIDIA A10-4Q', when known
         self.pool = pool
         self.on_demand = on_demand
-        self.vm = vm
 
 
 class Device(_Record):
@@ -190,15 +194,40 @@ class Device(_Record):
 class Allocation(_Record):
     """The devices one VM holds, pending until the VM has started."""
 
-    __slots__ = ("devices", "domain_uuid", "since", "status", "vm")
+    __slots__ = ("boot_id", "devices", "domain_uuid", "since", "status", "uptime", "vm")
 
     def __init__(self, vm: str, domain_uuid: Optional[str] = None, status: str = "pending",
-                 since: Optional[str] = None, devices: Optional[list[Device]] = None) -> None:
+                 since: Optional[str] = None, devices: Optional[list[Device]] = None,
+                 boot_id: Optional[str] = None, uptime: Optional[float] = None) -> None:
         self.vm = vm
         self.domain_uuid = domain_uuid
         self.status = status  # 'pending' | 'active'
         self.since = since if since is not None else utc_now()
         self.devices: list[Device] = devices if devices is not None else []
+        # The boot (kernel boot_id) and the seconds since that boot (CLOCK_BOOTTIME,
+        # which no clock change moves) when the allocation was made: how a pending
+        # start is proven dead (lifecycle.pending_is_dead).
+        self.boot_id = boot_id
+        self.uptime = uptime
+
+
+class Intent(_Record):
+    """A sysfs change a start is about to make, written before the write.
+
+    The next run finds it and either completes it (the allocation that names
+    the device exists: the change is that allocation's) or undoes it.
+    """
+
+    __slots__ = ("action", "id", "on_demand", "parent", "type_id", "vm")
+
+    def __init__(self, action: str, id: str, vm: str, parent: Optional[str] = None,
+                 type_id: Optional[str] = None, on_demand: bool = False) -> None:
+        self.action = action  # 'create-mdev' | 'set-vf-type'
+        self.id = id  # the mdev uuid, or the VF's PCI address
+        self.vm = vm
+        self.parent = parent
+        self.type_id = type_id  # mdev type id, or the VF's numeric type as text
+        self.on_demand = on_demand
 
 
 # Shape checks. Each raises CorruptStateError naming the place in the document.
@@ -282,10 +311,6 @@ def _as_vm(value: Any, path: str) -> str:
         raise CorruptStateError(f"{path}: {e.message}") from None
 
 
-def _as_opt_vm(value: Any, path: str) -> Optional[str]:
-    return None if value is None else _as_vm(value, path)
-
-
 def _vgpu_from_json(value: Any, path: str) -> VgpuRecord:
     d = _as_dict(value, path)
     return VgpuRecord(
@@ -293,14 +318,13 @@ def _vgpu_from_json(value: Any, path: str) -> VgpuRecord:
         type_id=_as_component(_get(d, "type_id", path), _where(path, "type_id")),
         pool=_as_opt_str(_get(d, "pool", path, None), _where(path, "pool")),
         on_demand=_as_bool(_get(d, "on_demand", path, False), _where(path, "on_demand")),
-        vm=_as_opt_vm(_get(d, "vm", path, None), _where(path, "vm")),
         created=_as_str(_get(d, "created", path), _where(path, "created")),
     )
 
 
 def _vgpu_to_json(r: VgpuRecord) -> dict[str, Any]:
     return {"parent": r.parent, "type_id": r.type_id, "pool": r.pool,
-            "on_demand": r.on_demand, "vm": r.vm, "created": r.created}
+            "on_demand": r.on_demand, "created": r.created}
 
 
 def _vf_from_json(value: Any, path: str) -> VfRecord:
@@ -313,13 +337,12 @@ def _vf_from_json(value: Any, path: str) -> VfRecord:
         name=_as_opt_str(_get(d, "name", path, None), _where(path, "name")),
         pool=_as_opt_str(_get(d, "pool", path, None), _where(path, "pool")),
         on_demand=_as_bool(_get(d, "on_demand", path, False), _where(path, "on_demand")),
-        vm=_as_opt_vm(_get(d, "vm", path, None), _where(path, "vm")),
     )
 
 
 def _vf_to_json(r: VfRecord) -> dict[str, Any]:
     return {"type_id": r.type_id, "name": r.name, "pool": r.pool,
-            "on_demand": r.on_demand, "vm": r.vm}
+            "on_demand": r.on_demand}
 
 
 def _device_from_json(value: Any, path: str) -> Device:
@@ -348,7 +371,14 @@ def _allocation_from_json(value: Any, path: str, key: str) -> Allocation:
     if not isinstance(devices, list):
         raise CorruptStateError(
             f"{_where(path, 'devices')}: expected a list, got {_typename(devices)}")
+    boot_id = _as_opt_str(_get(d, "boot_id", path, None), _where(path, "boot_id"))
+    uptime = _get(d, "uptime", path, None)
+    if uptime is not None and (isinstance(uptime, bool) or not isinstance(uptime, (int, float))
+                               or uptime != uptime):
+        raise CorruptStateError(f"{_where(path, 'uptime')}: expected a number, got "
+                                f"{_typename(uptime)}")
     return Allocation(
+        boot_id=boot_id, uptime=None if uptime is None else float(uptime),
         vm=vm,
         domain_uuid=None if domain_uuid is None else _as_uuid(domain_uuid,
                                                               _where(path, "domain_uuid")),
@@ -361,12 +391,76 @@ def _allocation_from_json(value: Any, path: str, key: str) -> Allocation:
 
 def _allocation_to_json(a: Allocation) -> dict[str, Any]:
     return {"vm": a.vm, "domain_uuid": a.domain_uuid, "status": a.status, "since": a.since,
+            "boot_id": a.boot_id, "uptime": a.uptime,
             "devices": [{"kind": d.kind, "id": d.id, "on_demand": d.on_demand}
                         for d in a.devices]}
 
 
+def _intent_from_json(value: Any, path: str) -> Intent:
+    d = _as_dict(value, path)
+    action = _as_str(_get(d, "action", path), _where(path, "action"))
+    if action not in INTENT_ACTIONS:
+        raise CorruptStateError(f"{_where(path, 'action')}: unknown intent {_show(action)}")
+    raw_id = _get(d, "id", path)
+    ident = (_as_uuid(raw_id, _where(path, "id")) if action == "create-mdev"
+             else _as_pci(raw_id, _where(path, "id")))
+    parent = _get(d, "parent", path, None)
+    type_id = _get(d, "type_id", path, None)
+    return Intent(action, ident, _as_vm(_get(d, "vm", path), _where(path, "vm")),
+                  parent=None if parent is None else _as_component(parent,
+                                                                   _where(path, "parent")),
+                  type_id=None if type_id is None else _as_component(type_id,
+                                                                     _where(path, "type_id")),
+                  on_demand=_as_bool(_get(d, "on_demand", path, False),
+                                     _where(path, "on_demand")))
+
+
+def _intent_to_json(i: Intent) -> dict[str, Any]:
+    return {"action": i.action, "id": i.id, "vm": i.vm, "parent": i.parent,
+            "type_id": i.type_id, "on_demand": i.on_demand}
+
+
+def _migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
+    """Schema 1 -> 2: the `vm` of vGPU and VF records becomes allocation entries.
+
+    v1 kept who uses a device twice (the record's `vm` and the allocation). A
+    record naming a VM whose allocation lacks the device gains it there; a VM
+    with no allocation at all gets an active one (it held the device when the
+    file was written: reconcile releases it if that VM no longer runs).
+    """
+    d = dict(d)
+    allocations = dict(_as_dict(d.get("allocations", {}), "allocations"))
+    for section, kind in (("vgpus", "mdev"), ("vf_types", "vf")):
+        records = {}
+        for key, value in _as_dict(d.get(section, {}), section).items():
+            rec = dict(_as_dict(value, _where(section, key)))
+            vm = rec.pop("vm", None)
+            records[key] = rec
+            if vm is None:
+                continue
+            vm = _as_vm(vm, _where(_where(section, key), "vm"))
+            alloc = allocations.get(vm)
+            device = {"kind": kind, "id": key, "on_demand": rec.get("on_demand", False)}
+            if alloc is None:
+                allocations[vm] = {"vm": vm, "domain_uuid": None, "status": "active",
+                                   "since": utc_now(), "devices": [device]}
+                log.warning("state upgrade: %s %s was recorded as used by %s, which had no "
+                            "allocation: recorded an active one", kind, key, vm)
+                continue
+            alloc = dict(_as_dict(alloc, _where("allocations", vm)))
+            devices = list(alloc.get("devices") or [])
+            if not any(isinstance(x, dict) and x.get("id") == key for x in devices):
+                devices.append(device)
+            alloc["devices"] = devices
+            allocations[vm] = alloc
+        d[section] = records
+    d["allocations"] = allocations
+    d["version"] = 2
+    return d
+
+
 _KNOWN_KEYS = frozenset({"version", "vgpus", "vf_types", "type_names", "allocations",
-                         "unmanaged"})
+                         "unmanaged", "intents"})
 
 
 class State(_Record):
@@ -376,14 +470,16 @@ class State(_Record):
     tool that annotates the file) so that a rewrite does not drop them.
     """
 
-    __slots__ = ("allocations", "extra", "type_names", "unmanaged", "vf_types", "vgpus")
+    __slots__ = ("allocations", "extra", "intents", "type_names", "unmanaged", "vf_types",
+                 "vgpus")
 
     def __init__(self, vgpus: Optional[dict[str, VgpuRecord]] = None,
                  vf_types: Optional[dict[str, VfRecord]] = None,
                  type_names: Optional[dict[str, dict[str, str]]] = None,
                  allocations: Optional[dict[str, Allocation]] = None,
                  unmanaged: Optional[set[str]] = None,
-                 extra: Optional[dict[str, Any]] = None) -> None:
+                 extra: Optional[dict[str, Any]] = None,
+                 intents: Optional[list[Intent]] = None) -> None:
         self.vgpus: dict[str, VgpuRecord] = vgpus or {}  # mdev uuid -> record
         self.vf_types: dict[str, VfRecord] = vf_types or {}  # VF address -> record
         # 'vvvv:dddd' of the GPU model -> {numeric vGPU type id: name}
@@ -391,6 +487,7 @@ class State(_Record):
         self.allocations: dict[str, Allocation] = allocations or {}  # VM name -> allocation
         self.unmanaged: set[str] = unmanaged or set()  # PCI addresses the operator unmanaged
         self.extra: dict[str, Any] = extra or {}
+        self.intents: list[Intent] = intents or []  # write-ahead records, oldest first
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document (plain dicts, lists and scalars)."""
@@ -402,6 +499,7 @@ class State(_Record):
             "type_names": {k: dict(v) for k, v in self.type_names.items()},
             "allocations": {k: _allocation_to_json(v) for k, v in self.allocations.items()},
             "unmanaged": sorted(self.unmanaged),
+            "intents": [_intent_to_json(i) for i in self.intents],
         })
         return doc
 
@@ -422,6 +520,8 @@ class State(_Record):
                 f"{SCHEMA_VERSION}: upgrade gpulib")
         if version < 1:
             raise CorruptStateError(f"version: {version} is not a state version")
+        if version == 1:
+            d = _migrate_v1(d)
 
         state = cls()
         for key, value in _as_dict(d.get("vgpus", {}), "vgpus").items():
@@ -447,6 +547,10 @@ class State(_Record):
         if not isinstance(unmanaged, list):
             raise CorruptStateError(f"unmanaged: expected a list, got {_typename(unmanaged)}")
         state.unmanaged = {_as_pci(a, f"unmanaged[{i}]") for i, a in enumerate(unmanaged)}
+        intents = d.get("intents", [])
+        if not isinstance(intents, list):
+            raise CorruptStateError(f"intents: expected a list, got {_typename(intents)}")
+        state.intents = [_intent_from_json(x, f"intents[{i}]") for i, x in enumerate(intents)]
         state.extra = {k: v for k, v in d.items() if k not in _KNOWN_KEYS}
         return state
 
@@ -519,8 +623,9 @@ class StateStore:
         except OSError as e:
             raise StateError(f"cannot read state file {self.state_path}: {_reason(e)}") from None
 
-    def _parse(self, raw: bytes) -> State:
-        """Raises StateVersionError (newer file) or CorruptStateError."""
+    def _parse(self, raw: bytes) -> tuple[State, Any]:
+        """The state and the file's version; raises StateVersionError (newer
+        file) or CorruptStateError."""
         try:
             doc = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
@@ -537,7 +642,7 @@ class StateStore:
                     f"state file {self.state_path} is version {version}, this gpulib "
                     f"understands up to {SCHEMA_VERSION}: upgrade gpulib")
         try:
-            return State.from_json(doc)
+            return State.from_json(doc), doc.get("version") if isinstance(doc, dict) else None
         except RecursionError:
             raise CorruptStateError("nested too deeply") from None
 
@@ -552,7 +657,7 @@ class StateStore:
         if raw is None:
             return State()
         try:
-            return self._parse(raw)
+            return self._parse(raw)[0]
         except CorruptStateError as e:
             log.error("state file %s is corrupt (%s): reading it as empty; the next "
                       "change will move it aside and rebuild it", self.state_path, e.message)
@@ -666,6 +771,21 @@ class StateStore:
         finally:
             self._in_transaction = False
 
+    def checkpoint(self, state: State) -> None:
+        """Write `state` now, inside a transaction: a write-ahead intent must be
+        on disk before the sysfs write it announces. The transaction still
+        writes its final state at the end (or, on an exception, leaves this one,
+        whose intents the next run settles)."""
+        if not self._in_transaction:
+            raise RuntimeError("StateStore.checkpoint() outside a transaction")
+        text = dumps(state)
+        try:
+            State.from_json(json.loads(text))
+        except (StateError, TypeError, ValueError) as e:
+            raise StateError(f"refusing to write an invalid state to {self.state_path}: "
+                             f"{e}") from e
+        self._write(text)
+
     def _load_locked(self) -> tuple[State, str]:
         """The state and the text it serialises to (the caller holds the lock)."""
         raw = self._read()
@@ -673,7 +793,7 @@ class StateStore:
             state = State()
             return state, dumps(state)
         try:
-            state = self._parse(raw)
+            state, version = self._parse(raw)
         except CorruptStateError as e:
             state = self._rebuilt(e.message)
             aside = self._move_aside()
@@ -682,6 +802,11 @@ class StateStore:
             text = dumps(state)
             self._write(text)
             return state, text
+        if version != SCHEMA_VERSION:
+            # An older schema, migrated in memory: the first transaction writes it.
+            log.warning("state file %s: upgrading schema %s to %d", self.state_path, version,
+                        SCHEMA_VERSION)
+            return state, ""
         return state, dumps(state)
 
 
@@ -693,6 +818,7 @@ __all__ = [
     "Allocation",
     "CorruptStateError",
     "Device",
+    "Intent",
     "State",
     "StateStore",
     "StateVersionError",
