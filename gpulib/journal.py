@@ -71,15 +71,19 @@ class Journal:
     def changed(self) -> bool:
         return bool(self._undo)
 
-    def rollback(self) -> None:
-        """Undo every change, newest first; failures are logged, the rest still undone."""
+    def rollback(self) -> bool:
+        """Undo every change, newest first; failures are logged, the rest still
+        undone. True when everything was undone (the intents are then void)."""
+        ok = True
         while self._undo:
             what, undo = self._undo.pop()
             try:
                 undo()
                 log.info("%s: rolled back: %s", self.vm, what)
             except (GpulibError, OSError) as exc:
+                ok = False
                 log.error("%s: rolling back failed: %s: %s", self.vm, what, exc)
+        return ok
 
     def commit(self) -> None:
         """The start succeeded: its intents are fulfilled by its allocation."""

@@ -602,6 +602,10 @@ class StateStore:
         self.timeout = timeout
         self.rebuild: Callable[[], State] = rebuild or State
         self._in_transaction = False
+        # The file's bytes when the transaction took the lock (None: no file),
+        # and whether a checkpoint has replaced them since.
+        self._raw_before: Optional[bytes] = None
+        self._checkpointed = False
 
     @classmethod
     def for_context(cls, ctx: Context, **kw: Any) -> StateStore:
@@ -785,10 +789,30 @@ class StateStore:
             raise StateError(f"refusing to write an invalid state to {self.state_path}: "
                              f"{e}") from e
         self._write(text)
+        self._checkpointed = True
+
+    def revert_checkpoints(self) -> None:
+        """Put back the file as the transaction found it (the start that wrote
+        intents failed and undid every sysfs change they announced)."""
+        if not self._in_transaction or not self._checkpointed:
+            return
+        try:
+            if self._raw_before is None:
+                os.unlink(self.state_path)
+                atomicfile.fsync_dir(os.path.dirname(self.state_path))
+            else:
+                atomicfile.write_atomic(self.state_path, self._raw_before, 0o600)
+        except OSError as e:
+            log.error("cannot put back state file %s after a failed start: %s",
+                      self.state_path, _reason(e))
+            return
+        self._checkpointed = False
 
     def _load_locked(self) -> tuple[State, str]:
         """The state and the text it serialises to (the caller holds the lock)."""
         raw = self._read()
+        self._raw_before = raw
+        self._checkpointed = False
         if raw is None:
             state = State()
             return state, dumps(state)

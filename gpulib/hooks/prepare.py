@@ -123,7 +123,10 @@ class Preparer:
                            clock=boot_clock(self.ctx))
                 journal.commit()
             except BaseException:
-                journal.rollback()
+                if journal.rollback():
+                    # Nothing is left to settle: the state file as it was found.
+                    # (Otherwise the intents stay, and the next run settles them.)
+                    self.store.revert_checkpoints()
                 raise
             return devices
 
