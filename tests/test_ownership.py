@@ -360,7 +360,7 @@ def test_reconcile_releases_a_pending_allocation_from_the_future(demo: str) -> N
 
 PLAIN = ("<domain type='kvm'><name>plain-1</name><uuid>4c7e5a91-8d2f-4b64-a1e9-6f0b4d8c2e75"
          "</uuid><metadata><gpulib:gpus xmlns:gpulib='http://gpulib.org/xmlns/domain/1'>"
-         "<gpulib:vgpu profile='GRID A100-4C' count='2'/></gpulib:gpus></metadata>"
+         "<gpulib:vgpu profile='GRID A100-8C' count='2'/></gpulib:gpus></metadata>"
          "<devices><emulator>/usr/bin/qemu-system-x86_64</emulator></devices></domain>")
 
 
