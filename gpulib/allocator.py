@@ -111,9 +111,12 @@ class Allocator:
         self.occ = occupancy if occupancy is not None else inventory.occupancy
         self.journal = journal
         self.added_load: dict[PciAddress, int] = {}
+        self._types: dict[tuple[PciAddress, str], mdev.MdevType] = {}
+        # Each GPU's load when this allocator started; what it gives is added_load.
+        self._base_load: dict[PciAddress, int] = {}
 
     def _held(self, node: str, vm: Optional[str] = None) -> bool:
-        return bool(self.occ.conflicts(node, vm))
+        return self.occ.is_held(node, vm)
 
     def _hold(self, vm: str, node: str) -> None:
         from gpulib.occupancy import PENDING, Hold
@@ -126,8 +129,11 @@ class Allocator:
         return str(gpu.address) in um or (address is not None and str(address) in um)
 
     def _load(self, gpu: Gpu) -> int:
-        used = sum(1 for v in gpu.vgpus if self._held(v.uuid))
-        used += sum(1 for vf in gpu.vfs if self._held(str(vf.address)))
+        used = self._base_load.get(gpu.address)
+        if used is None:
+            used = sum(1 for v in gpu.vgpus if self._held(v.uuid))
+            used += sum(1 for vf in gpu.vfs if self._held(str(vf.address)))
+            self._base_load[gpu.address] = used
         return used + self.added_load.get(gpu.address, 0)
 
     def _numa_ok(self, gpu: Gpu, numa: Optional[int]) -> bool:
@@ -155,7 +161,11 @@ class Allocator:
             gpu = owner[0]
             if self._unmanaged(gpu, parent) or not self._numa_ok(gpu, req.numa):
                 continue
-            t = mdev.MdevType(self.sysfs, parent, rec.type_id)
+            # One read of a type's name per parent, not one per pool member.
+            t = self._types.get((parent, rec.type_id))
+            if t is None:
+                t = self._types[(parent, rec.type_id)] = mdev.MdevType(self.sysfs, parent,
+                                                                       rec.type_id)
             if not req.matches_mdev(t):
                 continue
             out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),

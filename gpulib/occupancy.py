@@ -179,6 +179,19 @@ class Occupancy:
         out.sort(key=lambda h: (h.why == PENDING, h.vm, h.device))
         return out
 
+    def is_held(self, node: str, vm: Optional[str] = None) -> bool:
+        """`conflicts(node, vm)` is not empty (cheaper: the allocator asks it often)."""
+        for n in self.tree.chain(node):
+            if any(h.vm != vm for h in self._exact.get(n, ())):
+                return True
+        if any(h.vm != vm for h in self._below.get(node, ())):
+            return True
+        if _is_pci(node):
+            group = self.tree.group(node)
+            if group is not None and any(h.vm != vm for h in self._group.get(group, ())):
+                return True
+        return False
+
     def holder(self, node: str) -> Optional[Hold]:
         """Who keeps `node` from anyone else (None: free)."""
         found = self.conflicts(node)

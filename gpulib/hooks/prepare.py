@@ -88,6 +88,7 @@ class Preparer:
         self.domain_uuid = dom.uuid_checked() if dom.uuid else None
         self.store = open_store(ctx, config)
         self._gpu_cache: dict[PciAddress, bool] = {}
+        self._host: Optional[Inventory] = None
 
     # -- the start ------------------------------------------------------------------------
     def _validate(self) -> tuple[list[str], list[PciAddress], Optional[GpuRequest]]:
@@ -99,7 +100,18 @@ class Preparer:
 
     def run(self) -> list[Device]:
         uuids, addresses, request = self._validate()
-        running_domains(self.sysfs)  # parsed before the lock; re-checked (cached) under it
+        # Read before the lock what can be: the running domains (re-checked under
+        # the lock against their file identity and mtime, see usage.py) and, for a
+        # metadata request, the host's GPUs. Who holds what is decided under the
+        # lock from the state and those files (the occupancy model), never from
+        # this early read; the host's topology and types do not change meanwhile.
+        running_domains(self.sysfs)
+        if request is not None and (self.edit_xml or any(
+                mdev.read_mdev(self.sysfs, u) is None for u in uuids)):
+            from gpulib.runtime import discover_host
+
+            self._host = discover_host(self.ctx, self.config, state=self.store.load(),
+                                       learn=False)
         with self.store.transaction() as state:
             running = running_domains(self.sysfs)
             settle(self.sysfs, state)
@@ -391,6 +403,8 @@ class Preparer:
     def _inventory(self, state: State, occ: Occupancy) -> Inventory:
         # Only metadata requests need the whole host: imported here, not on
         # the common path of a VM that names its devices.
+        if self._host is not None:
+            return self._host  # read before the lock; the allocator asks `occ`
         from gpulib.runtime import discover_host
 
         return discover_host(self.ctx, self.config, state=state, learn=False, occupancy=occ)
