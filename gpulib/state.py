@@ -680,10 +680,11 @@ class StateStore:
                 raise StateError(
                     f"cannot create state directory {directory}: {_reason(e)}") from None
 
-    def _write(self, text: str) -> None:
+    def _write(self, text: str, sync_dir: bool = True) -> None:
         """Replace the file atomically with `text` (the caller holds the lock)."""
         try:
-            atomicfile.write_atomic(self.state_path, text.encode("ascii"), 0o600)
+            atomicfile.write_atomic(self.state_path, text.encode("ascii"), 0o600,
+                                    sync_dir=sync_dir)
         except OSError as e:
             raise StateError(
                 f"cannot write state file {self.state_path}: {_reason(e)}") from None
@@ -759,6 +760,7 @@ class StateStore:
         try:
             lock = self._acquire()
             held_since = time.monotonic()
+            synced = True
             try:
                 self._remove_stale_temp_files()
                 state, before = self._load_locked()
@@ -770,11 +772,20 @@ class StateStore:
                     raise StateError(f"refusing to write an invalid state to "
                                      f"{self.state_path}: {e}") from e
                 if after != before:
-                    self._write(after)
+                    # The rename is visible at once; its directory fsync (durability
+                    # across a power cut) need not keep other starts waiting.
+                    self._write(after, sync_dir=False)
+                    synced = False
             finally:
                 lock.release()
                 # What scripts/bench reads to report the lock's hold time per start.
                 log.debug("state lock held %.2f ms", (time.monotonic() - held_since) * 1000)
+            if not synced:
+                try:
+                    atomicfile.fsync_dir(os.path.dirname(self.state_path))
+                except OSError as e:
+                    log.warning("%s written, but syncing its directory failed: %s",
+                                self.state_path, _reason(e))
         finally:
             self._in_transaction = False
 
