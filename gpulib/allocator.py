@@ -146,6 +146,10 @@ class Allocator:
             sign * c.load, str(c.gpu.address), c.ident))
 
     # -- candidates -----------------------------------------------------------------------
+    def pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
+        """Free pool members that satisfy one instance of `req` for `vm`."""
+        return self._pool_candidates(req, vm)
+
     def _pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
         out = []
         for uuid, rec in sorted(self.state.vgpus.items()):

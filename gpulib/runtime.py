@@ -61,6 +61,55 @@ def discover_host(ctx: Context, config: Optional[Config] = None,
     return inventory
 
 
+def pool_inventory(ctx: Context, state: State, occupancy: Occupancy) -> Inventory:
+    """Only the GPUs that carry pool members, read from the registry and a few
+    sysfs attributes of each GPU: what an allocation from pools needs (the
+    parent's GPU, its NUMA node, its pool members for the load) at a fraction
+    of a full discovery's cost. A request the pools cannot serve needs
+    `discover_host`."""
+    from gpulib.discovery import Gpu, Vgpu, VirtualFunction
+    from gpulib.errors import InputError
+    from gpulib.mdev import MdevType
+    from gpulib.pci import PciAddress, PciFunction
+
+    sysfs = ctx.sysfs
+    gpus: dict[PciAddress, Gpu] = {}
+
+    def gpu_of(parent: PciAddress) -> Optional[Gpu]:
+        physfn = sysfs.link_name(f"sys/bus/pci/devices/{parent}/physfn")
+        try:
+            pf = PciAddress.parse(physfn) if physfn else parent
+        except InputError:
+            return None
+        gpu = gpus.get(pf)
+        if gpu is None:
+            try:
+                gpu = gpus[pf] = Gpu(PciFunction.read(sysfs, pf))
+            except OSError:
+                return None
+        if parent != pf and all(vf.address != parent for vf in gpu.vfs):
+            gpu.vfs.append(VirtualFunction(len(gpu.vfs), PciFunction(parent)))
+        return gpu
+
+    for uuid, rec in sorted(state.vgpus.items()):
+        if rec.pool is None:
+            continue
+        try:
+            parent = PciAddress.parse(rec.parent)
+        except InputError:
+            continue
+        gpu = gpu_of(parent)
+        if gpu is not None:
+            gpu.vgpus.append(Vgpu(uuid, parent, MdevType(sysfs, parent, rec.type_id), None))
+    for addr, vrec in sorted(state.vf_types.items()):
+        if vrec.pool is not None:
+            try:
+                gpu_of(PciAddress.parse(addr))
+            except InputError:
+                continue
+    return Inventory(sorted(gpus.values(), key=lambda g: g.address), occupancy)
+
+
 def _remember_names(store: StateStore, names: dict[str, dict[str, str]]) -> None:
     try:
         with store.transaction() as st:

@@ -89,6 +89,7 @@ class Preparer:
         self.store = open_store(ctx, config)
         self._gpu_cache: dict[PciAddress, bool] = {}
         self._host: Optional[Inventory] = None
+        self._light: Optional[Inventory] = None  # the pools' GPUs, read before the lock
 
     # -- the start ------------------------------------------------------------------------
     def _validate(self) -> tuple[list[str], list[PciAddress], Optional[GpuRequest]]:
@@ -108,10 +109,14 @@ class Preparer:
         running_domains(self.sysfs)
         if request is not None and (self.edit_xml or any(
                 mdev.read_mdev(self.sysfs, u) is None for u in uuids)):
-            from gpulib.runtime import discover_host
+            early = self.store.load()
+            occ = Occupancy.build(self.sysfs, early, running_domains(self.sysfs))
+            # Pools usually serve a request: then their GPUs are all it needs to read.
+            self._light = self._pools_suffice(early, occ, request) if self.edit_xml else None
+            if self._light is None:
+                from gpulib.runtime import discover_host
 
-            self._host = discover_host(self.ctx, self.config, state=self.store.load(),
-                                       learn=False)
+                self._host = discover_host(self.ctx, self.config, state=early, learn=False)
         with self.store.transaction() as state:
             running = running_domains(self.sysfs)
             settle(self.sysfs, state)
@@ -409,6 +414,24 @@ class Preparer:
 
         return discover_host(self.ctx, self.config, state=state, learn=False, occupancy=occ)
 
+    def _pools_suffice(self, state: State, occ: Occupancy, request: GpuRequest,
+                       inventory: Optional[Inventory] = None) -> Optional[Inventory]:
+        """The pools' GPUs, when free pool members can serve every vGPU of the
+        request (and it asks for no whole GPU): then that is all the allocator
+        needs to read. None otherwise. `inventory`: the pools' GPUs read earlier
+        (topology does not change; who holds what is `occ`'s, read now)."""
+        if request.passthrough or not request.vgpus:
+            return None
+        if inventory is None:
+            from gpulib.runtime import pool_inventory
+
+            inventory = pool_inventory(self.ctx, state, occ)
+        allocator = Allocator(self.sysfs, state, inventory, occupancy=occ)
+        enough = all(len(allocator.pool_candidates(
+            VgpuRequest(v.profile, v.type_id, v.count, v.numa), self.vm)) >= v.count
+            for v in request.vgpus)
+        return inventory if enough else None
+
     def _create_derived(self, state: State, occ: Occupancy, journal: Journal, uuid: str,
                         req: VgpuRequest, running: list[DomainDevices]) -> list[Device]:
         allocator = Allocator(self.sysfs, state, self._inventory(state, occ),
@@ -429,7 +452,11 @@ class Preparer:
             raise DeviceError(f"domain {self.vm} has no <uuid>: gpulib derives vGPU UUIDs "
                               "from it")
         nodes = self.dom.numa_nodes()
-        allocator = Allocator(self.sysfs, state, self._inventory(state, occ),
+        light = None
+        if self._host is None:
+            light = self._pools_suffice(state, occ, request, self._light)
+        inventory = light if light is not None else self._inventory(state, occ)
+        allocator = Allocator(self.sysfs, state, inventory,
                               policy=self.config.get("allocator", "policy"),
                               prefer_numa=nodes[0] if len(nodes) == 1 else None,
                               occupancy=occ, journal=journal)
