@@ -629,6 +629,8 @@ class StateStore:
         # The file's bytes when the transaction took the lock (None: no file),
         # and whether a checkpoint has replaced them since.
         self._raw_before: Optional[bytes] = None
+        self._raw_doc: Any = None  # the parsed document of the last file read
+        self._before_is_raw = False
         self._checkpointed = False
 
     @classmethod
@@ -670,6 +672,7 @@ class StateStore:
                     f"state file {self.state_path} is version {version}, this gpulib "
                     f"understands up to {SCHEMA_VERSION}: upgrade gpulib")
         try:
+            self._raw_doc = doc
             return State.from_json(doc), doc.get("version") if isinstance(doc, dict) else None
         except RecursionError:
             raise CorruptStateError("nested too deeply") from None
@@ -796,6 +799,9 @@ class StateStore:
                 except (StateError, TypeError, ValueError) as e:
                     raise StateError(f"refusing to write an invalid state to "
                                      f"{self.state_path}: {e}") from e
+                if after != before and self._before_is_raw and not self._checkpointed \
+                        and State.from_json(self._raw_doc) == state:
+                    after = before  # the same state in another layout: leave the file
                 if after != before:
                     # The rename is visible at once; its directory fsync (durability
                     # across a power cut) need not keep other starts waiting.
@@ -852,6 +858,7 @@ class StateStore:
         """The state and the text it serialises to (the caller holds the lock)."""
         raw = self._read()
         self._raw_before = raw
+        self._before_is_raw = False
         self._checkpointed = False
         if raw is None:
             state = State()
@@ -875,9 +882,11 @@ class StateStore:
         # to know whether the transaction changed anything (another formatting
         # just means one rewrite).
         try:
-            return state, raw.decode("ascii")
+            text = raw.decode("ascii")
         except UnicodeDecodeError:
             return state, dumps(state)
+        self._before_is_raw = True
+        return state, text
 
 
 __all__ = [

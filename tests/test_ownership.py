@@ -429,3 +429,20 @@ def test_mdev_remove_and_vf_clear_refuse_a_held_device(demo: str) -> None:
     assert res.returncode == 0, res.stderr
     assert not os.path.exists(os.path.join(demo, f"sys/bus/mdev/devices/{DEMO_POOL_MDEVS[0]}"))
     assert _cli(demo, "vf", "clear", "--force", "0000:41:00.4").returncode == 0
+
+
+def test_retry_after_the_vgpu_vanished_names_a_live_vgpu(demo: str) -> None:
+    assert as_agent(demo, PLAIN).returncode == 0
+    held = [d["id"] for d in state_of(demo)["allocations"]["plain-1"]["devices"]]
+    # As after a reboot: the kernel forgot them; the pending allocation remains.
+    ctx = Context.for_root(demo, simulate=True)
+    for u in held:
+        ctx.sysfs.write(f"sys/bus/mdev/devices/{u}/remove", "1")
+        assert not os.path.exists(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
+    res = as_agent(demo, PLAIN)
+    assert res.returncode == 0, res.stdout
+    named = [a.get("uuid") for a in
+             etree.fromstring(res.stdout).findall("devices/hostdev/source/address")]
+    assert sorted(named) == sorted(held)
+    for u in held:
+        assert os.path.islink(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))

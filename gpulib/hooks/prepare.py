@@ -446,6 +446,16 @@ class Preparer:
         if previous is not None and previous.domain_uuid == self.domain_uuid:
             # Asked again for the same VM (a retried start): give what it holds.
             again = [d for d in previous.devices if d.id not in have]
+            for d in again:
+                # Never hand out a vGPU that is not live (a reboot, a hand removal).
+                rec = state.vgpus.get(d.id) if d.kind == "mdev" else None
+                if rec is not None and mdev.read_mdev(self.sysfs, d.id) is None:
+                    journal.create_mdev(PciAddress.parse(rec.parent), rec.type_id, d.id,
+                                        rec.on_demand)
+                rec_v = state.vf_types.get(d.id) if d.kind == "vf" else None
+                if rec_v is not None and \
+                        not nvidia.current_type(self.sysfs, PciAddress.parse(d.id)):
+                    journal.set_vf_type(PciAddress.parse(d.id), rec_v.type_id, rec_v.on_demand)
             if again:
                 return again + self._insert(again, occ)
         if self.domain_uuid is None:
