@@ -12,14 +12,17 @@ plain-libvirt user may keep two defined VMs naming one GPU and start either.
 Cost: a file without the bytes `<hostdev` is not parsed at all (its name
 comes from the file name, as libvirt names it); the others are parsed once
 by libxml2, which is linear in their size (no regular expression, no
-backtracking: malformed input fails fast). Results are cached per process,
-keyed on the file's identity (device, inode), size and mtime, so a hook that
-reads the directory before taking the state lock and again under it parses
-nothing twice.
+backtracking: malformed input fails fast). Results are cached, keyed on the
+file's identity (device, inode), size and mtime: in the process (a hook reads
+the directory before taking the state lock and again under it) and across
+processes in `run/gpulib/domains.json` (libvirt replaces a status file by
+rename, so a changed file never matches its old key), so a start on a host
+with many running VMs parses only the files that changed since the last one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -104,6 +107,40 @@ def scan_domain_xml(data: bytes, name: str) -> DomainDevices:
 
 # path -> ((st_dev, st_ino, st_size, st_mtime_ns), devices)
 _CACHE: dict[str, tuple[tuple[int, int, int, int], DomainDevices]] = {}
+CACHE_FILE = "run/gpulib/domains.json"
+_loaded_roots: set[str] = set()
+
+
+def _load_cache(sysfs: Sysfs) -> None:
+    """Fill the in-process cache from the file other hooks left (once per root)."""
+    if sysfs.root in _loaded_roots:
+        return
+    _loaded_roots.add(sysfs.root)
+    try:
+        with open(sysfs.path(CACHE_FILE), "rb") as fh:
+            doc = json.loads(fh.read(MAX_STATUS_BYTES))
+        for name, (dev, ino, size, mtime, pci, mdevs) in doc.items():
+            found = DomainDevices(str(name))
+            found.pci = [PciAddress.parse(str(a)) for a in pci]
+            found.mdevs = [str(u) for u in mdevs]
+            _CACHE.setdefault(sysfs.path(f"{RUNNING_DOMAINS}/{name}.xml"),
+                              ((int(dev), int(ino), int(size), int(mtime)), found))
+    except (OSError, ValueError, TypeError, InputError):
+        return  # no cache, or one we cannot use: parse the files
+
+
+def _save_cache(sysfs: Sysfs, found: list[tuple[tuple[int, int, int, int],
+                                                 DomainDevices]]) -> None:
+    from gpulib import atomicfile
+
+    doc = {d.name: [*key, [str(a) for a in d.pci], d.mdevs] for key, d in found}
+    path = sysfs.path(CACHE_FILE)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        atomicfile.write_atomic(path, json.dumps(doc, sort_keys=True).encode(), 0o600,
+                                sync_dir=False, durable=False)
+    except OSError as exc:
+        log.debug("cannot write %s: %s", path, exc)
 
 
 def running_names(sysfs: Sysfs) -> set[str]:
@@ -113,7 +150,10 @@ def running_names(sysfs: Sysfs) -> set[str]:
 
 def running_domains(sysfs: Sysfs) -> list[DomainDevices]:
     """Every running domain and the devices it holds."""
+    _load_cache(sysfs)
     out = []
+    keyed: list[tuple[tuple[int, int, int, int], DomainDevices]] = []
+    parsed = False
     for name in sorted(running_names(sysfs)):
         path = sysfs.path(f"{RUNNING_DOMAINS}/{name}.xml")
         try:
@@ -123,8 +163,10 @@ def running_domains(sysfs: Sysfs) -> list[DomainDevices]:
                 cached = _CACHE.get(path)
                 if cached is not None and cached[0] == key:
                     out.append(cached[1])
+                    keyed.append(cached)
                     continue
                 data = fh.read(MAX_STATUS_BYTES + 1)
+                parsed = True
         except FileNotFoundError:
             continue  # the domain stopped while we looked
         except OSError as exc:
@@ -138,5 +180,8 @@ def running_domains(sysfs: Sysfs) -> list[DomainDevices]:
         else:
             found = scan_domain_xml(data, name)
         _CACHE[path] = (key, found)
+        keyed.append((key, found))
         out.append(found)
+    if parsed:
+        _save_cache(sysfs, keyed)
     return out
