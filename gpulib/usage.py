@@ -148,8 +148,11 @@ def running_names(sysfs: Sysfs) -> set[str]:
     return {n[:-4] for n in sysfs.listdir(RUNNING_DOMAINS) if n.endswith(".xml") and len(n) > 4}
 
 
-def running_domains(sysfs: Sysfs) -> list[DomainDevices]:
-    """Every running domain and the devices it holds."""
+def running_domains(sysfs: Sysfs, save_cache: bool = False) -> list[DomainDevices]:
+    """Every running domain and the devices it holds.
+
+    `save_cache`: write what was parsed to the cross-process cache (the hooks;
+    read-only commands such as discover, doctor and snapshot write nothing)."""
     _load_cache(sysfs)
     out = []
     keyed: list[tuple[tuple[int, int, int, int], DomainDevices]] = []
@@ -182,6 +185,6 @@ def running_domains(sysfs: Sysfs) -> list[DomainDevices]:
         _CACHE[path] = (key, found)
         keyed.append((key, found))
         out.append(found)
-    if parsed:
+    if parsed and save_cache:
         _save_cache(sysfs, keyed)
     return out

@@ -22,7 +22,7 @@ from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import Allocation
 from gpulib.usage import running_domains
 from tests.conftest import DATA
-from tests.hookrun import QEMU_HOOK, STATE_CHANGE, TRANSFORMER, as_agent, hook_env, run
+from tests.hookrun import QEMU_HOOK, STATE_CHANGE, as_agent, hook_env, run
 from tests.hosts import tree_contents
 
 STATE = "var/lib/gpulib/state.json"
