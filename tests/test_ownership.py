@@ -446,3 +446,21 @@ def test_retry_after_the_vgpu_vanished_names_a_live_vgpu(demo: str) -> None:
     assert sorted(named) == sorted(held)
     for u in held:
         assert os.path.islink(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
+
+
+def test_running_domains_cache_follows_status_file_changes(tmp_path: Path) -> None:
+    host = build_demo(str(tmp_path / "demo"))
+    xml = (XMLS / "passthrough-1gpu.xml").read_text()
+    status = host.add_running_domain("i-7-1-VM", "0f7d9b3e-5a1c-4e28-b6f4-9d2a8c1e7b53",
+                                     pci=("0000:3b:00.0",))
+    res = as_agent(host.root, xml)
+    assert res.returncode == 1 and b"in use by running VM i-7-1-VM" in res.stdout
+    assert os.path.exists(os.path.join(host.root, "run/gpulib/domains.json"))
+    # libvirt rewrites a status file by rename: the VM now holds another device.
+    new = status + ".new"
+    Path(new).write_text(Path(status).read_text().replace("bus='0x3b'", "bus='0x65'"))
+    os.replace(new, status)
+    assert as_agent(host.root, xml).returncode == 0
+    # The cache now records what the new file says (keyed on its identity).
+    doc = json.loads(Path(host.root, "run/gpulib/domains.json").read_text())
+    assert doc["i-7-1-VM"][4] == ["0000:65:00.0"]
