@@ -20,7 +20,15 @@ from typing import Callable, Optional
 from gpulib import mdev, nvidia
 from gpulib.config import Config, Match
 from gpulib.errors import GpulibError
-from gpulib.occupancy import ACTIVE, Hold, Occupancy, Tree, node_id, whole_gpu_refusal
+from gpulib.occupancy import (
+    ACTIVE,
+    Hold,
+    Occupancy,
+    Tree,
+    declaring_pools,
+    node_id,
+    whole_gpu_refusal,
+)
 from gpulib.pci import (
     CLASS_PROCESSING_ACCEL,
     DISPLAY_BASE_CLASS,
@@ -126,6 +134,7 @@ class Gpu:
         self.group_members: list[PciAddress] = []
         self.description: Optional[str] = None  # the GPU's own `description`, if any
         self.used_by: Optional[str] = None
+        self.pools: list[str] = []  # pools of gpulib.conf declaring vGPUs on it
         self.errors: list[str] = []
 
     @property
@@ -159,7 +168,8 @@ class Gpu:
     def whole_refusal(self) -> Optional[str]:
         """Why the GPU is not given whole (the hooks ask the same function)."""
         typed = sum(1 for vf in self.vfs if vf.nvidia is not None and vf.nvidia.profile_type)
-        return whole_gpu_refusal(max(len(self.vfs), self.sriov_numvfs), len(self.vgpus), typed)
+        return whole_gpu_refusal(max(len(self.vfs), self.sriov_numvfs), len(self.vgpus), typed,
+                                 self.pools)
 
     @property
     def passthrough_enabled(self) -> bool:
@@ -304,6 +314,9 @@ class Discovery:
                     gpu.vgpus.append(Vgpu(m.uuid, m.parent, t, usage.user("mdev", m.uuid),
                                           m.live))
         gpu.used_by = usage.user("pci", str(fn.address))
+        if self.config.pools and gpu.mdev_types:
+            gpu.pools = declaring_pools(self.config, fn.address, fn.vendor_id, fn.device_id,
+                                        gpu.mdev_types)
         return gpu
 
     def _names(self, gpu: Gpu) -> None:

@@ -36,6 +36,7 @@ from gpulib.errors import InputError
 from gpulib.pci import PciAddress
 
 if TYPE_CHECKING:
+    from gpulib.config import Config
     from gpulib.state import State
     from gpulib.sysfs import Sysfs
     from gpulib.usage import DomainDevices
@@ -245,15 +246,35 @@ def refusal(occ: Occupancy, kind: str, ident: str, vm: str) -> Optional[str]:
     return f"{label} {ident} conflicts with {h.device}, in use by {h.describe()}"
 
 
-def whole_gpu_refusal(numvfs: int, vgpus: int, typed_vfs: int = 0) -> Optional[str]:
+def declaring_pools(config: Config, address: PciAddress, vendor_id: int, device_id: int,
+                    types: Iterable[mdev.MdevType]) -> list[str]:
+    """The pools of gpulib.conf that select this GPU and whose type it offers on
+    its own function: its vGPU use is declared even before `pool apply` ran."""
+    out = []
+    listed = list(types)
+    for name, pool in sorted(config.pools.items()):
+        if not pool.parents.matches(address, vendor_id, device_id):
+            continue
+        if any((t.type_id == pool.type_id) if pool.type_id is not None
+               else (t.name == pool.profile) for t in listed):
+            out.append(name)
+    return out
+
+
+def whole_gpu_refusal(numvfs: int, vgpus: int, typed_vfs: int = 0,
+                      pools: Iterable[str] = ()) -> Optional[str]:
     """Why a GPU cannot be given whole (None: it can).
 
-    A GPU whose vGPU use is declared (live or registered vGPUs, typed VFs) or
-    whose SR-IOV VFs are enabled is neither offered whole (`enabled` 0 in the
-    CloudStack report) nor accepted whole by the hooks: one rule for both.
+    A GPU whose vGPU use is declared (live or registered vGPUs, typed VFs, a
+    pool of gpulib.conf) or whose SR-IOV VFs are enabled is neither offered
+    whole (`enabled` 0 in the CloudStack report) nor accepted whole by the
+    hooks: one rule for both.
     """
+    declared = list(pools)
     if vgpus:
         return f"it carries {vgpus} vGPU(s)"
+    if declared:
+        return f"pool {declared[0]} declares vGPUs on it"
     if typed_vfs:
         return f"{typed_vfs} of its VFs carry a vGPU type"
     if numvfs:

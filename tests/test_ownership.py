@@ -464,3 +464,21 @@ def test_running_domains_cache_follows_status_file_changes(tmp_path: Path) -> No
     # The cache now records what the new file says (keyed on its identity).
     doc = json.loads(Path(host.root, "run/gpulib/domains.json").read_text())
     assert doc["i-7-1-VM"][4] == ["0000:65:00.0"]
+
+
+def test_a_declared_pool_makes_a_gpu_unavailable_whole(demo: str) -> None:
+    igpu = "0000:00:02.0"
+    doc = cloudstack.render(_inventory(demo))
+    assert next(g for g in doc["gpus"] if g["pci_address"] == "00:02.0")[
+        "full_passthrough"]["enabled"] == 1
+    with open(os.path.join(demo, "etc/gpulib/gpulib.conf"), "a") as fh:
+        fh.write(f"\n[pool gvt]\nparents = {igpu}\ntype = i915-GVTg_V5_4\ncount = 1\n")
+    from gpulib.config import Config
+    from gpulib.runtime import discover_host
+
+    config = Config.load(os.path.join(demo, "etc/gpulib/gpulib.conf"))
+    doc = cloudstack.render(discover_host(Context.for_root(demo), config, learn=False))
+    assert next(g for g in doc["gpus"] if g["pci_address"] == "00:02.0")[
+        "full_passthrough"]["enabled"] == 0
+    res = as_agent(demo, pci_xml("i-9-89-VM", U1, igpu))
+    assert res.returncode == 1 and b"pool gvt declares vGPUs on it" in res.stdout

@@ -44,7 +44,7 @@ from gpulib.errors import DeviceError, InputError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, open_store, read_mdevctl
-from gpulib.occupancy import Occupancy, refusal, whole_gpu_refusal
+from gpulib.occupancy import Occupancy, declaring_pools, refusal, whole_gpu_refusal
 from gpulib.pci import PciAddress, PciFunction, iommu_group_members, list_addresses
 from gpulib.state import Device, State, validate_vm_name
 from gpulib.usage import DomainDevices, running_domains
@@ -219,9 +219,14 @@ class Preparer:
         virtfns = sum(1 for n in self.sysfs.listdir(rel) if n.startswith("virtfn"))
         parent = str(address)
         vgpus = {u for u, r in state.vgpus.items() if r.parent == parent}
+        pools: list[str] = []
         if mdev.is_parent(self.sysfs, address):
             vgpus |= {u for u, m in mdev.live_mdevs(self.sysfs).items() if m.parent == address}
-        return whole_gpu_refusal(max(numvfs, virtfns), len(vgpus))
+            if self.config.pools:
+                fn = PciFunction.read_ids(self.sysfs, address)
+                pools = declaring_pools(self.config, address, fn.vendor_id, fn.device_id,
+                                        mdev.list_types(self.sysfs, address))
+        return whole_gpu_refusal(max(numvfs, virtfns), len(vgpus), pools=pools)
 
     def _address(self, h: PciHostdev) -> PciAddress:
         """The host address; CloudStack 4.21's mangled PCI domain repaired when exactly
