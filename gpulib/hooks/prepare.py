@@ -110,10 +110,16 @@ class Preparer:
         if request is not None and (self.edit_xml or any(
                 mdev.read_mdev(self.sysfs, u) is None for u in uuids)):
             early = self.store.load()
-            occ = Occupancy.build(self.sysfs, early, running_domains(self.sysfs))
-            # Pools usually serve a request: then their GPUs are all it needs to read.
-            self._light = self._pools_suffice(early, occ, request) if self.edit_xml else None
-            if self._light is None:
+            pooled = any(r.pool for r in early.vgpus.values()) or \
+                any(r.pool for r in early.vf_types.values())
+            if self.edit_xml and pooled and request.vgpus and not request.passthrough:
+                # Pools usually serve a request: their GPUs are then all it needs to
+                # read (whether they suffice is decided under the lock).
+                from gpulib.occupancy import Tree
+                from gpulib.runtime import pool_inventory
+
+                self._light = pool_inventory(self.ctx, early, Occupancy(Tree(self.sysfs)))
+            else:
                 from gpulib.runtime import discover_host
 
                 self._host = discover_host(self.ctx, self.config, state=early, learn=False)
