@@ -593,12 +593,13 @@ def _hurry() -> Optional[int]:
 
     In a boot storm dozens of hooks start at once on a few cores; the one
     holding the state lock would otherwise get a thin slice of CPU while all
-    the others wait for it. Raising its priority for the lock's duration is
-    priority inheritance by hand. Needs CAP_SYS_NICE (the hooks run as root);
-    without it nothing changes. Returns the niceness to restore, or None."""
+    the others wait for it. Raising its priority to the highest for the
+    lock's duration (a few milliseconds) is priority inheritance by hand.
+    Needs CAP_SYS_NICE (the hooks run as root); without it nothing changes.
+    Returns the niceness to restore, or None."""
     try:
         before = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, 0, before - 10)
+        os.setpriority(os.PRIO_PROCESS, 0, -20)
     except (OSError, AttributeError):
         return None
     return before
