@@ -86,9 +86,15 @@ class Journal:
         return ok
 
     def commit(self) -> None:
-        """The start succeeded: its intents are fulfilled by its allocation."""
+        """The start succeeded: its intents are fulfilled by its allocation.
+
+        With a checkpoint function, the state (allocation recorded, intents
+        dropped) is written here, while the changes can still be undone: a
+        failing write (disk full) rolls them back like any other failure."""
         self.state.intents = [i for i in self.state.intents
                               if not any(i is mine for mine in self._intents)]
+        if self._undo and self._checkpoint is not None:
+            self._checkpoint(self.state)
         self._intents.clear()
         self._undo.clear()
 

@@ -482,3 +482,37 @@ def test_a_declared_pool_makes_a_gpu_unavailable_whole(demo: str) -> None:
         "full_passthrough"]["enabled"] == 0
     res = as_agent(demo, pci_xml("i-9-89-VM", U1, igpu))
     assert res.returncode == 1 and b"pool gvt declares vGPUs on it" in res.stdout
+
+
+def test_a_failed_state_write_rolls_back_the_start(demo: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full at the write that records the allocation: every vGPU this start
+    created is removed again, and the state file is as it was."""
+    import errno
+
+    from gpulib import atomicfile
+    from gpulib.config import Config
+    from gpulib.domain import parse_domain
+    from gpulib.errors import StateError
+    from gpulib.hooks.prepare import Preparer
+
+    ctx = Context.for_root(demo, simulate=True)
+    config = Config.load(ctx.config_path)
+    before = tree_contents(demo)
+    real = atomicfile.write_atomic
+    writes: list[str] = []
+
+    def full(path: str, data: bytes, *a: Any, **k: Any) -> None:
+        if path.endswith("state.json"):
+            writes.append(path)
+            if len(writes) == 3:  # intent, intent, then the allocation itself
+                raise atomicfile.AtomicWriteError(errno.ENOSPC, "No space left on device",
+                                                  path)
+        real(path, data, *a, **k)
+
+    monkeypatch.setattr(atomicfile, "write_atomic", full)
+    with pytest.raises(StateError, match="No space left"):
+        Preparer(ctx, config, parse_domain(PLAIN), edit_xml=True, allow_metadata=True).run()
+    monkeypatch.setattr(atomicfile, "write_atomic", real)
+    assert len(writes) == 4  # ... and the file put back as it was
+    assert tree_contents(demo) == before
