@@ -62,6 +62,21 @@ AGENT_421_BUG = ("CloudStack 4.21 agent bug: a PCI domain other than 0000 render
                  "bus and slot (apache/cloudstack issue 12960)")
 
 
+DERIVED = "derived"  # an MdevStep source: created on demand, its UUID from the domain's
+
+
+class MdevStep:
+    """One named mdev in a start's plan: recreate it from `source` (parent, type),
+    create it on demand (source DERIVED), or keep it (source None: it is live)."""
+
+    __slots__ = ("on_demand", "source", "uuid")
+
+    def __init__(self, uuid: str, source: Optional[tuple[str, str]], on_demand: bool) -> None:
+        self.uuid = uuid
+        self.source = source
+        self.on_demand = on_demand
+
+
 def metadata_allowed(ctx: Context, config: Config) -> bool:
     """`allow_metadata_requests`: auto = on for plain libvirt, off under CloudStack.
 
@@ -263,15 +278,21 @@ class Preparer:
                     AGENT_421_BUG)
         return fixed
 
-    # -- devices the XML names ---------------------------------------------------------------
+    # -- devices the XML names: plan, then apply ---------------------------------------------
     def _named_devices(self, state: State, occ: Occupancy, journal: Journal,
                        uuids: list[str], addresses: list[PciAddress],
                        request: Optional[GpuRequest],
                        running: list[DomainDevices]) -> list[Device]:
         derived = self._derived_uuids(request)
+        mdev_steps, pci_steps = self._plan_named(state, occ, uuids, addresses, derived)
+        return self._apply_named(state, occ, journal, mdev_steps, pci_steps, derived, running)
+
+    def _plan_named(self, state: State, occ: Occupancy, uuids: list[str],
+                    addresses: list[PciAddress], derived: dict[str, VgpuRequest]
+                    ) -> tuple[list[MdevStep], list[tuple[PciHostdev, PciAddress]]]:
+        """What each named device needs, every refusal raised here: no write at all."""
         mdevctl: Optional[dict[str, tuple[str, str, bool]]] = None
-        # Plan: what each named device needs; nothing is written here.
-        plan: list[tuple[str, str, Optional[tuple[str, str]], bool]] = []
+        mdev_steps: list[MdevStep] = []
         for uuid in uuids:
             rec = state.vgpus.get(uuid)
             source: Optional[tuple[str, str]] = None
@@ -284,22 +305,22 @@ class Preparer:
                     if uuid in mdevctl:
                         source = mdevctl[uuid][:2]
                     elif uuid in derived:
-                        source = ("derived", "")
+                        source = (DERIVED, "")
                     else:
                         raise DeviceError(
                             f"mdev {uuid} does not exist and gpulib has no record of its "
                             "parent and type (create it with gpulib mdev create)")
-                if source[0] != "derived":
+                if source[0] != DERIVED:
                     occ.tree.mdev_parents.setdefault(uuid, source[0])
             parent = occ.tree.parent(uuid)
             if rec is not None and state.unmanaged and parent is not None and \
                     self._unmanaged(state, PciAddress.parse(parent)):
                 log.info("%s: mdev %s is on unmanaged %s: left alone", self.vm, uuid, parent)
                 continue
-            if source is None or source[0] != "derived":
+            if source is None or source[0] != DERIVED:
                 self._refuse(occ, "mdev", uuid)
-            plan.append(("mdev", uuid, source, bool(rec and rec.on_demand)))
-        pci_plan: list[tuple[PciHostdev, PciAddress]] = []
+            mdev_steps.append(MdevStep(uuid, source, bool(rec and rec.on_demand)))
+        pci_steps: list[tuple[PciHostdev, PciAddress]] = []
         for h, addr in zip(self.dom.pci_hostdevs(), addresses):
             if not self.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
                 raise DeviceError(f"PCI device {addr} does not exist on this host")
@@ -309,6 +330,7 @@ class Preparer:
             if state.unmanaged and self._unmanaged(state, addr):
                 log.info("%s: PCI device %s is unmanaged: left alone", self.vm, addr)
                 continue
+            # The occupancy's IOMMU-group index covers the companions added later.
             self._refuse(occ, "pci", str(addr))
             if nvidia.is_vendor_vf(self.sysfs, addr):
                 if not nvidia.current_type(self.sysfs, addr) and str(addr) not in state.vf_types:
@@ -319,21 +341,28 @@ class Preparer:
                 why = self._whole_gpu_refusal(state, addr)
                 if why is not None:
                     raise DeviceError(f"GPU {addr} cannot be given whole: {why}")
-            pci_plan.append((h, addr))
+            pci_steps.append((h, addr))
+        return mdev_steps, pci_steps
 
-        # Apply.
+    def _apply_named(self, state: State, occ: Occupancy, journal: Journal,
+                     mdev_steps: list[MdevStep], pci_steps: list[tuple[PciHostdev, PciAddress]],
+                     derived: dict[str, VgpuRequest],
+                     running: list[DomainDevices]) -> list[Device]:
+        """Carry the plan out; every sysfs write goes through the journal."""
         devices: list[Device] = []
-        for _kind, uuid, source, on_demand in plan:
-            if source is not None and source[0] == "derived":
-                devices += self._create_derived(state, occ, journal, uuid, derived[uuid],
-                                                running)
+        for step in mdev_steps:
+            if step.source is not None and step.source[0] == DERIVED:
+                devices += self._create_derived(state, occ, journal, step.uuid,
+                                                derived[step.uuid], running)
                 continue
-            if source is not None:
-                journal.create_mdev(PciAddress.parse(source[0]), source[1], uuid, on_demand)
-                log.info("recreated mdev %s (%s on %s) for %s", uuid, source[1], source[0],
+            if step.source is not None:
+                parent, type_id = step.source
+                journal.create_mdev(PciAddress.parse(parent), type_id, step.uuid,
+                                    step.on_demand)
+                log.info("recreated mdev %s (%s on %s) for %s", step.uuid, type_id, parent,
                          self.vm)
-            devices.append(Device("mdev", uuid, on_demand=on_demand))
-        for h, addr in pci_plan:
+            devices.append(Device("mdev", step.uuid, on_demand=step.on_demand))
+        for h, addr in pci_steps:
             devices += self._pci_device(state, occ, journal, h, addr)
         return devices
 
