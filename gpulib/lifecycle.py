@@ -3,8 +3,10 @@
 * `restore`: after a reboot every mdev is gone and every NVIDIA VF reads type
   0; recreate what the registry (and mdevctl's definitions) say should exist,
   with the same UUIDs on the same parents.
-* `reconcile`: release allocations of VMs that are not running, and report
-  registry entries whose device vanished and live vGPUs nobody knows.
+* `reconcile`: settle the write-ahead intents of starts that died (complete
+  or undo them, `gpulib.journal`), release allocations of VMs that are not
+  running (a pending one once proven dead: `pending_is_dead`), and report
+  registry entries whose device vanished and live vGPUs nobody holds.
 * `rebuild_state`: what a corrupt state file is replaced with: the registry
   and allocations re-learned from sysfs and libvirt's status files.
 * `open_store`: the StateStore every entry point uses (with that rebuild).
