@@ -88,7 +88,7 @@ def status(env: Env, as_json: bool) -> None:
     inv = discover_host(env.ctx, env.config, state=state, learn=False)
     doc: dict[str, Any] = {
         "gpus": [report.gpu_document(g) for g in inv.gpus],
-        "pools": pools.members(env.config, state),
+        "pools": pools.members(env.config, state, inv.occupancy),
         "allocations": {vm: {"status": a.status, "since": a.since, "domain_uuid": a.domain_uuid,
                              "devices": [{"kind": d.kind, "id": d.id, "on_demand": d.on_demand}
                                          for d in a.devices]}
