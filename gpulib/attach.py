@@ -55,6 +55,7 @@ from gpulib.errors import DeviceError, GpulibError, InputError, NotAvailableErro
 from gpulib.lazyre import lazy
 from gpulib.lifecycle import open_store
 from gpulib.mdev import check_uuid, live_mdevs
+from gpulib.occupancy import refusal
 from gpulib.pci import PciAddress
 from gpulib.state import State
 
@@ -167,23 +168,13 @@ def _held_by(state: State, inv: Inventory, vm: str, ident: str) -> Optional[str]
     """Why `vm` may not take a PCI device now (one line), or None: the one
     occupancy rule of the hooks and discovery (a stopped VM's definition
     holds nothing, DESIGN section 4)."""
-    # Adapter until the occupancy model lands: its wording, from the same sources
-    # (gpulib's allocations, then the running domains' status files).
-    for other, alloc in sorted(state.allocations.items()):
-        if other != vm and any(d.id == ident for d in alloc.devices):
-            if alloc.status == "pending":
-                return f"PCI device {ident} is in use by starting VM {other} (pending allocation)"
-            return f"PCI device {ident} is in use by running VM {other}"
-    user = inv.usage.vm_for_pci(PciAddress.parse(ident))
-    if user is not None and user != vm and user in inv.usage.running:
-        return f"PCI device {ident} is in use by running VM {user}"
-    return None
+    return refusal(inv.occupancy, "pci", ident, vm)
 
 
 def _whole_taken(state: State, inv: Inventory, vm: str, parent: PciAddress) -> bool:
     """Whether another VM holds a vGPU parent (a GPU or VF) whole, so that no new
     vGPU can go on it. Other vGPUs on it do not count: they share it."""
-    return _held_by(state, inv, vm, str(parent)) is not None
+    return bool(inv.occupancy.parent_conflicts(str(parent), vm))
 
 
 def _defined_users(ctx: Context, vm: str) -> dict[PciAddress, list[str]]:
