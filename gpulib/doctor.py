@@ -57,11 +57,11 @@ from gpulib.context import (
     Context,
 )
 from gpulib.discovery import BRIDGE_BASE_CLASS, Gpu, Inventory
-from gpulib.errors import GpulibError
 from gpulib.nvidia import NVIDIA_VENDOR
 from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction
 from gpulib.runtime import discover_host
 from gpulib.state import CorruptStateError, State, StateVersionError
+from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 
 log = logging.getLogger(__name__)
 
@@ -423,10 +423,11 @@ class Doctor:
             config_log.addHandler(collect)
             config_log.setLevel(min(level or logging.WARNING, logging.WARNING))
             try:
-                self._config = Config.load(self.ctx.config_path)
-            except GpulibError as exc:
-                self._config_error = exc.message
-                self._config = Config()
+                # Lenient: the other checks run with what can be read; the
+                # problems are the `config` check's finding.
+                self._config = Config.load(self.ctx.config_path, lenient=True)
+                if self._config.problems:
+                    self._config_error = "; ".join(self._config.problems)
             finally:
                 config_log.removeHandler(collect)
                 config_log.setLevel(level)
@@ -443,15 +444,12 @@ class Doctor:
         return self._state or State()
 
     def _load_state(self) -> Optional[State]:
-        path = self.ctx.state_path
-        try:
-            with open(path, "rb") as fh:
-                raw = fh.read()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
+        raw = read_file(self.ctx.state_path, DOCUMENT_MAX)
+        if isinstance(raw, ReadFailure):
+            if raw.missing:
+                return None
             self._state_error = (
-                FAIL, f"cannot read the state file: {exc.strerror}",
+                FAIL, f"cannot read the state file: {raw.reason}",
                 f"run gpulib doctor as root; check the permissions: ls -ld {host_path(STATE_DIR)} "
                 f"{host_path(STATE_FILE)}")
             return None

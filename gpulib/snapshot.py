@@ -360,11 +360,7 @@ class Collector:
         self.copy_host_file(f"run/udev/data/+pci:{address}")
 
     def copy_sysfs(self) -> None:
-        config: Optional[Config]
-        try:
-            config = Config.load(self.ctx.config_path)
-        except GpulibError:
-            config = None
+        config = Config.load(self.ctx.config_path, lenient=True)
         self.functions = select_functions(self.ctx, config)
         self.add_dir(PCI_DEVICES.rstrip("/"))
         groups: set[str] = set()

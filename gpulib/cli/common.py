@@ -21,11 +21,14 @@ class Env:
         self.ctx = ctx
         self.verbose = verbose
         self._config: Optional[Config] = None
+        self._readable_config: Optional[Config] = None
 
     @classmethod
     def from_environment(cls, verbose: int = 0) -> Env:
         env = cls(Context.from_env(), verbose)
-        cfg = env.config
+        # Logging is set up from what can be read: a bad gpulib.conf must not
+        # stop the commands that still work with it (discover, doctor).
+        cfg = env.readable_config
         stderr_level = {0: None, 1: "info"}.get(verbose, "debug")
         logs.setup(env.ctx, "gpulib", level=cfg.get("log", "level"),
                    use_syslog=cfg.get_bool("log", "syslog"), stderr_level=stderr_level)
@@ -33,9 +36,18 @@ class Env:
 
     @property
     def config(self) -> Config:
+        """The configuration; a problem in it is an error (ConfigError)."""
         if self._config is None:
             self._config = Config.load(self.ctx.config_path)
         return self._config
+
+    @property
+    def readable_config(self) -> Config:
+        """The configuration with what is bad left at its defaults (problems
+        logged): for commands that report on the host and change nothing."""
+        if self._readable_config is None:
+            self._readable_config = Config.load(self.ctx.config_path, lenient=True)
+        return self._readable_config
 
 
 # Every listing takes --json.
