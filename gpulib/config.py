@@ -170,9 +170,9 @@ class Config:
         """Strict: raise. Lenient: keep `message` with what became of it."""
         if not self._lenient:
             raise ConfigError(message)
-        message = f"{message} ({outcome})"
-        self.problems.append(message)
-        log.warning("%s", message)
+        # Kept, not logged here: a lenient load may run before logging is
+        # set up (the CLI reads the log settings from it); the caller logs.
+        self.problems.append(f"{message} ({outcome})")
 
     def _parse_file(self, source: str, optional: bool) -> dict[str, dict[str, str]]:
         """One file's sections and keys; {} when it is missing or unusable."""

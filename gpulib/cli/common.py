@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any, Optional
 
@@ -12,6 +13,8 @@ from gpulib import logs
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.errors import EXIT_USAGE, GpulibError
+
+log = logging.getLogger(__name__)
 
 
 class Env:
@@ -32,6 +35,8 @@ class Env:
         stderr_level = {0: None, 1: "info"}.get(verbose, "debug")
         logs.setup(env.ctx, "gpulib", level=cfg.get("log", "level"),
                    use_syslog=cfg.get_bool("log", "syslog"), stderr_level=stderr_level)
+        for problem in cfg.problems:
+            log.warning("%s", problem)
         return env
 
     @property

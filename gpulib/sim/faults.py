@@ -86,16 +86,49 @@ class FaultySysfs(Sysfs):
     def __init__(self, root: str, faults: dict[str, str],
                  kernel_write: Optional[KernelWrite] = None, simulated: bool = True) -> None:
         super().__init__(root, kernel_write=kernel_write, simulated=simulated)
-        self.faults = faults
+        # Keyed by canonical path: a fault on a device's directory hits it
+        # whether it is reached through sys/bus/pci/devices or sys/devices.
+        self._dirs: dict[str, str] = {}
+        self.faults: dict[str, str] = {}
+        for rel, kind in faults.items():
+            self.faults[self._canonical(rel)] = kind
+            # A link to a directory (a device in sys/bus/pci/devices): the
+            # fault is also on the directory it names.
+            if os.path.islink(self.root + rel) and os.path.isdir(self.root + rel):
+                self.faults[self._canonical_dir(rel)] = kind
+
+    def _canonical_dir(self, rel: str) -> str:
+        """Root-relative realpath of a directory (`rel` itself when it leaves the root)."""
+        cached = self._dirs.get(rel)
+        if cached is None:
+            real = os.path.realpath(self.root + rel)
+            if real.startswith(self.root):
+                cached = real[len(self.root):]
+            else:
+                cached = "" if real + "/" == self.root else rel
+            self._dirs[rel] = cached
+        return cached
+
+    def _canonical(self, rel: str) -> str:
+        """`rel` with the links above its last component resolved."""
+        parent, name = posixpath.split(posixpath.normpath(rel.lstrip("/")))
+        if not parent:
+            return name
+        canon = self._canonical_dir(parent)
+        return posixpath.join(canon, name) if canon else name
 
     def fault(self, rel: str) -> Optional[str]:
         """The fault on `rel` or on a directory above it."""
+        if not self.faults:
+            return None
         path = posixpath.normpath(rel.lstrip("/"))
-        while path and path != ".":
-            kind = self.faults.get(path)
-            if kind is not None:
-                return kind
-            path = posixpath.dirname(path)
+        for candidate in (path, self._canonical(path)):
+            probe = candidate
+            while probe and probe != ".":
+                kind = self.faults.get(probe)
+                if kind is not None:
+                    return kind
+                probe = posixpath.dirname(probe)
         return None
 
     def _failure(self, rel: str, kind: str) -> ReadFailure:
