@@ -397,6 +397,13 @@ def _loaded_types(gpu: Gpu, types: list[mdev.MdevType]) -> list[mdev.MdevType]:
     is left out (its failure noted on the GPU), the others stay."""
     out = []
     for t in types:
+        sibling = t.same_as
+        if sibling is not None:
+            # Shares the files of the same type on another VF, read (and
+            # its failures noted) once already.
+            if not sibling.load():
+                out.append(t)
+            continue
         failures = t.load()
         if failures:
             gpu.errors.extend(failures)

@@ -117,6 +117,12 @@ class MdevType:
         self._name_read = False
         self._description: Optional[Description] = None
         self._description_text: Optional[str] = None
+        # What `load` could not read (paths and reasons).
+        self.failures: list[str] = []
+
+    @property
+    def same_as(self) -> Optional[MdevType]:
+        return self._same_as
 
     def __repr__(self) -> str:
         return f"MdevType({self.parent}, {self.type_id!r})"
@@ -129,7 +135,7 @@ class MdevType:
         lazily while a report is rendered."""
         if self._same_as is not None:
             return self._same_as.load()
-        failures = []
+        failures = self.failures
         if not self._name_read:
             self._name_read = True
             data = self._sysfs.read_result(self.rel + "/name")
