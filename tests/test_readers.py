@@ -30,7 +30,8 @@ from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo
 from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, Sysfs, read_file
-from tests.hookrun import BIN, as_agent, hook_env
+from tests import hookrun
+from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, as_agent, hook_env
 
 GPULIB = str(BIN / "gpulib")
 # Far above what any of these commands takes on the demo host (well under a
@@ -221,6 +222,14 @@ def test_fifo_in_place_of_a_file_never_hangs(host: str, baseline: set[str], rel:
     doctor_finishes(host)
     gpulib(host, "status", "--json")
     transformer_finishes(host)
+    xml = FakeHost.domain_xml("i-2-99-VM", "0b6b3a8e-2f3c-4a55-9d1e-4f0c1c2d3e4f").encode()
+    for argv, stdin in (([STATE_CHANGE, "onStart", "i-2-99-VM"], b""),
+                        ([STATE_CHANGE, "onStop", "i-2-99-VM"], b""),
+                        ([QEMU_HOOK, "i-2-99-VM", "prepare", "begin", "-"], xml),
+                        ([QEMU_HOOK, "i-2-99-VM", "release", "end", "-"], xml)):
+        proc = hookrun.run(argv, host, stdin=stdin, timeout=LIMIT)
+        assert b"Traceback" not in proc.stderr and b"internal error" not in proc.stderr
+        assert proc.returncode == 0 or len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 # -- item 2: one unreadable mdev type file ------------------------------------------------------
