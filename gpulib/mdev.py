@@ -236,6 +236,9 @@ def list_types(sysfs: Sysfs, parent: PciAddress,
     names = sysfs.listdir(f"{PCI_DEVICES}{parent}/{TYPES_DIR}")
     out = []
     for n in sorted(names):
+        if not _TYPE_ID_RE.match(n) or ".." in n:
+            sysfs.failed(f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{n}", "not a type id")
+            continue
         t = MdevType(sysfs, parent, n, same_as=siblings.get(n) if siblings is not None else None)
         if siblings is not None:
             siblings.setdefault(n, t)
@@ -265,6 +268,8 @@ def live_mdevs(sysfs: Sysfs) -> dict[str, Mdev]:
 
 def read_mdev(sysfs: Sysfs, uuid: str) -> Optional[Mdev]:
     """A live mdev, or None if no such device exists."""
+    if not _UUID_RE.match(uuid):
+        return None  # a stray entry: only UUIDs name mdevs
     rel = f"{MDEV_DEVICES}/{uuid}"
     if not sysfs.exists(rel):
         return None

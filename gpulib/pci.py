@@ -173,7 +173,8 @@ class PciFunction:
         rel = self.rel
         self.driver = sysfs.link_name(rel + "/driver")
         group = sysfs.link_name(rel + "/iommu_group")
-        self.iommu_group = int(group) if group and group.isdigit() else None
+        # Group numbers are small; a link named otherwise is not a group.
+        self.iommu_group = int(group) if group and group.isdigit() and len(group) <= 9 else None
         numa = sysfs.read_int(rel + "/numa_node", low=-1, high=MAX_NUMA_NODE)
         self.numa_node = -1 if numa is None else numa
         if vf_of is not None:

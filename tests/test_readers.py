@@ -383,6 +383,25 @@ def test_huge_vendor_file_gives_no_huge_id(host: str, baseline: set[str]) -> Non
     assert listed(host) == baseline   # checks every id is four hex digits
 
 
+def test_odd_names_never_reach_the_report(host: str, baseline: set[str]) -> None:
+    live = os.path.join(host, "sys/bus/mdev/devices")
+    [uuid] = os.listdir(live)
+    os.symlink(os.readlink(os.path.join(live, uuid)), os.path.join(live, "not-a-uuid"))
+    os.mkdir(os.path.join(host, DEV, T4, "mdev_supported_types", "odd type"))
+    group = Path(host, DEV, RTX, "iommu_group")
+    group.unlink()
+    group.symlink_to("../../../kernel/iommu_groups/" + "9" * 200)
+    doc = cloudstack(host)
+    assert {g["pci_address"] for g in doc["gpus"]} == baseline
+    uuids = [v["mdev_uuid"] for g in doc["gpus"] for v in g["vgpu_instances"]]
+    assert "not-a-uuid" not in uuids and uuid in uuids
+    rtx = next(g for g in doc["gpus"] if g["pci_address"] == lspci(RTX))
+    assert rtx["iommu_group"] == "null"
+    native = json.loads(gpulib(host, "discover", "--format", "json").stdout)
+    types = [t["type_id"] for g in native["gpus"] for t in g["mdev_types"]]
+    assert "odd type" not in types and "nvidia-232" in types
+
+
 def test_vf_with_looping_physfn_is_not_a_gpu(host: str, baseline: set[str]) -> None:
     physfn = os.path.join(host, DEV, "0000:41:00.5", "physfn")
     os.unlink(physfn)
