@@ -1049,7 +1049,8 @@ class Doctor:
                               "not writable by this user", "run gpulib doctor as root")
             return None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # Non-blocking: a FIFO in place of the lock must not hang the doctor.
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as exc:
             return Result("state", WARN, shown, f"cannot open the lock {shown}: {exc.strerror}",
                           "run gpulib doctor as root")

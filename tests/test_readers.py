@@ -210,6 +210,7 @@ FIFO_CASES = [
     ("proc/cmdline", set()),
     ("etc/os-release", set()),
     ("var/lib/gpulib/state.json", set()),
+    ("var/lib/gpulib/state.lock", set()),
 ]
 
 
