@@ -247,7 +247,11 @@ class Discovery:
             except Exception as exc:
                 log.warning("PCI device %s left out: cannot read it: %s", address, exc)
                 continue
-            gpu.errors.extend(f"{rel}: {reason}" for rel, reason in sysfs.failures[mark:])
+            # The files of this GPU (and its VFs) that could not be read.
+            for rel, reason in sysfs.failures[mark:]:
+                note = f"{rel}: {reason}"
+                if note not in gpu.errors:
+                    gpu.errors.append(note)
             gpus.append(gpu)
         # A VF is never also a GPU, even when its own `physfn` is unreadable.
         vfs = {vf.address for g in gpus for vf in g.vfs}
