@@ -3,7 +3,11 @@
 Discovery never writes sysfs. A device that cannot be read fully is still
 listed with what could be read and the error noted: the CloudStack agent marks
 every device missing from a report as failed, so a partial failure must never
-empty the report.
+empty the report. Faults are kept to what they touch: a PCI function whose
+identity cannot be read is left out, a VF whose vGPU state cannot be read is
+left out of its GPU's VFs, an mdev type whose `name` or `description` cannot
+be read is left out of the offered types (its live vGPUs stay listed), and
+the GPU carries the paths and reasons in `errors`.
 
 What counts as a GPU: display-class functions (0x03xx: VGA, XGA, 3D, Display
 controller) that are not BMC or emulated adapters, and processing accelerators
