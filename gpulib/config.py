@@ -205,11 +205,16 @@ class Config:
             parser = configparser.ConfigParser(interpolation=None, strict=strict)
             try:
                 parser.read_string(text, source=source)
-            except (configparser.DuplicateSectionError,
-                    configparser.DuplicateOptionError) as exc:
+            except configparser.DuplicateOptionError as exc:
                 if strict:
-                    first = str(exc).splitlines()[0]
-                    self._problem(f"{source}: cannot parse: {first}", "the last one is used")
+                    self._problem(f"{source}: line {exc.lineno}: key {exc.option} given twice "
+                                  f"in [{exc.section}]", "the last one is used")
+                    continue
+                return {}
+            except configparser.DuplicateSectionError as exc:
+                if strict:
+                    self._problem(f"{source}: line {exc.lineno}: section [{exc.section}] given "
+                                  "twice", "their keys are merged, the last one wins")
                     continue
                 return {}
             except configparser.Error as exc:

@@ -1026,8 +1026,10 @@ class Doctor:
         config = self.config
         if self._config_error:
             return [Result(cid, FAIL, path, self._config_error,
-                           f"correct the value named in {path} (`gpulib` refuses to run "
-                           "with it); every key and its default is in the shipped example")]
+                           "correct the file, line or value named (the hooks and the "
+                           "commands that change the host refuse to run with it; discover "
+                           "and doctor use the defaults for it); every key and its default "
+                           "is in the shipped example")]
         if self._config_warnings:
             return [Result(cid, WARN, path, " ".join(m.split(": ", 1)[-1] for m in
                                                      self._config_warnings),

@@ -295,8 +295,8 @@ def test_bom_is_not_an_error(host: str, baseline: set[str]) -> None:
 
 @pytest.mark.parametrize("text,needle", [
     (b"[discovery]\nexclude = 0000:3b:00.0\n[discovery]\nexclude = 0000:3b:00.0\n",
-     "already exists"),
-    (b"[log]\nlevel = info\nlevel = debug\n", "already exists"),
+     "given twice"),
+    (b"[log]\nlevel = info\nlevel = debug\n", "given twice"),
     (b"[log]\nlevel = in\x00fo\n", "NUL"),
 ])
 def test_bad_config_degrades_discovery_and_doctor(host: str, baseline: set[str], text: bytes,
