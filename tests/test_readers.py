@@ -28,7 +28,7 @@ from gpulib.pci import PciAddress, list_addresses
 from gpulib.runtime import discover_host
 from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import build_demo
+from gpulib.sim.hosts import add_model, add_sriov_gpu, build_demo, models
 from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, Sysfs, read_file
 from tests import hookrun
 from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, as_agent, hook_env
@@ -511,15 +511,8 @@ def candidate_files(demo_tree: str) -> list[str]:
     return host_files(demo_tree)
 
 
-@settings(max_examples=int(os.environ.get("GPULIB_FAULT_EXAMPLES", "12")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(data=st.data())
-def test_one_random_fault_costs_only_what_it_touches(
-        demo_tree: str, baseline: set[str], candidate_files: list[str], tmp_path_factory: Any,
-        data: Any) -> None:
-    rel = data.draw(st.sampled_from(candidate_files), label="file")
-    kind = data.draw(st.sampled_from(FAULT_KINDS), label="fault")
-    root = copy_host(demo_tree, tmp_path_factory.mktemp("fault"))
+def check_one_fault(root: str, baseline: set[str], rel: str, kind: str) -> None:
+    """Inject one fault; the report keeps every GPU it does not touch, nothing hangs."""
     spared = baseline - touched(root, rel, baseline)
     apply_fault(root, rel, kind)
     proc = gpulib(root, "discover", "--format", "cloudstack")
@@ -531,6 +524,65 @@ def test_one_random_fault_costs_only_what_it_touches(
         assert spared == set(), (rel, kind, proc.stderr)
     doctor_finishes(root)
     transformer_finishes(root, pci=())
+
+
+EXAMPLES = int(os.environ.get("GPULIB_FAULT_EXAMPLES", "12"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_one_random_fault_costs_only_what_it_touches(
+        demo_tree: str, baseline: set[str], candidate_files: list[str], tmp_path_factory: Any,
+        data: Any) -> None:
+    rel = data.draw(st.sampled_from(candidate_files), label="file")
+    kind = data.draw(st.sampled_from(FAULT_KINDS), label="fault")
+    root = copy_host(demo_tree, tmp_path_factory.mktemp("fault"))
+    check_one_fault(root, baseline, rel, kind)
+
+
+MODELS = ("t4", "a10", "a100", "rtx3070", "mi300x", "v620")
+
+
+def random_host(root: str, picks: list[tuple[str, int]]) -> FakeHost:
+    """A host with one GPU per pick (model, VFs or live vGPUs), each behind its bridge."""
+    m = models()
+    host = FakeHost(root)
+    for i, (kind, n) in enumerate(picks):
+        model = m[kind]
+        bridge, gpu = f"0000:{0x10 + 2 * i:02x}:00.0", f"0000:{0x11 + 2 * i:02x}:00.0"
+        host.add_bridge(bridge, numa_node=i % 2, iommu_group=host.new_iommu_group())
+        if kind in ("a10", "a100", "v620"):
+            vfs = add_sriov_gpu(host, model, gpu, i % 2, bridge, max(n, 1))
+            for vf in vfs:
+                if kind == "a10":
+                    host.add_nvidia_vf_types(vf, {int(k): v for k, v in
+                                                  model["nvidia_vf_types"].items()})
+                elif kind == "a100":
+                    host.populate_mdev_parent(vf, model["vf_mdev_types"])
+        else:
+            add_model(host, model, gpu, i % 2, parent=bridge)
+            if kind == "t4":
+                host.populate_mdev_parent(gpu, model["mdev_types"])
+                for j in range(n):
+                    host.add_mdev(f"{i:08x}-{j:04x}-4000-8000-000000000000", gpu, "nvidia-232")
+    return host
+
+
+@settings(max_examples=max(EXAMPLES // 2, 4), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(picks=st.lists(st.tuples(st.sampled_from(MODELS), st.integers(0, 3)),
+                      min_size=1, max_size=4),
+       data=st.data())
+def test_one_random_fault_on_a_random_host(picks: list[tuple[str, int]], data: Any,
+                                           tmp_path_factory: Any) -> None:
+    root = str(tmp_path_factory.mktemp("random") / "host")
+    random_host(root, picks)
+    baseline = listed(root)
+    assert len(baseline) == len(picks)
+    rel = data.draw(st.sampled_from(host_files(root)), label="file")
+    kind = data.draw(st.sampled_from(FAULT_KINDS), label="fault")
+    check_one_fault(root, baseline, rel, kind)
 
 
 def test_discovery_in_process_reports_listing_failure(host: str) -> None:
