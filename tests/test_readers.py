@@ -222,6 +222,9 @@ def test_fifo_in_place_of_a_file_never_hangs(host: str, baseline: set[str], rel:
     assert listed(host) == baseline - {lspci(a) for a in lost}
     doctor_finishes(host)
     gpulib(host, "status", "--json")
+    gpulib(host, "mdev", "list", "--json")
+    out = os.path.join(os.path.dirname(host), "s.tar.gz")
+    assert gpulib(host, "snapshot", "-o", out).returncode == 0
     transformer_finishes(host)
     xml = FakeHost.domain_xml("i-2-99-VM", "0b6b3a8e-2f3c-4a55-9d1e-4f0c1c2d3e4f").encode()
     for argv, stdin in (([STATE_CHANGE, "onStart", "i-2-99-VM"], b""),
