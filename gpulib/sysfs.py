@@ -18,7 +18,8 @@ one set of rules, because one odd file must never stop a command:
 * bounded in size by the kind of file (`ATTRIBUTE_MAX`, `TEXT_MAX`,
   `DOCUMENT_MAX`): a 10 MB `vendor` file is refused, not parsed;
 * below `sys/`, the last component is never followed (attributes are never
-  symlinks; a link there is a loop or a trick);
+  symlinks; a link there is a loop or a trick); elsewhere links are followed,
+  but below a root other than `/` only inside that root;
 * errors are values (`ReadFailure`), never exceptions: the caller decides
   what a failure costs (a field, a device, a command).
 
@@ -190,6 +191,17 @@ class Sysfs:
         in_sysfs = rel.startswith("sys/")
         if limit is None:
             limit = ATTRIBUTE_MAX if in_sysfs else TEXT_MAX
+        if not in_sysfs and self.root != "/":
+            # Below another root (a test tree, a snapshot), a link such as
+            # etc/os-release -> /usr/lib/os-release is followed inside it:
+            # nothing is ever read from the real host.
+            real = self.resolve_in_root(rel)
+            if real is None:
+                if not os.path.lexists(self.root + rel):
+                    return ReadFailure(self.root + rel, errno.ENOENT, os.strerror(errno.ENOENT))
+                return ReadFailure(self.root + rel, errno.ELOOP,
+                                   "a symlink that loops or leaves the root")
+            rel = real
         return read_file(self.root + rel, limit, follow=not in_sysfs)
 
     def read_bytes(self, rel: str, limit: Optional[int] = None) -> Optional[bytes]:

@@ -163,6 +163,18 @@ def test_sysfs_attributes_are_never_followed_and_failures_logged_once(tmp_path: 
     assert [rel for rel, _ in sysfs.failures] == ["sys/x/vendor"]
 
 
+def test_links_outside_sys_are_followed_inside_the_root(tmp_path: Path) -> None:
+    (tmp_path / "usr" / "lib").mkdir(parents=True)
+    (tmp_path / "usr" / "lib" / "os-release").write_text("ID=inroot\n")
+    (tmp_path / "etc").mkdir()
+    os.symlink("/usr/lib/os-release", tmp_path / "etc" / "os-release")
+    os.symlink("/etc/hostname", tmp_path / "etc" / "hostname")  # the real host's: not read
+    sysfs = Sysfs(str(tmp_path))
+    assert sysfs.read("etc/os-release") == "ID=inroot"
+    got = sysfs.read_result("etc/hostname")
+    assert isinstance(got, ReadFailure) and got.missing
+
+
 @pytest.mark.parametrize("content", ["0x" + "1" * 9000, "0x1ffff", "garbage", "-1"])
 def test_ids_are_shape_checked(tmp_path: Path, content: str) -> None:
     (tmp_path / "sys").mkdir()
