@@ -196,11 +196,8 @@ class Sysfs:
             # etc/os-release -> /usr/lib/os-release is followed inside it:
             # nothing is ever read from the real host.
             real = self.resolve_in_root(rel)
-            if real is None:
-                if not os.path.lexists(self.root + rel):
-                    return ReadFailure(self.root + rel, errno.ENOENT, os.strerror(errno.ENOENT))
-                return ReadFailure(self.root + rel, errno.ELOOP,
-                                   "a symlink that loops or leaves the root")
+            if real is None:  # absent, or a link that dangles, loops or leaves the root
+                return ReadFailure(self.root + rel, errno.ENOENT, os.strerror(errno.ENOENT))
             rel = real
         return read_file(self.root + rel, limit, follow=not in_sysfs)
 
