@@ -131,10 +131,11 @@ class Config:
         key is a problem, as configparser's strict mode has it).
 
         Strict (the default): the first problem raises ConfigError. Lenient
-        (discovery for the agent, the doctor, snapshots): a problem is logged
-        and kept in `problems`, and what it touches is left at its default --
-        an unreadable or unparsable file, a line with a NUL, a bad value, a
-        bad pool -- while everything else still applies.
+        (discovery for the agent, the doctor, snapshots): a problem is kept
+        in `problems` (for the caller to log or report), and what it touches
+        is left at its default -- an unreadable or unparsable file, a line
+        with a NUL, a bad value, a bad pool -- while everything else still
+        applies. A UTF-8 byte-order mark is never a problem.
         """
         cfg = cls(path)
         cfg._lenient = lenient
