@@ -17,6 +17,17 @@ from gpulib.errors import EXIT_USAGE, GpulibError
 log = logging.getLogger(__name__)
 
 
+class _Held(logging.Handler):
+    """Keeps records until logging is set up."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 class Env:
     """The host the CLI works on, read once from the environment."""
 
@@ -30,11 +41,21 @@ class Env:
     def from_environment(cls, verbose: int = 0) -> Env:
         env = cls(Context.from_env(), verbose)
         # Logging is set up from what can be read: a bad gpulib.conf must not
-        # stop the commands that still work with it (discover, doctor).
-        cfg = env.readable_config
+        # stop the commands that still work with it (discover, doctor). What
+        # reading it logs is held until logging is set up (else it would go
+        # to stderr, into the output the CloudStack agent reads).
+        held = _Held()
+        root = logging.getLogger()
+        root.addHandler(held)
+        try:
+            cfg = env.readable_config
+        finally:
+            root.removeHandler(held)
         stderr_level = {0: None, 1: "info"}.get(verbose, "debug")
         logs.setup(env.ctx, "gpulib", level=cfg.get("log", "level"),
                    use_syslog=cfg.get_bool("log", "syslog"), stderr_level=stderr_level)
+        for record in held.records:
+            logging.getLogger(record.name).handle(record)
         for problem in cfg.problems:
             log.warning("%s", problem)
         return env
@@ -43,7 +64,10 @@ class Env:
     def config(self) -> Config:
         """The configuration; a problem in it is an error (ConfigError)."""
         if self._config is None:
-            self._config = Config.load(self.ctx.config_path)
+            readable = self.readable_config
+            # Without problems the lenient reading is the strict one.
+            self._config = readable if not readable.problems else \
+                Config.load(self.ctx.config_path)
         return self._config
 
     @property
