@@ -328,6 +328,14 @@ def test_bad_config_degrades_discovery_and_doctor(host: str, baseline: set[str],
     assert proc.returncode != 0 and b"gpulib.conf" in proc.stdout
 
 
+def test_config_warnings_never_reach_discovery_output(host: str, baseline: set[str]) -> None:
+    for text in ("[log]\nlevle = info\n", "[log]\nlevel = info\nlevel = debug\n"):
+        Path(host, CONF).write_text(text)
+        proc = gpulib(host, "discover", "--format", "cloudstack")
+        assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
+        assert {g["pci_address"] for g in json.loads(proc.stdout)["gpus"]} == baseline
+
+
 def test_dropins_in_lexical_order(host: str, baseline: set[str]) -> None:
     d = Path(host, CONF + ".d")
     d.mkdir()
