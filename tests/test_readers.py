@@ -65,12 +65,13 @@ def gpulib(root: str, *args: str) -> subprocess.CompletedProcess[bytes]:
     """The CLI on `root`; raises TimeoutExpired (fails the test) if it hangs."""
     proc = subprocess.run([GPULIB, *args], capture_output=True, env=hook_env(root),
                           stdin=subprocess.DEVNULL, timeout=LIMIT)
-    assert_clear_exit(proc, report=args[0] == "doctor")
+    # doctor and restore print a report; their exit status is its verdict
+    assert_clear_exit(proc, report=args[0] in ("doctor", "restore"))
     return proc
 
 
 def assert_clear_exit(proc: subprocess.CompletedProcess[bytes], report: bool = False) -> None:
-    """Exit 0, or one `gpulib: error:` line (the doctor's exit status is its verdict)."""
+    """Exit 0, or one `gpulib: error:` line (or, for a report, its verdict)."""
     err = proc.stderr.decode("utf-8", "replace")
     assert "Traceback" not in err and "internal error" not in err, err
     if proc.returncode != 0 and not report:
@@ -223,6 +224,7 @@ FIFO_CASES = [
     ("etc/os-release", set()),
     ("var/lib/gpulib/state.json", set()),
     ("var/lib/gpulib/state.lock", set()),
+    (f"etc/mdevctl.d/{T4}/6a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d", set()),
 ]
 
 
@@ -235,6 +237,7 @@ def test_fifo_in_place_of_a_file_never_hangs(host: str, baseline: set[str], rel:
     doctor_finishes(host)
     gpulib(host, "status", "--json")
     gpulib(host, "mdev", "list", "--json")
+    gpulib(host, "restore")
     out = os.path.join(os.path.dirname(host), "s.tar.gz")
     assert gpulib(host, "snapshot", "-o", out).returncode == 0
     transformer_finishes(host)
