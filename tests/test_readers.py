@@ -532,9 +532,16 @@ def touched(root: str, rel: str, baseline: set[str]) -> set[str]:
     return gpus
 
 
+class Files(list[str]):
+    """The demo host's paths, with a short repr (hypothesis prints the arguments)."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} paths of the demo host>"
+
+
 @pytest.fixture(scope="module")
 def candidate_files(demo_tree: str) -> list[str]:
-    return host_files(demo_tree)
+    return Files(host_files(demo_tree))
 
 
 def check_one_fault(root: str, baseline: set[str], rel: str, kind: str,
