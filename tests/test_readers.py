@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -337,6 +338,41 @@ def test_config_warnings_never_reach_discovery_output(host: str, baseline: set[s
         proc = gpulib(host, "discover", "--format", "cloudstack")
         assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
         assert {g["pci_address"] for g in json.loads(proc.stdout)["gpus"]} == baseline
+
+
+_CONF_LINES = st.sampled_from([
+    "[log]", "[discovery]", "[allocator]", "[pool p]", "[DEFAULT]", "[", "level = info",
+    "level = debug", "exclude = 0000:3b:00.0", "policy = pack", "policy = sideways",
+    "type = nvidia-232", "count = 2", "per_parent = 9999", "x = y", "# c", "; c", "  cont",
+    "\ufeff[log]", "lev\x00el = info", "=", "[pool ../x]"])
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(files=st.lists(st.one_of(st.lists(_CONF_LINES, max_size=8).map("\n".join),
+                                st.binary(max_size=64).map(lambda b: b.decode("latin-1"))),
+                      min_size=1, max_size=3))
+def test_config_lenient_never_raises_and_strict_only_config_errors(
+        tmp_path: Path, files: list[str]) -> None:
+    """Whatever the files hold: a lenient load gives a usable Config (problems
+    listed), a strict one that Config or ConfigError; both agree when clean."""
+    base = Path(tempfile.mkdtemp(dir=tmp_path))
+    (base / "gpulib.conf.d").mkdir()
+    (base / "gpulib.conf").write_bytes(files[0].encode("utf-8", "surrogateescape"))
+    for i, text in enumerate(files[1:]):
+        (base / "gpulib.conf.d" / f"{i}.conf").write_bytes(text.encode("utf-8"))
+    path = str(base / "gpulib.conf")
+    lenient = Config.load(path, lenient=True)
+    assert lenient.get("allocator", "policy") in ("spread", "pack")
+    assert lenient.get("log", "level") in ("info", "debug")
+    try:
+        strict: Config | None = Config.load(path)
+    except ConfigError as exc:
+        assert exc.message
+        strict = None
+    if not lenient.problems:
+        assert strict is not None
+        assert strict._values == lenient._values and set(strict.pools) == set(lenient.pools)
 
 
 def test_dropins_in_lexical_order(host: str, baseline: set[str]) -> None:
