@@ -24,6 +24,15 @@ from typing import Callable, Optional
 from gpulib import mdev, nvidia
 from gpulib.config import Config, Match
 from gpulib.errors import DeviceError, GpulibError
+from gpulib.occupancy import (
+    ACTIVE,
+    Hold,
+    Occupancy,
+    Tree,
+    declaring_pools,
+    node_id,
+    whole_gpu_refusal,
+)
 from gpulib.pci import (
     CLASS_PROCESSING_ACCEL,
     DISPLAY_BASE_CLASS,
@@ -36,7 +45,7 @@ from gpulib.pci import (
 )
 from gpulib.pciids import PciNames
 from gpulib.sysfs import ReadFailure, Sysfs
-from gpulib.usage import Usage, read_usage
+from gpulib.usage import running_domains
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +138,7 @@ class Gpu:
         self.group_members: list[PciAddress] = []
         self.description: Optional[str] = None  # the GPU's own `description`, if any
         self.used_by: Optional[str] = None
+        self.pools: list[str] = []  # pools of gpulib.conf declaring vGPUs on it
         self.errors: list[str] = []
 
     @property
@@ -151,18 +161,29 @@ class Gpu:
     @property
     def offered_vfs(self) -> list[VirtualFunction]:
         """VFs offered as instances: a VF whose capacity is offered as mdev
-        types is not also a free VF (its mdevs are the instances)."""
-        return [vf for vf in self.vfs if not vf.mdev_parent]
+        types is not also a free VF (its mdevs are the instances), and an
+        NVIDIA vendor VF is offered only with a type it will really get (its
+        current type, or the one gpulib's registry gives it at VM start): the
+        hooks refuse an untyped one."""
+        return [vf for vf in self.vfs if not vf.mdev_parent
+                and (vf.nvidia is None or vf.nvidia.profile_type)]
+
+    @property
+    def whole_refusal(self) -> Optional[str]:
+        """Why the GPU is not given whole (the hooks ask the same function)."""
+        typed = sum(1 for vf in self.vfs if vf.nvidia is not None and vf.nvidia.profile_type)
+        return whole_gpu_refusal(max(len(self.vfs), self.sriov_numvfs), len(self.vgpus), typed,
+                                 self.pools)
 
     @property
     def passthrough_enabled(self) -> bool:
-        return not self.vgpus and not self.offered_vfs
+        return self.whole_refusal is None
 
 
 class Inventory:
-    def __init__(self, gpus: list[Gpu], usage: Usage) -> None:
+    def __init__(self, gpus: list[Gpu], occupancy: Occupancy) -> None:
         self.gpus = gpus
-        self.usage = usage
+        self.occupancy = occupancy
 
     def gpu(self, address: PciAddress) -> Optional[Gpu]:
         for g in self.gpus:
@@ -197,11 +218,14 @@ class Known:
     def __init__(self, learned: Optional[dict[str, dict[str, str]]] = None,
                  allocations: Optional[dict[str, list[tuple[str, str]]]] = None,
                  vf_types: Optional[dict[str, tuple[int, Optional[str]]]] = None,
-                 registry: Optional[dict[str, tuple[str, str]]] = None) -> None:
+                 registry: Optional[dict[str, tuple[str, str]]] = None,
+                 occupancy: Optional[Occupancy] = None) -> None:
         self.learned = learned or {}
         self.allocations = allocations or {}
         self.vf_types = vf_types or {}
         self.registry = registry or {}
+        # Who holds what; built from `allocations` and the running domains if absent.
+        self.occupancy = occupancy
 
 
 class Discovery:
@@ -216,6 +240,7 @@ class Discovery:
         self.allocations = known.allocations
         self.vf_types = known.vf_types
         self.registry = known.registry
+        self.occupancy = known.occupancy
         self.names = PciNames(sysfs)
         # Names seen in creatable lists during this scan, for the state file.
         self.new_names: dict[str, dict[str, str]] = {}
@@ -224,7 +249,16 @@ class Discovery:
         sysfs = self.sysfs
         include = self.config.match("discovery", "include")
         exclude = self.config.match("discovery", "exclude")
-        usage = read_usage(sysfs, self.allocations)
+        usage = self.occupancy
+        if usage is None:
+            usage = Occupancy(Tree(sysfs, {u: p for u, (p, _) in self.registry.items()}))
+            for vm, devices in self.allocations.items():
+                for kind, ident in devices:
+                    try:
+                        usage.add(Hold(vm, ACTIVE, node_id(kind, ident)))
+                    except GpulibError:
+                        continue
+            usage.add_running(running_domains(sysfs))
         live = mdev.live_mdevs(sysfs)
         # vGPUs gpulib keeps but the kernel does not have now (after a reboot):
         # listed as instances, recreated when a VM starts, never reported missing.
@@ -264,7 +298,7 @@ class Discovery:
                 log.warning("%s is a VF of another GPU: not listed as a GPU", g.address)
         return Inventory([g for g in gpus if g.address not in vfs], usage)
 
-    def _gpu(self, fn: PciFunction, usage: Usage, live: dict[str, mdev.Mdev]) -> Gpu:
+    def _gpu(self, fn: PciFunction, usage: Occupancy, live: dict[str, mdev.Mdev]) -> Gpu:
         gpu = Gpu(fn)
         steps: tuple[tuple[str, Callable[[], None]], ...] = (
             ("names", lambda: self._names(gpu)),
@@ -281,10 +315,13 @@ class Discovery:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 gpu.errors.append(f"{what}: {reason}")
                 log.warning("GPU %s: cannot read %s: %s", fn.address, what, reason)
-        gpu.used_by = usage.vm_for_pci(fn.address)
+        gpu.used_by = usage.user("pci", str(fn.address))
+        if self.config.pools and gpu.mdev_types:
+            gpu.pools = declaring_pools(self.config, fn.address, fn.vendor_id, fn.device_id,
+                                        gpu.mdev_types)
         return gpu
 
-    def _vgpus(self, gpu: Gpu, usage: Usage, live: dict[str, mdev.Mdev]) -> None:
+    def _vgpus(self, gpu: Gpu, usage: Occupancy, live: dict[str, mdev.Mdev]) -> None:
         parents = {gpu.address: None} if gpu.mdev_parent else {}
         for vf in gpu.vfs:
             if vf.mdev_parent:
@@ -305,7 +342,7 @@ class Discovery:
                 if found is None:
                     found = mdev.MdevType(self.sysfs, m.parent, m.type_id)
                     found.load()
-                gpu.vgpus.append(Vgpu(m.uuid, m.parent, found, usage.vm_for_mdev(m.uuid),
+                gpu.vgpus.append(Vgpu(m.uuid, m.parent, found, usage.user("mdev", m.uuid),
                                       m.live))
 
     def _names(self, gpu: Gpu) -> None:
@@ -330,14 +367,14 @@ class Discovery:
         if gpu.mdev_parent:
             gpu.mdev_types = _loaded_types(gpu, mdev.list_types(self.sysfs, gpu.address))
 
-    def _vf(self, gpu: Gpu, index: int, address: PciAddress, usage: Usage,
+    def _vf(self, gpu: Gpu, index: int, address: PciAddress, usage: Occupancy,
             names: dict[int, str], vf_types: dict[str, mdev.MdevType]) -> VirtualFunction:
         """One VF; raises when it vanished or its vGPU state cannot be read."""
         sysfs = self.sysfs
         key = learned_names_key(gpu.fn.vendor_id, gpu.fn.device_id)
         fn = PciFunction.read(sysfs, address, vf_of=gpu.fn)
         vf = VirtualFunction(index, fn)
-        vf.used_by = usage.vm_for_pci(address)
+        vf.used_by = usage.user("pci", str(address))
         vf.mdev_parent = mdev.is_parent(sysfs, address)
         if vf.mdev_parent:
             vf.mdev_types = _loaded_types(gpu, mdev.list_types(sysfs, address, vf_types))
@@ -365,7 +402,7 @@ class Discovery:
                     names.setdefault(recorded[0], recorded[1])
         return vf
 
-    def _vfs(self, gpu: Gpu, usage: Usage) -> None:
+    def _vfs(self, gpu: Gpu, usage: Occupancy) -> None:
         sysfs = self.sysfs
         key = learned_names_key(gpu.fn.vendor_id, gpu.fn.device_id)
         names: dict[int, str] = {int(k): v for k, v in self.learned.get(key, {}).items()
