@@ -1,13 +1,18 @@
 """`etc/gpulib/gpulib.conf`: INI read with configparser (stdlib on every target).
 
-A missing file means defaults. Unknown sections or keys are warned about (a
-typo must not silently change behaviour, but must not stop a VM either); a
-bad value fails with the file, section and key named.
+A missing file means defaults. Drop-ins `gpulib.conf.d/*.conf` are read
+after it in lexical order. Unknown sections or keys are warned about (a typo
+must not silently change behaviour, but must not stop a VM either); a bad
+value fails with the file, section and key named. A UTF-8 byte-order mark is
+not an error. Where a bad file must not stop the work (discovery for the
+CloudStack agent, the doctor), `Config.load(path, lenient=True)` keeps the
+defaults for what is bad and lists the problems instead of raising.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Mapping
 from typing import Optional
@@ -15,8 +20,13 @@ from typing import Optional
 from gpulib.errors import ConfigError
 from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress
+from gpulib.sysfs import ReadFailure, read_file
 
 log = logging.getLogger(__name__)
+
+# gpulib.conf and each drop-in: a hand-edited INI file is a few KB.
+CONFIG_MAX = 1024 * 1024
+DROPIN_SUFFIX = ".conf"
 
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
@@ -107,49 +117,116 @@ class Config:
         self._values: dict[str, dict[str, str]] = {
             s: {k: d for k, (d, _) in keys.items()} for s, keys in DEFAULTS.items()}
         self.pools: dict[str, PoolConfig] = {}
+        # What a lenient load set aside (each with its file named); empty
+        # after a strict load, which raises on the first instead.
+        self.problems: list[str] = []
+        self._lenient = False
+        self._sources: dict[tuple[str, str], str] = {}
 
     # -- loading -------------------------------------------------------------
     @classmethod
-    def load(cls, path: str) -> Config:
-        cfg = cls(path)
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except FileNotFoundError:
-            return cfg
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: cannot parse: not UTF-8 text") from None
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-        if not any(line.strip() and line.lstrip()[0] not in "#;" for line in text.splitlines()):
-            # The shipped file is all comments: defaults, without paying for
-            # configparser on every VM start.
-            return cfg
-        import configparser
+    def load(cls, path: str, lenient: bool = False) -> Config:
+        """gpulib.conf, then the drop-ins `<path>.d/*.conf` in lexical order
+        (a key set again later wins; inside one file a duplicate section or
+        key is a problem, as configparser's strict mode has it).
 
-        parser = configparser.ConfigParser(interpolation=None, strict=True)
-        try:
-            parser.read_string(text, source=path)
-        except configparser.Error as exc:
-            first = str(exc).splitlines()[0]
-            raise ConfigError(f"{path}: cannot parse: {first}") from None
-        for section in parser.sections():
+        Strict (the default): the first problem raises ConfigError. Lenient
+        (discovery for the agent, the doctor, snapshots): a problem is kept
+        in `problems` (for the caller to log or report), and what it touches
+        is left at its default -- an unreadable or unparsable file, a line
+        with a NUL, a bad value, a bad pool -- while everything else still
+        applies. A UTF-8 byte-order mark is never a problem.
+        """
+        cfg = cls(path)
+        cfg._lenient = lenient
+        merged: dict[str, dict[str, tuple[str, str]]] = {}
+        for source in [path, *_dropins(path, cfg)]:
+            for section, items in cfg._parse_file(source, optional=source == path).items():
+                into = merged.setdefault(section, {})
+                for key, value in items.items():
+                    into[key] = (value, source)
+        for section, entries in merged.items():
             if section.startswith("pool "):
-                cfg._load_pool(section[5:].strip(), parser[section])
+                cfg._load_pool(section[5:].strip(), entries)
                 continue
             if section not in DEFAULTS:
-                log.warning("%s: unknown section [%s] ignored", path, section)
+                first = next(iter(entries.values()), ("", path))[1]
+                log.warning("%s: unknown section [%s] ignored", first, section)
                 continue
-            for key, value in parser[section].items():
+            for key, (value, source) in entries.items():
                 if key not in DEFAULTS[section]:
-                    log.warning("%s: unknown key %s in [%s] ignored", path, key, section)
+                    log.warning("%s: unknown key %s in [%s] ignored", source, key, section)
                     continue
-                cfg._check(section, key, value)
+                cfg._sources[(section, key)] = source
+                try:
+                    cfg._check(section, key, value)
+                except ConfigError as exc:
+                    cfg._problem(exc.message, "the default is used")
+                    cfg._sources.pop((section, key), None)
+                    continue
                 cfg._values[section][key] = value.strip()
         return cfg
 
+    def _problem(self, message: str, outcome: str) -> None:
+        """Strict: raise. Lenient: keep `message` with what became of it."""
+        if not self._lenient:
+            raise ConfigError(message)
+        # Kept, not logged here: a lenient load may run before logging is
+        # set up (the CLI reads the log settings from it); the caller logs.
+        self.problems.append(f"{message} ({outcome})")
+
+    def _parse_file(self, source: str, optional: bool) -> dict[str, dict[str, str]]:
+        """One file's sections and keys; {} when it is missing or unusable."""
+        data = read_file(source, CONFIG_MAX)
+        if isinstance(data, ReadFailure):
+            if not (optional and data.missing):
+                self._problem(f"{source}: cannot read: {data.reason}", "file ignored")
+            return {}
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            self._problem(f"{source}: cannot parse: not UTF-8 text", "file ignored")
+            return {}
+        # Editors on other systems save a byte-order mark: it is not content.
+        if text.startswith("\ufeff"):
+            text = text[1:]
+        if "\0" in text:
+            lines = text.split("\n")
+            bad = [i for i, line in enumerate(lines, start=1) if "\0" in line]
+            self._problem(f"{source}: line {bad[0]} holds a NUL byte",
+                          f"{len(bad)} line(s) with a NUL ignored")
+            text = "\n".join(line for line in lines if "\0" not in line)
+        if not any(line.strip() and line.lstrip()[0] not in "#;" for line in text.splitlines()):
+            # The shipped file is all comments: defaults, without paying for
+            # configparser on every VM start.
+            return {}
+        import configparser
+
+        for strict in (True, False):
+            parser = configparser.ConfigParser(interpolation=None, strict=strict)
+            try:
+                parser.read_string(text, source=source)
+            except configparser.DuplicateOptionError as exc:
+                if strict:
+                    self._problem(f"{source}: line {exc.lineno}: key {exc.option} given twice "
+                                  f"in [{exc.section}]", "the last one is used")
+                    continue
+                return {}
+            except configparser.DuplicateSectionError as exc:
+                if strict:
+                    self._problem(f"{source}: line {exc.lineno}: section [{exc.section}] given "
+                                  "twice", "their keys are merged, the last one wins")
+                    continue
+                return {}
+            except configparser.Error as exc:
+                first = str(exc).splitlines()[0]
+                self._problem(f"{source}: cannot parse: {first}", "file ignored")
+                return {}
+            return {name: dict(parser[name].items()) for name in parser.sections()}
+        return {}
+
     def _where(self, section: str, key: str) -> str:
-        return f"{self.path}: [{section}] {key}"
+        return f"{self._sources.get((section, key), self.path)}: [{section}] {key}"
 
     def _check(self, section: str, key: str, value: str) -> None:
         kind = DEFAULTS[section][key][1]
@@ -172,20 +249,32 @@ class Config:
         if kind == "match-list":
             Match(value, where)
 
-    def _load_pool(self, name: str, section: Mapping[str, str]) -> None:
+    def _load_pool(self, name: str, items: Mapping[str, tuple[str, str]]) -> None:
         sec = f"pool {name}"
+        source = next(iter(items.values()), ("", self.path))[1]
+        try:
+            self._pool(name, sec, source, {k: v for k, (v, _) in items.items()},
+                       {k: src for k, (_, src) in items.items()})
+        except ConfigError as exc:
+            self._problem(exc.message, "pool ignored")
+
+    def _pool(self, name: str, sec: str, source: str, section: Mapping[str, str],
+              sources: Mapping[str, str]) -> None:
+        def where(key: str) -> str:
+            return f"{sources.get(key, source)}: [{sec}] {key}"
+
         if not _POOL_NAME.match(name):
-            raise ConfigError(f"{self.path}: [{sec}]: pool names are letters, digits, _ . -")
+            raise ConfigError(f"{source}: [{sec}]: pool names are letters, digits, _ . -")
         for key in section:
             if key not in POOL_KEYS:
-                log.warning("%s: unknown key %s in [%s] ignored", self.path, key, sec)
-        parents = Match(section.get("parents", "all"), self._where(sec, "parents"))
+                log.warning("%s: unknown key %s in [%s] ignored", sources[key], key, sec)
+        parents = Match(section.get("parents", "all"), where("parents"))
         type_id = section.get("type")
         profile = section.get("profile")
         if (type_id is None) == (profile is None):
-            raise ConfigError(f"{self.path}: [{sec}]: set exactly one of type or profile")
+            raise ConfigError(f"{source}: [{sec}]: set exactly one of type or profile")
         if type_id is not None and not _TYPE_ID.match(type_id.strip()):
-            raise ConfigError(f"{self._where(sec, 'type')}: {type_id!r} is not a type id")
+            raise ConfigError(f"{where('type')}: {type_id!r} is not a type id")
         counts = {}
         for key in ("count", "per_parent"):
             raw = section.get(key)
@@ -196,11 +285,11 @@ class Config:
                 if not 0 <= n <= 4096:
                     raise ValueError
             except ValueError:
-                raise ConfigError(f"{self._where(sec, key)}: {raw!r} is not a count "
+                raise ConfigError(f"{where(key)}: {raw!r} is not a count "
                                   "from 0 to 4096") from None
             counts[key] = n
         if len(counts) != 1:
-            raise ConfigError(f"{self.path}: [{sec}]: set exactly one of count or per_parent")
+            raise ConfigError(f"{source}: [{sec}]: set exactly one of count or per_parent")
         self.pools[name] = PoolConfig(
             name, parents, type_id.strip() if type_id else None,
             profile.strip() if profile else None,
@@ -218,6 +307,20 @@ class Config:
 
     def match(self, section: str, key: str) -> Match:
         return Match(self._values[section][key], self._where(section, key))
+
+
+def _dropins(path: str, cfg: Config) -> list[str]:
+    """`<path>.d/*.conf` in lexical order (hidden files and other names skipped)."""
+    directory = path + ".d"
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        cfg._problem(f"{directory}: cannot list: {exc.strerror}", "drop-ins ignored")
+        return []
+    return [os.path.join(directory, n) for n in sorted(names)
+            if n.endswith(DROPIN_SUFFIX) and not n.startswith(".")]
 
 
 def example_config() -> str:

@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 
 # Root-relative locations (DESIGN section 2.5 and 3).
 CONFIG_FILE = "etc/gpulib/gpulib.conf"
+# Drop-ins read after CONFIG_FILE, `*.conf` in lexical order (packages and
+# configuration management add files here instead of editing gpulib.conf).
+CONFIG_DROPIN_DIR = CONFIG_FILE + ".d"
 STATE_DIR = "var/lib/gpulib"
 STATE_FILE = STATE_DIR + "/state.json"
 LOCK_FILE = STATE_DIR + "/state.lock"
@@ -60,6 +63,13 @@ class Context:
             from gpulib.sim.kernel import SimulatedKernel
 
             kernel = SimulatedKernel(root)
+            # The fault mode (gpulib.sim.faults) is looked for only here, so
+            # a real host's reads never consult a fault table.
+            from gpulib.sim.faults import FaultySysfs, load_table
+
+            faults = load_table(root)
+            if faults:
+                return cls(FaultySysfs(root, faults, kernel_write=kernel.write))
             return cls(Sysfs(root, kernel_write=kernel.write, simulated=True))
         return cls(Sysfs(root))
 

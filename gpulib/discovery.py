@@ -3,7 +3,11 @@
 Discovery never writes sysfs. A device that cannot be read fully is still
 listed with what could be read and the error noted: the CloudStack agent marks
 every device missing from a report as failed, so a partial failure must never
-empty the report.
+empty the report. Faults are kept to what they touch: a PCI function whose
+identity cannot be read is left out, a VF whose vGPU state cannot be read is
+left out of its GPU's VFs, an mdev type whose `name` or `description` cannot
+be read is left out of the offered types (its live vGPUs stay listed), and
+the GPU carries the paths and reasons in `errors`.
 
 What counts as a GPU: display-class functions (0x03xx: VGA, XGA, 3D, Display
 controller) that are not BMC or emulated adapters, and processing accelerators
@@ -19,7 +23,7 @@ from typing import Callable, Optional
 
 from gpulib import mdev, nvidia
 from gpulib.config import Config, Match
-from gpulib.errors import GpulibError
+from gpulib.errors import DeviceError, GpulibError
 from gpulib.occupancy import (
     ACTIVE,
     Hold,
@@ -40,7 +44,7 @@ from gpulib.pci import (
     virtfn_links,
 )
 from gpulib.pciids import PciNames
-from gpulib.sysfs import Sysfs
+from gpulib.sysfs import ReadFailure, Sysfs
 from gpulib.usage import running_domains
 
 log = logging.getLogger(__name__)
@@ -265,23 +269,36 @@ class Discovery:
                 except GpulibError:
                     continue
         gpus: list[Gpu] = []
-        for address in list_addresses(sysfs):
+        # Raises only when sys/bus/pci/devices exists but cannot be listed:
+        # an empty report would tell the agent that every GPU failed.
+        addresses = list_addresses(sysfs)
+        for address in addresses:
+            mark = len(sysfs.failures)
+            # One device's fault never costs the others: whatever goes wrong
+            # with this function (an odd file, a bug on odd input) stays here.
             try:
                 fn = PciFunction.read_ids(sysfs, address)
                 if not is_gpu_function(fn, include, exclude):
                     continue
-            except OSError as exc:
-                log.warning("cannot read PCI device %s: %s", address, exc)
-                continue
-            try:
                 fn.read_details(sysfs)
-            except OSError as exc:
-                log.warning("GPU %s: cannot read all attributes: %s", address, exc)
-            gpus.append(self._gpu(fn, usage, live))
-        return Inventory(gpus, usage)
+                gpu = self._gpu(fn, usage, live)
+            except Exception as exc:
+                log.warning("PCI device %s left out: cannot read it: %s", address, exc)
+                continue
+            # The files of this GPU (and its VFs) that could not be read.
+            for rel, reason in sysfs.failures[mark:]:
+                note = f"{rel}: {reason}"
+                if note not in gpu.errors:
+                    gpu.errors.append(note)
+            gpus.append(gpu)
+        # A VF is never also a GPU, even when its own `physfn` is unreadable.
+        vfs = {vf.address for g in gpus for vf in g.vfs}
+        for g in gpus:
+            if g.address in vfs:
+                log.warning("%s is a VF of another GPU: not listed as a GPU", g.address)
+        return Inventory([g for g in gpus if g.address not in vfs], usage)
 
     def _gpu(self, fn: PciFunction, usage: Occupancy, live: dict[str, mdev.Mdev]) -> Gpu:
-        sysfs = self.sysfs
         gpu = Gpu(fn)
         steps: tuple[tuple[str, Callable[[], None]], ...] = (
             ("names", lambda: self._names(gpu)),
@@ -289,35 +306,44 @@ class Discovery:
             ("iommu group", lambda: self._group(gpu)),
             ("mdev types", lambda: self._mdev_types(gpu)),
             ("virtual functions", lambda: self._vfs(gpu, usage)),
+            ("vGPUs", lambda: self._vgpus(gpu, usage, live)),
         )
         for what, step in steps:
             try:
                 step()
-            except OSError as exc:
-                gpu.errors.append(f"{what}: {exc.strerror or exc}")
-                log.warning("GPU %s: cannot read %s: %s", fn.address, what, exc)
-        parents = {gpu.address: None} if gpu.mdev_parent else {}
-        for vf in gpu.vfs:
-            if vf.mdev_parent:
-                parents[vf.address] = None
-        if parents:
-            types: dict[tuple[PciAddress, str], mdev.MdevType] = {}
-            for t in gpu.mdev_types:
-                types[(t.parent, t.type_id)] = t
-            for vf in gpu.vfs:
-                for t in vf.mdev_types:
-                    types[(t.parent, t.type_id)] = t
-            for m in sorted(live.values(), key=lambda m: (m.parent, m.type_id, m.uuid)):
-                if m.parent in parents:
-                    t = types.get((m.parent, m.type_id)) or mdev.MdevType(sysfs, m.parent,
-                                                                           m.type_id)
-                    gpu.vgpus.append(Vgpu(m.uuid, m.parent, t, usage.user("mdev", m.uuid),
-                                          m.live))
+            except Exception as exc:  # the GPU is still listed with what could be read
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                gpu.errors.append(f"{what}: {reason}")
+                log.warning("GPU %s: cannot read %s: %s", fn.address, what, reason)
         gpu.used_by = usage.user("pci", str(fn.address))
         if self.config.pools and gpu.mdev_types:
             gpu.pools = declaring_pools(self.config, fn.address, fn.vendor_id, fn.device_id,
                                         gpu.mdev_types)
         return gpu
+
+    def _vgpus(self, gpu: Gpu, usage: Occupancy, live: dict[str, mdev.Mdev]) -> None:
+        parents = {gpu.address: None} if gpu.mdev_parent else {}
+        for vf in gpu.vfs:
+            if vf.mdev_parent:
+                parents[vf.address] = None
+        if not parents:
+            return
+        types: dict[tuple[PciAddress, str], mdev.MdevType] = {}
+        for t in gpu.mdev_types:
+            types[(t.parent, t.type_id)] = t
+        for vf in gpu.vfs:
+            for t in vf.mdev_types:
+                types[(t.parent, t.type_id)] = t
+        for m in sorted(live.values(), key=lambda m: (m.parent, m.type_id, m.uuid)):
+            if m.parent in parents:
+                # A live vGPU of a type left out (unreadable files) is still
+                # listed, with what could be read (its type id as the name).
+                found = types.get((m.parent, m.type_id))
+                if found is None:
+                    found = mdev.MdevType(self.sysfs, m.parent, m.type_id)
+                    found.load()
+                gpu.vgpus.append(Vgpu(m.uuid, m.parent, found, usage.user("mdev", m.uuid),
+                                      m.live))
 
     def _names(self, gpu: Gpu) -> None:
         fn = gpu.fn
@@ -327,8 +353,10 @@ class Discovery:
     def _sriov(self, gpu: Gpu) -> None:
         rel = gpu.fn.rel
         gpu.description = self.sysfs.read(rel + "/description")
-        gpu.sriov_totalvfs = self.sysfs.read_int(rel + "/sriov_totalvfs") or 0
-        gpu.sriov_numvfs = self.sysfs.read_int(rel + "/sriov_numvfs") or 0
+        # The PCIe SR-IOV capability counts VFs in 16 bits.
+        gpu.sriov_totalvfs = self.sysfs.read_int(rel + "/sriov_totalvfs", low=0,
+                                                 high=0xFFFF) or 0
+        gpu.sriov_numvfs = self.sysfs.read_int(rel + "/sriov_numvfs", low=0, high=0xFFFF) or 0
 
     def _group(self, gpu: Gpu) -> None:
         if gpu.fn.iommu_group is not None:
@@ -337,7 +365,42 @@ class Discovery:
     def _mdev_types(self, gpu: Gpu) -> None:
         gpu.mdev_parent = mdev.is_parent(self.sysfs, gpu.address)
         if gpu.mdev_parent:
-            gpu.mdev_types = mdev.list_types(self.sysfs, gpu.address)
+            gpu.mdev_types = _loaded_types(gpu, mdev.list_types(self.sysfs, gpu.address))
+
+    def _vf(self, gpu: Gpu, index: int, address: PciAddress, usage: Occupancy,
+            names: dict[int, str], vf_types: dict[str, mdev.MdevType]) -> VirtualFunction:
+        """One VF; raises when it vanished or its vGPU state cannot be read."""
+        sysfs = self.sysfs
+        key = learned_names_key(gpu.fn.vendor_id, gpu.fn.device_id)
+        fn = PciFunction.read(sysfs, address, vf_of=gpu.fn)
+        vf = VirtualFunction(index, fn)
+        vf.used_by = usage.user("pci", str(address))
+        vf.mdev_parent = mdev.is_parent(sysfs, address)
+        if vf.mdev_parent:
+            vf.mdev_types = _loaded_types(gpu, mdev.list_types(sysfs, address, vf_types))
+        if gpu.fn.vendor_id == nvidia.NVIDIA_VENDOR and nvidia.is_vendor_vf(sysfs, address):
+            # Offering a VF whose vGPU state is unknown could hand a VM a VF
+            # that already has a vGPU: such a VF is left out instead.
+            current_rel = nvidia.vf_rel(address) + "/current_vgpu_type"
+            raw = sysfs.read_result(current_rel)
+            if isinstance(raw, ReadFailure):
+                raise DeviceError(f"{raw.path}: {raw.reason}")
+            text = raw.decode("utf-8", "replace").strip()
+            if not text.isdigit() or len(text) > nvidia.TYPE_ID_DIGITS:
+                raise DeviceError(f"{sysfs.path(current_rel)}: not a vGPU type id")
+            current = int(text)
+            creatable = nvidia.creatable_types(sysfs, address)
+            for tid, name in creatable.items():
+                if names.get(tid) != name:
+                    names[tid] = name
+                    self.new_names.setdefault(key, {})[str(tid)] = name
+            vf.nvidia = NvidiaVf(current, creatable, None)
+            recorded = self.vf_types.get(str(address))
+            if recorded is not None:
+                vf.nvidia.recorded_type = recorded[0]
+                if recorded[1]:
+                    names.setdefault(recorded[0], recorded[1])
+        return vf
 
     def _vfs(self, gpu: Gpu, usage: Occupancy) -> None:
         sysfs = self.sysfs
@@ -347,29 +410,15 @@ class Discovery:
         nvidia_vfs: list[VirtualFunction] = []
         vf_types: dict[str, mdev.MdevType] = {}  # shared names/descriptions across VFs
         for index, address in virtfn_links(sysfs, gpu.address):
+            # One bad VF is left out; the VFs after it are still read.
             try:
-                fn = PciFunction.read(sysfs, address, vf_of=gpu.fn)
-            except OSError as exc:
-                gpu.errors.append(f"VF {address}: {exc}")
-                fn = PciFunction(address)
-            vf = VirtualFunction(index, fn)
-            vf.used_by = usage.user("pci", str(address))
-            vf.mdev_parent = mdev.is_parent(sysfs, address)
-            if vf.mdev_parent:
-                vf.mdev_types = mdev.list_types(sysfs, address, vf_types)
-            if gpu.fn.vendor_id == nvidia.NVIDIA_VENDOR and nvidia.is_vendor_vf(sysfs, address):
-                creatable = nvidia.creatable_types(sysfs, address)
-                for tid, name in creatable.items():
-                    if names.get(tid) != name:
-                        names[tid] = name
-                        self.new_names.setdefault(key, {})[str(tid)] = name
-                current = nvidia.current_type(sysfs, address) or 0
-                vf.nvidia = NvidiaVf(current, creatable, None)
-                recorded = self.vf_types.get(str(address))
-                if recorded is not None:
-                    vf.nvidia.recorded_type = recorded[0]
-                    if recorded[1]:
-                        names.setdefault(recorded[0], recorded[1])
+                vf = self._vf(gpu, index, address, usage, names, vf_types)
+            except Exception as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                gpu.errors.append(f"VF {address} left out: {reason}")
+                log.warning("GPU %s: VF %s left out: %s", gpu.address, address, reason)
+                continue
+            if vf.nvidia is not None:
                 nvidia_vfs.append(vf)
             gpu.vfs.append(vf)
         for vf in nvidia_vfs:
@@ -386,6 +435,26 @@ class Discovery:
                 if ids not in cache:
                     cache[ids] = self.names.device(ids[0], ids[1], vf.address)
                 vf.device_name = cache[ids]
+
+
+def _loaded_types(gpu: Gpu, types: list[mdev.MdevType]) -> list[mdev.MdevType]:
+    """`types` with name and description read; one whose files cannot be read
+    is left out (its failure noted on the GPU), the others stay."""
+    out = []
+    for t in types:
+        sibling = t.same_as
+        if sibling is not None:
+            # Shares the files of the same type on another VF, read (and
+            # its failures noted) once already.
+            if not sibling.load():
+                out.append(t)
+            continue
+        failures = t.load()
+        if failures:
+            gpu.errors.extend(failures)
+            continue
+        out.append(t)
+    return out
 
 
 def discover(sysfs: Sysfs, config: Optional[Config] = None,

@@ -61,11 +61,11 @@ from gpulib.context import (
     Context,
 )
 from gpulib.discovery import BRIDGE_BASE_CLASS, Gpu, Inventory
-from gpulib.errors import GpulibError
 from gpulib.nvidia import NVIDIA_VENDOR
 from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction
 from gpulib.runtime import discover_host
 from gpulib.state import CorruptStateError, State, StateVersionError
+from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 
 log = logging.getLogger(__name__)
 
@@ -427,10 +427,11 @@ class Doctor:
             config_log.addHandler(collect)
             config_log.setLevel(min(level or logging.WARNING, logging.WARNING))
             try:
-                self._config = Config.load(self.ctx.config_path)
-            except GpulibError as exc:
-                self._config_error = exc.message
-                self._config = Config()
+                # Lenient: the other checks run with what can be read; the
+                # problems are the `config` check's finding.
+                self._config = Config.load(self.ctx.config_path, lenient=True)
+                if self._config.problems:
+                    self._config_error = "; ".join(self._config.problems)
             finally:
                 config_log.removeHandler(collect)
                 config_log.setLevel(level)
@@ -447,15 +448,12 @@ class Doctor:
         return self._state or State()
 
     def _load_state(self) -> Optional[State]:
-        path = self.ctx.state_path
-        try:
-            with open(path, "rb") as fh:
-                raw = fh.read()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
+        raw = read_file(self.ctx.state_path, DOCUMENT_MAX)
+        if isinstance(raw, ReadFailure):
+            if raw.missing:
+                return None
             self._state_error = (
-                FAIL, f"cannot read the state file: {exc.strerror}",
+                FAIL, f"cannot read the state file: {raw.reason}",
                 f"run gpulib doctor as root; check the permissions: ls -ld {host_path(STATE_DIR)} "
                 f"{host_path(STATE_FILE)}")
             return None
@@ -1043,8 +1041,10 @@ class Doctor:
         config = self.config
         if self._config_error:
             return [Result(cid, FAIL, path, self._config_error,
-                           f"correct the value named in {path} (`gpulib` refuses to run "
-                           "with it); every key and its default is in the shipped example")]
+                           "correct the file, line or value named (the hooks and the "
+                           "commands that change the host refuse to run with it; discover "
+                           "and doctor use the defaults for it); every key and its default "
+                           "is in the shipped example")]
         if self._config_warnings:
             return [Result(cid, WARN, path, " ".join(m.split(": ", 1)[-1] for m in
                                                      self._config_warnings),
@@ -1069,7 +1069,8 @@ class Doctor:
                               "not writable by this user", "run gpulib doctor as root")
             return None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # Non-blocking: a FIFO in place of the lock must not hang the doctor.
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as exc:
             return Result("state", WARN, shown, f"cannot open the lock {shown}: {exc.strerror}",
                           "run gpulib doctor as root")

@@ -5,8 +5,10 @@ Parents appear as `sys/class/mdev_bus/<parent>`; their types as
 device_api,create,devices/}`; live mdevs as `sys/bus/mdev/devices/<uuid>`
 with an `mdev_type` link and a `remove` file.
 
-Reading is lazy per type: a large host has thousands of type directories and
-most callers need only the few types that have live devices.
+Outside discovery, reading is lazy per type: a large host has thousands of
+type directories and most callers need only the few types that have live
+devices. Discovery reads each listed type's `name` and `description` at once
+(`MdevType.load`), inside its per-device guard.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Optional
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.lazyre import lazy
 from gpulib.pci import PCI_DEVICES, PciAddress
-from gpulib.sysfs import Sysfs
+from gpulib.sysfs import ReadFailure, Sysfs
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +33,18 @@ TYPES_DIR = "mdev_supported_types"
 _TYPE_ID_RE = lazy(r"^[A-Za-z0-9_.:+-]{1,128}\Z")
 _UUID_RE = lazy(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
                 r"[0-9a-fA-F]{12}\Z")
+# At most 7 digits per number: no real value is larger, and a garbage
+# description must not put a thousand-digit number in a report.
 _NUM = {
-    "max_instance": lazy(r"max_instance=(\d+)"),
-    "framebuffer": lazy(r"framebuffer=(\d+)\s*([MG])?"),
-    "num_heads": lazy(r"num_heads=(\d+)"),
-    "max_resolution": lazy(r"max_resolution=(\d+)x(\d+)"),
+    "max_instance": lazy(r"max_instance=(\d{1,7})(?!\d)"),
+    "framebuffer": lazy(r"framebuffer=(\d{1,7})(?!\d)\s*([MG])?"),
+    "num_heads": lazy(r"num_heads=(\d{1,7})(?!\d)"),
+    "max_resolution": lazy(r"max_resolution=(\d{1,7})x(\d{1,7})(?!\d)"),
 }
 # Intel GVT-g writes "resolution: 1920x1200" lines instead.
-_GVT_RES = lazy(r"^resolution:\s*(\d+)x(\d+)", re.M)
+_GVT_RES = lazy(r"^resolution:\s*(\d{1,7})x(\d{1,7})(?!\d)", re.M)
+# A type's name as shown in reports: one line, bounded.
+NAME_MAX = 256
 
 
 def check_uuid(text: str) -> str:
@@ -111,9 +117,45 @@ class MdevType:
         self._name_read = False
         self._description: Optional[Description] = None
         self._description_text: Optional[str] = None
+        # What `load` could not read (paths and reasons).
+        self.failures: list[str] = []
+
+    @property
+    def same_as(self) -> Optional[MdevType]:
+        return self._same_as
 
     def __repr__(self) -> str:
         return f"MdevType({self.parent}, {self.type_id!r})"
+
+    def load(self) -> list[str]:
+        """Read `name` and `description` now; the reasons they could not be
+        read (empty when both were read or are simply absent).
+
+        Discovery calls this inside its per-device guard, so nothing is read
+        lazily while a report is rendered."""
+        if self._same_as is not None:
+            return self._same_as.load()
+        failures = self.failures
+        if not self._name_read:
+            self._name_read = True
+            data = self._sysfs.read_result(self.rel + "/name")
+            if isinstance(data, ReadFailure):
+                if not data.missing:
+                    failures.append(f"{self.rel}/name: {data.reason}")
+                    self._sysfs.failed(self.rel + "/name", data.reason)
+            else:
+                self._name = _one_line(data.decode("utf-8", "replace")) or None
+        if self._description is None:
+            data = self._sysfs.read_result(self.rel + "/description")
+            if isinstance(data, ReadFailure):
+                if not data.missing:
+                    failures.append(f"{self.rel}/description: {data.reason}")
+                    self._sysfs.failed(self.rel + "/description", data.reason)
+                self._description_text = None
+            else:
+                self._description_text = data.decode("utf-8", "replace").strip()
+            self._description = Description(self._description_text)
+        return failures
 
     @property
     def name(self) -> Optional[str]:
@@ -122,7 +164,7 @@ class MdevType:
             return self._same_as.name
         if not self._name_read:
             self._name_read = True
-            self._name = self._sysfs.read(self.rel + "/name") or None
+            self._name = _one_line(self._sysfs.read(self.rel + "/name") or "") or None
         return self._name
 
     @property
@@ -152,7 +194,7 @@ class MdevType:
 
     @property
     def available_instances(self) -> Optional[int]:
-        return self._sysfs.read_int(self.rel + "/available_instances")
+        return self._sysfs.read_int(self.rel + "/available_instances", low=0, high=1 << 20)
 
     @property
     def device_api(self) -> Optional[str]:
@@ -160,6 +202,12 @@ class MdevType:
 
     def live_uuids(self) -> list[str]:
         return sorted(self._sysfs.listdir(self.rel + "/devices"))
+
+
+def _one_line(text: str) -> str:
+    """The first line of `text`, without control characters, at most NAME_MAX long."""
+    line = text.strip().split("\n", 1)[0]
+    return "".join(c for c in line if c.isprintable())[:NAME_MAX].strip()
 
 
 class Mdev:
@@ -188,6 +236,9 @@ def list_types(sysfs: Sysfs, parent: PciAddress,
     names = sysfs.listdir(f"{PCI_DEVICES}{parent}/{TYPES_DIR}")
     out = []
     for n in sorted(names):
+        if not _TYPE_ID_RE.match(n) or ".." in n:
+            sysfs.failed(f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{n}", "not a type id")
+            continue
         t = MdevType(sysfs, parent, n, same_as=siblings.get(n) if siblings is not None else None)
         if siblings is not None:
             siblings.setdefault(n, t)
@@ -217,6 +268,8 @@ def live_mdevs(sysfs: Sysfs) -> dict[str, Mdev]:
 
 def read_mdev(sysfs: Sysfs, uuid: str) -> Optional[Mdev]:
     """A live mdev, or None if no such device exists."""
+    if not _UUID_RE.match(uuid):
+        return None  # a stray entry: only UUIDs name mdevs
     rel = f"{MDEV_DEVICES}/{uuid}"
     if not sysfs.exists(rel):
         return None

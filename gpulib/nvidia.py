@@ -22,7 +22,9 @@ from gpulib.sysfs import Sysfs
 log = logging.getLogger(__name__)
 
 NVIDIA_VENDOR = 0x10DE
-_LINE = lazy(r"^\s*(\d+)\s*:\s*(.*?)\s*$")
+# Type ids are small numbers (the driver's are below 10**4); 9 digits is the bound.
+TYPE_ID_DIGITS = 9
+_LINE = lazy(r"^\s*(\d{1,9})\s*:\s*(.{1,256}?)\s*$")
 # "NVIDIA A10-6Q", "GRID T4-2Q", "NVIDIA H200X-1-18C": the last number before
 # the series letter(s) is the frame buffer in GB.
 _PROFILE_FB = lazy(r"-(\d+)([A-Z]{1,3})$")
@@ -52,7 +54,8 @@ def is_vendor_vf(sysfs: Sysfs, vf: PciAddress) -> bool:
 
 
 def current_type(sysfs: Sysfs, vf: PciAddress) -> Optional[int]:
-    return sysfs.read_int(vf_rel(vf) + "/current_vgpu_type")
+    return sysfs.read_int(vf_rel(vf) + "/current_vgpu_type", low=0,
+                          high=10 ** TYPE_ID_DIGITS - 1)
 
 
 def creatable_types(sysfs: Sysfs, vf: PciAddress) -> dict[int, str]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from typing import NamedTuple, Optional
 
-from gpulib.errors import InputError
+from gpulib.errors import DeviceError, InputError
 from gpulib.lazyre import lazy
-from gpulib.sysfs import Sysfs
+from gpulib.sysfs import ReadFailure, Sysfs
 
 PCI_DEVICES = "sys/bus/pci/devices/"
 
@@ -141,6 +141,8 @@ CLASS_NAMES = {
 # Vendors whose 0x1200 devices are GPUs (compute GPUs like AMD Instinct
 # MI300X report "Processing accelerators"), and vendors that make GPUs.
 GPU_VENDORS = frozenset({0x10DE, 0x1002, 0x8086})
+# Linux's MAX_NUMNODES is at most 1 << 10; anything larger in `numa_node` is garbage.
+MAX_NUMA_NODE = 1 << 10
 
 
 def class_name(code: int) -> str:
@@ -156,7 +158,7 @@ class PciFunction:
 
     __slots__ = ("address", "class_code", "device_id", "driver", "iommu_group", "numa_node",
                  "pci_root", "physfn", "prog_if", "rel", "revision", "subsystem_device",
-                 "subsystem_vendor", "vendor_id")
+                 "subsystem_vendor", "vendor_id", "vf_unresolved")
 
     def __init__(self, address: PciAddress) -> None:
         self.address = address
@@ -173,6 +175,8 @@ class PciFunction:
         self.numa_node = -1
         self.pci_root: Optional[PciAddress] = None
         self.physfn: Optional[PciAddress] = None
+        # A `physfn` entry that names no PF (a loop, a bad target): still a VF.
+        self.vf_unresolved = False
 
     @classmethod
     def read(cls, sysfs: Sysfs, address: PciAddress, vf_of: Optional[PciFunction] = None
@@ -184,13 +188,13 @@ class PciFunction:
         """
         fn = cls(address)
         rel = fn.rel
-        klass = sysfs.read_int(rel + "/class", 16)
+        klass = sysfs.read_id(rel + "/class", 24)
         if klass is None and not sysfs.exists(rel):
             raise FileNotFoundError(f"no PCI device {address}")
         fn.class_code = (klass or 0) >> 8
         fn.prog_if = (klass or 0) & 0xFF
-        fn.vendor_id = sysfs.read_int(rel + "/vendor", 16) or 0
-        fn.device_id = sysfs.read_int(rel + "/device", 16) or 0
+        fn.vendor_id = sysfs.read_id(rel + "/vendor") or 0
+        fn.device_id = sysfs.read_id(rel + "/device") or 0
         fn.read_details(sysfs, vf_of)
         return fn
 
@@ -199,36 +203,43 @@ class PciFunction:
         """Only class, vendor, device and physfn: enough to decide if it is a GPU."""
         fn = cls(address)
         rel = fn.rel
-        klass = sysfs.read_int(rel + "/class", 16) or 0
+        klass = sysfs.read_id(rel + "/class", 24) or 0
         fn.class_code = klass >> 8
         fn.prog_if = klass & 0xFF
-        fn.vendor_id = sysfs.read_int(rel + "/vendor", 16) or 0
-        fn.device_id = sysfs.read_int(rel + "/device", 16) or 0
-        fn.physfn = _physfn(sysfs, rel)
+        fn.vendor_id = sysfs.read_id(rel + "/vendor") or 0
+        fn.device_id = sysfs.read_id(rel + "/device") or 0
+        fn._read_physfn(sysfs)
         return fn
 
     def read_details(self, sysfs: Sysfs, vf_of: Optional[PciFunction] = None) -> None:
         rel = self.rel
         self.driver = sysfs.link_name(rel + "/driver")
         group = sysfs.link_name(rel + "/iommu_group")
-        self.iommu_group = int(group) if group and group.isdigit() else None
-        numa = sysfs.read_int(rel + "/numa_node")
+        # Group numbers are small; a link named otherwise is not a group.
+        self.iommu_group = int(group) if group and group.isdigit() and len(group) <= 9 else None
+        numa = sysfs.read_int(rel + "/numa_node", low=-1, high=MAX_NUMA_NODE)
         self.numa_node = -1 if numa is None else numa
         if vf_of is not None:
             self.physfn = vf_of.address
             self.pci_root = vf_of.pci_root
             return
-        self.physfn = _physfn(sysfs, rel)
+        self._read_physfn(sysfs)
         self.pci_root = pci_root(sysfs, self.address)
 
+    def _read_physfn(self, sysfs: Sysfs) -> None:
+        self.physfn = _physfn(sysfs, self.rel)
+        self.vf_unresolved = self.physfn is None and sysfs.exists(self.rel + "/physfn")
+        if self.vf_unresolved:
+            sysfs.failed(self.rel + "/physfn", "names no physical function")
+
     def read_subsystem(self, sysfs: Sysfs) -> None:
-        self.subsystem_vendor = sysfs.read_int(self.rel + "/subsystem_vendor", 16)
-        self.subsystem_device = sysfs.read_int(self.rel + "/subsystem_device", 16)
-        self.revision = sysfs.read_int(self.rel + "/revision", 16)
+        self.subsystem_vendor = sysfs.read_id(self.rel + "/subsystem_vendor")
+        self.subsystem_device = sysfs.read_id(self.rel + "/subsystem_device")
+        self.revision = sysfs.read_id(self.rel + "/revision", 8)
 
     @property
     def is_vf(self) -> bool:
-        return self.physfn is not None
+        return self.physfn is not None or self.vf_unresolved
 
     @property
     def class_name(self) -> str:
@@ -286,8 +297,26 @@ def _addresses_in(sysfs: Sysfs, rel: str) -> list[PciAddress]:
 
 
 def list_addresses(sysfs: Sysfs) -> list[PciAddress]:
-    """Every PCI function on the host, in address order."""
-    return _addresses_in(sysfs, PCI_DEVICES.rstrip("/"))
+    """Every PCI function on the host, in address order.
+
+    A host without `sys/bus/pci/devices` has none; one whose directory cannot
+    be listed (a symlink loop, EIO) raises DeviceError: an empty list would
+    tell the CloudStack agent that every GPU is gone.
+    """
+    rel = PCI_DEVICES.rstrip("/")
+    names = sysfs.listdir_result(rel)
+    if isinstance(names, ReadFailure):
+        if names.missing:
+            return []
+        raise DeviceError(f"cannot list the PCI devices in {names.path}: {names.reason}")
+    out = []
+    for name in names:
+        try:
+            out.append(PciAddress.parse(name))
+        except InputError:
+            continue
+    out.sort()
+    return out
 
 
 def virtfn_links(sysfs: Sysfs, pf: PciAddress) -> list[tuple[int, PciAddress]]:

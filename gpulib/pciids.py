@@ -18,9 +18,18 @@ from __future__ import annotations
 from typing import Optional
 
 from gpulib.pci import PciAddress
-from gpulib.sysfs import Sysfs
+from gpulib.sysfs import ATTRIBUTE_MAX, DOCUMENT_MAX, Sysfs
 
 PCI_IDS_PATHS = ("usr/share/misc/pci.ids", "usr/share/hwdata/pci.ids", "usr/share/pci.ids")
+# pci.ids names are below 100 characters; a longer one is garbage, cut.
+NAME_MAX = 200
+
+
+def clean_name(text: str) -> str:
+    """A name fit for a report: printable characters only, bounded."""
+    if len(text) <= NAME_MAX and text.isprintable():
+        return text
+    return "".join(c for c in text[:NAME_MAX] if c.isprintable()).strip()
 
 
 class PciNames:
@@ -34,20 +43,22 @@ class PciNames:
         if not self._loaded:
             self._loaded = True
             for rel in PCI_IDS_PATHS:
-                data = self._sysfs.read_bytes(rel)
+                # A FIFO, a directory or a 1 GB file in its place is skipped
+                # (logged once): names fall back to the next source.
+                data = self._sysfs.read_bytes(rel, DOCUMENT_MAX)
                 if data is not None:
                     self._text = data.decode("utf-8", "replace")
                     break
         return self._text or ""
 
     def _udev(self, address: PciAddress) -> dict[str, str]:
-        text = self._sysfs.read(f"run/udev/data/+pci:{address}")
+        text = self._sysfs.read(f"run/udev/data/+pci:{address}", ATTRIBUTE_MAX)
         out: dict[str, str] = {}
         if text:
             for line in text.splitlines():
                 if line.startswith("E:ID_") and "=" in line:
                     key, _, value = line[2:].partition("=")
-                    out[key] = value
+                    out[key] = clean_name(value)
         if not out and self._sysfs.root == "/":
             modalias = self._sysfs.read(f"sys/bus/pci/devices/{address}/modalias")
             if modalias:
@@ -86,7 +97,7 @@ class PciNames:
             if name:
                 return name
         found, _ = self._vendor_block(vendor)
-        return found or f"Vendor {vendor:04x}"
+        return clean_name(found) if found else f"Vendor {vendor:04x}"
 
     def device(self, vendor: int, device: int, address: Optional[PciAddress] = None) -> str:
         if address is not None:
@@ -98,7 +109,7 @@ class PciNames:
         start = block.find(key)
         if start >= 0:
             end = block.find("\n", start + 1)
-            return block[start + len(key):end if end >= 0 else None].strip()
+            return clean_name(block[start + len(key):end if end >= 0 else None].strip())
         return f"Device {device:04x}"
 
 

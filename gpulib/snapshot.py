@@ -5,7 +5,10 @@ laid out as on the host, with every member stored relative: unpacked, the
 tree works unchanged as `GPULIB_ROOT` (with `GPULIB_SIMULATE=1`, vGPUs can
 even be created and removed in it). What goes in:
 
-* sysfs for every PCI function of display or accelerator class, their VFs and
+* for every PCI function, its identity: `class`, `vendor`, `device`,
+  `subsystem_*`, `revision`, and its `driver`, `iommu_group`, `physfn` and
+  `virtfnN` links (why a GPU was not found shows there);
+* in full, sysfs for every PCI function of display or accelerator class, their VFs and
   PFs, audio functions in their slots, every endpoint of their IOMMU groups
   and the bridges above them: the device directories' attribute files (not
   `config`, `resource*`, `rom`; binary, unreadable and write-only files such
@@ -75,6 +78,7 @@ from gpulib.pci import (
     virtfn_links,
 )
 from gpulib.pciids import PCI_IDS_PATHS
+from gpulib.sysfs import ReadFailure, read_file
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,10 @@ EMPTY_ATTRS = frozenset({"vpd", "reset", "remove", "rescan"})
 DEVICE_SUBDIRS = {mdev.TYPES_DIR: 2, "nvidia": 1}
 # Links kept even when their target is outside the tarball (the target dir is created).
 KNOWN_LINKS = frozenset({"driver", "iommu_group", "physfn", "subsystem", "mdev_type"})
+# Of every other PCI function: what identifies it and says who holds it.
+IDENTITY_ATTRS = frozenset({"class", "vendor", "device", "subsystem_vendor",
+                            "subsystem_device", "revision"})
+IDENTITY_LINKS = frozenset({"driver", "iommu_group", "physfn"})
 MODULES = ("nouveau", "nvidia", "nvidia_vgpu_vfio", "nvidia_drm", "nvidia_modeset",
            "nvidia_uvm", "vfio", "vfio_pci", "vfio_pci_core", "vfio_iommu_type1", "mdev",
            "vfio_mdev", "kvm", "kvm_intel", "kvm_amd", "kvmgt", "i915", "xe", "amdgpu",
@@ -148,11 +156,21 @@ class Entry:
     target: str = ""
 
 
+def all_functions(ctx: Context) -> list[PciAddress]:
+    """Every PCI function; [] (logged) when `sys/bus/pci/devices` cannot be
+    listed: a snapshot of such a host is still worth having."""
+    try:
+        return list_addresses(ctx.sysfs)
+    except GpulibError as exc:
+        log.warning("snapshot: %s", exc.message)
+        return []
+
+
 def select_functions(ctx: Context, config: Optional[Config] = None) -> list[PciAddress]:
-    """The PCI functions whose directories go into the snapshot."""
+    """The PCI functions whose directories go into the snapshot in full."""
     sysfs = ctx.sysfs
     include = (config or Config()).match("discovery", "include")
-    fns = {a: PciFunction.read_ids(sysfs, a) for a in list_addresses(sysfs)}
+    fns = {a: PciFunction.read_ids(sysfs, a) for a in all_functions(ctx)}
     selected: set[PciAddress] = set()
     for a, fn in fns.items():
         if fn.class_code >> 8 in (DISPLAY_BASE, ACCEL_BASE) or \
@@ -192,7 +210,8 @@ class Collector:
         self.ctx = ctx
         self.sysfs = ctx.sysfs
         self.entries: dict[str, Entry] = {}
-        self.functions: list[PciAddress] = []
+        self.functions: list[PciAddress] = []  # captured in full
+        self.identities: list[PciAddress] = []  # the others: identity files and links only
 
     # -- low level ----------------------------------------------------------------------
     def _lstat(self, rel: str) -> Optional[os.stat_result]:
@@ -243,24 +262,8 @@ class Collector:
                                   target=target)
 
     def _read(self, rel: str, limit: int) -> Optional[bytes]:
-        try:
-            fd = os.open(self.ctx.path(rel), os.O_RDONLY | os.O_NONBLOCK)
-        except OSError:
-            return None
-        try:
-            chunks: list[bytes] = []
-            size = 0
-            while size <= limit:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    return b"".join(chunks)
-                chunks.append(chunk)
-                size += len(chunk)
-            return None
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+        data = read_file(self.ctx.path(rel), limit)
+        return None if isinstance(data, ReadFailure) else data
 
     def copy_attr(self, rel: str, st: os.stat_result) -> None:
         """A sysfs attribute: its text, or empty with its mode when it cannot be read."""
@@ -359,18 +362,51 @@ class Collector:
             drivers.add(driver)
         self.copy_host_file(f"run/udev/data/+pci:{address}")
 
-    def copy_sysfs(self) -> None:
-        config: Optional[Config]
+    def copy_identity(self, address: PciAddress) -> None:
+        """What tells why discovery did or did not take a function: its ids,
+        class, driver, IOMMU group and SR-IOV links (no other attribute)."""
+        bus = f"{PCI_DEVICES}{address}"
+        self.add_link(bus)
         try:
-            config = Config.load(self.ctx.config_path)
-        except GpulibError:
-            config = None
+            canonical = self.sysfs.resolve(bus)
+        except ValueError:
+            return
+        self.add_dir(canonical)
+        for name in sorted(self.sysfs.listdir(canonical)):
+            if name not in IDENTITY_ATTRS and name not in IDENTITY_LINKS and \
+                    not name.startswith("virtfn"):
+                continue
+            child = f"{canonical}/{name}"
+            st = self._lstat(child)
+            if st is None:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                self.add_link(child)
+            elif stat.S_ISREG(st.st_mode) and name in IDENTITY_ATTRS:
+                self.copy_attr(child, st)
+
+    def copy_sysfs(self) -> None:
+        config = Config.load(self.ctx.config_path, lenient=True)
         self.functions = select_functions(self.ctx, config)
         self.add_dir(PCI_DEVICES.rstrip("/"))
         groups: set[str] = set()
         drivers: set[str] = {"vfio-pci", "pci-stub"}
         for address in self.functions:
-            self.copy_device(address, groups, drivers)
+            # One device that cannot be read is left out; the others are kept.
+            try:
+                self.copy_device(address, groups, drivers)
+            except OSError as exc:
+                log.warning("snapshot: PCI device %s left out: %s", address, exc)
+        full = set(self.functions)
+        for address in all_functions(self.ctx):
+            if address in full:
+                continue
+            try:
+                self.copy_identity(address)
+            except OSError as exc:
+                log.warning("snapshot: PCI device %s left out: %s", address, exc)
+                continue
+            self.identities.append(address)
         for driver in sorted(drivers):
             rel = f"sys/bus/pci/drivers/{driver}"
             if self.sysfs.isdir(rel):
@@ -521,6 +557,7 @@ def _manifest(ctx: Context, collector: Collector, now: float) -> bytes:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         "hostname": hostname(ctx),
         "functions": [str(a) for a in collector.functions],
+        "identity_only": [str(a) for a in collector.identities],
         "use": "unpack, then GPULIB_ROOT=<dir> GPULIB_SIMULATE=1 gpulib discover",
     }
     return (json.dumps(doc, indent=1) + "\n").encode()

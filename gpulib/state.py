@@ -44,6 +44,7 @@ from gpulib import atomicfile
 from gpulib.errors import InputError, LockTimeout, StateError
 from gpulib.lazyre import lazy
 from gpulib.mdev import check_uuid as validate_uuid
+from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 
 if TYPE_CHECKING:
     from gpulib.context import Context
@@ -680,13 +681,13 @@ class StateStore:
 
     def _read(self) -> Optional[bytes]:
         """The file's bytes, or None when there is no file."""
-        try:
-            with open(self.state_path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise StateError(f"cannot read state file {self.state_path}: {_reason(e)}") from None
+        # Through the reading layer: a FIFO in its place must not hang a hook.
+        raw = read_file(self.state_path, DOCUMENT_MAX)
+        if isinstance(raw, ReadFailure):
+            if raw.missing:
+                return None
+            raise StateError(f"cannot read state file {self.state_path}: {raw.reason}")
+        return raw
 
     def _parse(self, raw: bytes) -> tuple[State, Any]:
         """The state and the file's version; raises StateVersionError (newer

@@ -7,6 +7,24 @@ point (`gpulib.context`), so no other module knows whether the host is real.
 Paths given to this module are relative to the root ("sys/bus/pci/devices").
 Reads use os.open/os.read: discovery reads thousands of tiny attribute files
 and the buffered `open()` machinery costs several times more per file.
+
+Every read in gpulib goes through `read_file` (or `Sysfs`, which uses it), by
+one set of rules, because one odd file must never stop a command:
+
+* opened non-blocking: a FIFO (or any file whose open or read would wait for
+  a writer) in place of an attribute or a configuration file never hangs;
+* only regular files are read (sysfs attributes are regular files too): a
+  directory, FIFO, socket or device node is refused;
+* bounded in size by the kind of file (`ATTRIBUTE_MAX`, `TEXT_MAX`,
+  `DOCUMENT_MAX`): a 10 MB `vendor` file is refused, not parsed;
+* below `sys/`, the last component is never followed (attributes are never
+  symlinks; a link there is a loop or a trick); elsewhere links are followed,
+  but below a root other than `/` only inside that root;
+* errors are values (`ReadFailure`), never exceptions: the caller decides
+  what a failure costs (a field, a device, a command).
+
+`Sysfs` logs each failed path once, with its reason, and keeps the list
+(`failures`) so that discovery can attach them to the device they belong to.
 """
 
 from __future__ import annotations
@@ -16,12 +34,106 @@ import logging
 import os
 import posixpath
 import stat
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 log = logging.getLogger(__name__)
 
 # A kernel carries out a write to an attribute file: (absolute path, data).
 KernelWrite = Callable[[str, str], None]
+
+# Size bounds by kind of file. A sysfs attribute is at most one page (64 KiB
+# on arm64/ppc64le kernels); configuration and /proc text (cpuinfo of a
+# 512-thread host is ~1.3 MB); documents: pci.ids (1.3 MB today), libvirt
+# domain XML, gpulib's state.
+ATTRIBUTE_MAX = 64 * 1024
+TEXT_MAX = 4 * 1024 * 1024
+DOCUMENT_MAX = 32 * 1024 * 1024
+# A number in an attribute: 64-bit values have at most 20 digits (plus 0x, sign).
+_NUMBER_MAX_CHARS = 24
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+_MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device node"
+    return "not a regular file"
+
+
+class ReadFailure:
+    """Why a file could not be read: the value a read returns instead of data."""
+
+    __slots__ = ("errno", "path", "reason")
+
+    def __init__(self, path: str, code: int, reason: str) -> None:
+        self.path = path
+        self.errno = code
+        self.reason = reason
+
+    @property
+    def missing(self) -> bool:
+        """The file (or a directory above it) does not exist: usually not an error."""
+        return self.errno in _MISSING
+
+    def __repr__(self) -> str:
+        return f"ReadFailure({self.path!r}, {self.reason!r})"
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def read_file(path: str, limit: int = TEXT_MAX, follow: bool = True) -> Union[bytes, ReadFailure]:
+    """The content of the regular file at `path`, or why it cannot be read.
+
+    Never blocks on a FIFO, never reads more than `limit` bytes, never raises
+    OSError. `follow=False` refuses a symlink as the last component.
+    """
+    flags = _OPEN_FLAGS if follow else _OPEN_FLAGS | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        code = exc.errno or errno.EIO
+        if code == errno.ELOOP and not follow:
+            return ReadFailure(path, code, "a symlink where a file belongs")
+        return ReadFailure(path, code, os.strerror(code))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ReadFailure(path, errno.EINVAL, f"{_kind(st.st_mode)}, not a file")
+        # sysfs and /proc report sizes of 4096 or 0: the bound is checked on
+        # what is read, and st_size only refuses early what is plainly too big.
+        if st.st_size > limit:
+            return ReadFailure(path, errno.EFBIG, f"larger than {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                return ReadFailure(path, errno.EFBIG, f"larger than {limit} bytes")
+            chunks.append(chunk)
+    except OSError as exc:
+        code = exc.errno or errno.EIO
+        return ReadFailure(path, code, os.strerror(code))
+    finally:
+        os.close(fd)
+
+
+def read_text(path: str, limit: int = TEXT_MAX, follow: bool = True) -> Union[str, ReadFailure]:
+    """`read_file` decoded as UTF-8 (undecodable bytes replaced)."""
+    data = read_file(path, limit, follow)
+    if isinstance(data, ReadFailure):
+        return data
+    return data.decode("utf-8", "replace")
 
 
 def real_kernel_write(path: str, data: str) -> None:
@@ -41,6 +153,10 @@ class Sysfs:
         self.root = os.path.join(os.path.abspath(root), "")
         self._kernel_write = kernel_write or real_kernel_write
         self.simulated = simulated
+        # Paths that could not be read or listed (root-relative) and why, in
+        # the order met; each is logged once.
+        self.failures: list[tuple[str, str]] = []
+        self._failed: set[str] = set()
 
     def __repr__(self) -> str:
         return f"Sysfs(root={self.root!r}, simulated={self.simulated})"
@@ -59,46 +175,89 @@ class Sysfs:
         raise ValueError(f"{abspath} is outside {self.root}")
 
     # -- reads ---------------------------------------------------------------
-    def read_bytes(self, rel: str) -> Optional[bytes]:
-        """Raw content, or None if the file does not exist."""
-        try:
-            fd = os.open(self.root + rel, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
-            chunks = []
-            while True:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+    def failed(self, rel: str, reason: str) -> None:
+        """Note that `rel` could not be used (logged the first time only)."""
+        if rel in self._failed:
+            return
+        self._failed.add(rel)
+        self.failures.append((rel, reason))
+        log.warning("cannot read %s: %s", self.root + rel, reason)
 
-    def read(self, rel: str) -> Optional[str]:
-        """Attribute text without the trailing newline, or None if absent."""
-        data = self.read_bytes(rel)
+    def read_result(self, rel: str, limit: Optional[int] = None) -> Union[bytes, ReadFailure]:
+        """Raw content or why not (see the module's rules). Nothing is logged.
+
+        The default bound is `ATTRIBUTE_MAX` below `sys/`, `TEXT_MAX` elsewhere.
+        """
+        in_sysfs = rel.startswith("sys/")
+        if limit is None:
+            limit = ATTRIBUTE_MAX if in_sysfs else TEXT_MAX
+        if not in_sysfs and self.root != "/":
+            # Below another root (a test tree, a snapshot), a link such as
+            # etc/os-release -> /usr/lib/os-release is followed inside it:
+            # nothing is ever read from the real host.
+            real = self.resolve_in_root(rel)
+            if real is None:  # absent, or a link that dangles, loops or leaves the root
+                return ReadFailure(self.root + rel, errno.ENOENT, os.strerror(errno.ENOENT))
+            rel = real
+        return read_file(self.root + rel, limit, follow=not in_sysfs)
+
+    def read_bytes(self, rel: str, limit: Optional[int] = None) -> Optional[bytes]:
+        """Raw content; None if the file does not exist or cannot be read
+        (a failure other than absence is logged once and kept in `failures`)."""
+        data = self.read_result(rel, limit)
+        if isinstance(data, ReadFailure):
+            if not data.missing:
+                self.failed(rel, data.reason)
+            return None
+        return data
+
+    def read(self, rel: str, limit: Optional[int] = None) -> Optional[str]:
+        """Attribute text without the trailing newline, or None if absent or unreadable."""
+        data = self.read_bytes(rel, limit)
         if data is None:
             return None
         return data.decode("utf-8", "replace").strip()
 
-    def read_int(self, rel: str, base: int = 10) -> Optional[int]:
-        """An integer attribute; None if absent or not a number."""
+    def read_int(self, rel: str, base: int = 10, low: Optional[int] = None,
+                 high: Optional[int] = None) -> Optional[int]:
+        """An integer attribute; None if absent, unreadable, not a number or
+        outside [low, high] (a malformed value never reaches any output)."""
         text = self.read(rel)
         if text is None:
             return None
+        if len(text) > _NUMBER_MAX_CHARS:
+            self.failed(rel, f"not a number ({len(text)} characters)")
+            return None
         try:
-            return int(text, base)
+            value = int(text, base)
         except ValueError:
             return None
+        if (low is not None and value < low) or (high is not None and value > high):
+            self.failed(rel, f"{value} is out of range")
+            return None
+        return value
 
-    def listdir(self, rel: str) -> list[str]:
-        """Entries of a directory, [] if it does not exist."""
+    def read_id(self, rel: str, bits: int = 16) -> Optional[int]:
+        """A hexadecimal id attribute (`0x10de`): None unless it fits in `bits`."""
+        return self.read_int(rel, 16, 0, (1 << bits) - 1)
+
+    def listdir_result(self, rel: str) -> Union[list[str], ReadFailure]:
+        """Entries of a directory, or why it cannot be listed."""
         try:
             return os.listdir(self.root + rel)
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError as exc:
+            code = exc.errno or errno.EIO
+            return ReadFailure(self.root + rel, code, os.strerror(code))
+
+    def listdir(self, rel: str) -> list[str]:
+        """Entries of a directory; [] if it does not exist or cannot be listed
+        (a failure other than absence is logged once)."""
+        names = self.listdir_result(rel)
+        if isinstance(names, ReadFailure):
+            if not names.missing:
+                self.failed(rel, names.reason)
             return []
+        return names
 
     def exists(self, rel: str) -> bool:
         return os.path.lexists(self.root + rel)
@@ -110,12 +269,15 @@ class Sysfs:
         """Last component of a symlink's target (`driver` -> "nvidia")."""
         try:
             return os.path.basename(os.readlink(self.root + rel))
-        except (FileNotFoundError, NotADirectoryError, OSError):
+        except OSError:
             return None
 
     def resolve(self, rel: str) -> str:
         """Root-relative canonical path of `rel` (links followed)."""
-        real = os.path.realpath(self.root + rel)
+        try:
+            real = os.path.realpath(self.root + rel)
+        except OSError as exc:  # a symlink loop on some Python versions
+            raise ValueError(f"{rel}: {exc.strerror}") from None
         return self.relative(real)
 
     def resolve_in_root(self, rel: str) -> Optional[str]:

@@ -15,6 +15,7 @@ from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import discover
 from gpulib.runtime import discover_host
+from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sysfs import Sysfs
 from tests import handmade
@@ -173,21 +174,14 @@ def test_names_from_pci_ids_under_the_root(tmp_path: Path) -> None:
 
 # -- partial failures never empty the report -------------------------------------------
 
-def test_unreadable_attribute_degrades_only_that_device(handmade_root: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    real = Sysfs.read_bytes
-
-    def flaky(self: Sysfs, rel: str) -> Optional[bytes]:
-        if "0000:ca:00.0" in rel and rel.endswith("sriov_totalvfs"):
-            raise PermissionError(13, "Permission denied")
-        return real(self, rel)
-
-    monkeypatch.setattr(Sysfs, "read_bytes", flaky)
-    ctx = Context.for_root(handmade_root)
+def test_unreadable_attribute_degrades_only_that_device(handmade_root: str) -> None:
+    faults.inject(handmade_root, "sys/bus/pci/devices/0000:ca:00.0/sriov_totalvfs", "eacces")
+    ctx = Context.for_root(handmade_root, simulate=True)
     inv = discover_host(ctx)
     assert len(inv.gpus) == 5
     broken = next(g for g in inv.gpus if str(g.address) == "0000:ca:00.0")
-    assert broken.errors and "sriov" in broken.errors[0]
+    assert broken.errors and "sriov_totalvfs: Permission denied" in broken.errors[0]
+    assert all(not g.errors for g in inv.gpus if g is not broken)
     check_agent_document(cloudstack.render(inv))
 
 

@@ -154,10 +154,15 @@ def test_members_and_links_stay_inside(demo_snapshot: Any) -> None:
                 "run/libvirtd.pid", f"proc/{LIBVIRTD_PID}/stat", "proc/stat", dr.LIBVIRT_HOOK,
                 "etc/cloudstack/agent/agent.properties", snap.MANIFEST):
         assert rel in names, rel
-    # the NIC and its bridge are not GPU-related: left out
-    for rel in ("sys/bus/pci/devices/0000:18:00.0", "run/udev/data/+pci:0000:18:00.0",
-                "sys/bus/pci/drivers/i40e"):
-        assert rel not in names, rel
+    # the NIC is not GPU-related: only its identity and links go in
+    nic = "sys/bus/pci/devices/0000:18:00.0"
+    assert nic in names
+    nic_dir = next(m for m in members if m.name == nic).linkname
+    nic_dir = posixpath.normpath(posixpath.join(posixpath.dirname(nic), nic_dir))
+    assert {f"{nic_dir}/{n}" for n in ("class", "vendor", "device", "driver")} <= names
+    assert f"{nic_dir}/numa_node" not in names
+    assert "run/udev/data/+pci:0000:18:00.0" not in names
+    assert not any(n.startswith("sys/bus/pci/drivers/i40e/") for n in names)
 
 
 def test_write_only_and_unreadable_attributes(tmp_path: Any) -> None:

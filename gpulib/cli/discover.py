@@ -27,7 +27,9 @@ def discover(env: Env, fmt: Optional[str], as_json: bool) -> None:
         fmt = "json"
     if fmt is None:
         fmt = "table" if sys.stdout.isatty() else "json"
-    inventory = discover_host(env.ctx, env.config)
+    # A problem in gpulib.conf must not empty the agent's report (it would
+    # mark every GPU failed): what is bad is left at its defaults and logged.
+    inventory = discover_host(env.ctx, env.readable_config)
     if fmt == "cloudstack":
         sys.stdout.write(cloudstack.dumps(inventory))
     elif fmt == "json":

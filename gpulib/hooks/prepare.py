@@ -53,6 +53,7 @@ from gpulib.pci import (
     list_addresses,
 )
 from gpulib.state import Device, State, validate_vm_name
+from gpulib.sysfs import ReadFailure
 from gpulib.usage import DomainDevices, running_domains
 
 if TYPE_CHECKING:
@@ -403,7 +404,7 @@ class Preparer:
         for member in iommu_group_members(self.sysfs, fn.iommu_group):
             if member == h.address or member in named:
                 continue
-            klass = self.sysfs.read_int(f"sys/bus/pci/devices/{member}/class", 16) or 0
+            klass = self._peer_class(h.address, member)
             if klass >> 16 == BRIDGE_BASE_CLASS:
                 continue  # bridges stay with the host; only endpoints go along
             if occ is not None:
@@ -424,6 +425,26 @@ class Preparer:
             log.info("%s: added %s, in the IOMMU group of %s", self.vm, member, h.address)
             out.append(Device("pci", str(member)))
         return out
+
+    def _peer_class(self, gpu: PciAddress, member: PciAddress) -> int:
+        """A group peer's class; a clear error when it cannot be known (a
+        bridge must never go to a guest, so an unknown class is not guessed)."""
+        rel = f"sys/bus/pci/devices/{member}/class"
+        raw = self.sysfs.read_result(rel)
+        if isinstance(raw, ReadFailure):
+            reason = raw.reason
+        else:
+            text = raw.decode("ascii", "replace").strip()
+            try:
+                klass = int(text, 16) if len(text) <= 8 else -1
+            except ValueError:
+                klass = -1
+            if 0 <= klass <= 0xFFFFFF:
+                return klass
+            reason = "not a PCI class code"
+        raise DeviceError(f"cannot read the PCI class of {member}, in the IOMMU group of "
+                          f"{gpu}: {reason} (set add_group_functions = no in [transformer] "
+                          "of gpulib.conf to pass the GPU without its group)")
 
     def _free_guest_slot(self) -> int:
         used = set()

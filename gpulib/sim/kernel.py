@@ -36,6 +36,7 @@ from typing import Optional
 from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
 from gpulib.sim.fakehost import relative_symlink
+from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, read_text
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,10 @@ def _err(code: int, what: str) -> OSError:
 
 
 def _read(path: str, default: str = "") -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read().strip()
-    except OSError:
-        return default
+    # Through gpulib's reading layer: a FIFO or a huge file in a simulated
+    # tree must not hang the simulator either.
+    text = read_text(path, ATTRIBUTE_MAX)
+    return default if isinstance(text, ReadFailure) else text.strip()
 
 
 def _write(path: str, text: str) -> None:
