@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from gpulib import mdev, nvidia
+from gpulib import mdev, mdevctl, nvidia
 from gpulib.config import Config, PoolConfig
 from gpulib.context import Context
 from gpulib.discovery import Gpu, Inventory
 from gpulib.errors import GpulibError
-from gpulib.lifecycle import Outcome, remove_mdevctl, write_mdevctl
+from gpulib.lifecycle import Outcome, follow_definitions, plan_definition, save_definition
 from gpulib.pci import PciAddress
 from gpulib.state import State, VfRecord, VgpuRecord
 
@@ -90,7 +90,8 @@ def _targets(pool: PoolConfig, parents: list[str]) -> dict[str, int]:
 def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
           dry_run: bool = False) -> list[Outcome]:
     """Bring every pool to its declared size; returns the changes (made or planned)."""
-    out: list[Outcome] = []
+    # Members the operator undefined in mdevctl are no longer members.
+    out: list[Outcome] = [] if dry_run else follow_definitions(ctx, state)
     for name, pool in sorted(config.pools.items()):
         p = plan(pool, inventory, frozenset(state.unmanaged))
         if not p.mdev_parents and not p.vf_parents:
@@ -122,7 +123,11 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
             if mdev.read_mdev(sysfs, uuid) is None and t is not None and \
                     uuids.index(uuid) < want:
                 def recreate(u: str = uuid, t: mdev.MdevType = t) -> None:
-                    mdev.create(sysfs, t.parent, t.type_id, u)
+                    # Every pool member has a definition, so mdevctl and
+                    # libvirt list it as persistent.
+                    d = plan_definition(ctx, u, str(t.parent), t.type_id)
+                    mdev.create(sysfs, t.parent, t.type_id, u, attrs=d.attrs)
+                    save_definition(ctx, d)
                 out.append(_do(dry_run, "mdev", uuid, "recreate pool member", recreate))
         have = len(uuids)
         if have > want:
@@ -136,7 +141,7 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
                 def drop(u: str = uuid, parent: str = parent) -> None:
                     mdev.remove(sysfs, u)
                     del state.vgpus[u]
-                    remove_mdevctl(ctx, u, parent)
+                    mdevctl.remove_definition(ctx, u, parent)
                 out.append(_do(dry_run, "mdev", uuid, f"remove surplus of pool {name}", drop))
                 have -= 1
         while t is not None and have < want:
@@ -144,8 +149,12 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
 
             def create(u: str = uuid, t: mdev.MdevType = t) -> None:
                 mdev.create(sysfs, t.parent, t.type_id, u)
+                try:
+                    save_definition(ctx, mdevctl.Definition(u, str(t.parent), t.type_id))
+                except GpulibError:
+                    mdev.remove(sysfs, u)  # a member without a record would be lost
+                    raise
                 state.vgpus[u] = VgpuRecord(str(t.parent), t.type_id, pool=name)
-                write_mdevctl(ctx, u, str(t.parent), t.type_id)
             result = _do(dry_run, "mdev", uuid if not dry_run else "(new)",
                          f"create {t.type_id} on {t.parent} for pool {name}", create)
             out.append(result)

@@ -37,7 +37,8 @@ from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
 from gpulib.domain import Domain, GpuRequest, PciHostdev, derive_uuid
 from gpulib.errors import DeviceError
 from gpulib.hooks.vmstate import release_stale
-from gpulib.lifecycle import open_store, read_mdevctl
+from gpulib.lifecycle import follow_definitions, open_store
+from gpulib.mdevctl import Definition, read_definitions
 from gpulib.pci import PciAddress, PciFunction, iommu_group_members
 from gpulib.state import Device, State
 from gpulib.usage import Usage, read_usage
@@ -145,7 +146,7 @@ class Preparer:
                        request: Optional[GpuRequest]) -> list[Device]:
         devices: list[Device] = []
         derived = self._derived_uuids(request)
-        mdevctl: Optional[dict[str, tuple[str, str, bool]]] = None
+        defs: Optional[dict[str, Definition]] = None
         for h in self.dom.mdev_hostdevs():
             uuid = h.uuid_checked()
             self._refuse_if_used(state, usage, "mdev", uuid, usage.vm_for_mdev(uuid))
@@ -156,17 +157,25 @@ class Preparer:
                          rec.parent)
                 continue
             if mdev.read_mdev(self.sysfs, uuid) is None:
-                if rec is not None:
+                # The mdevctl definition is the record of a persistent vGPU
+                # (the operator may have changed it); gpulib's own record is
+                # the one of a transient one.
+                if defs is None:
+                    defs = read_definitions(self.ctx)
+                    follow_definitions(self.ctx, state, defs)
+                    rec = state.vgpus.get(uuid)
+                d = defs.get(uuid)
+                if d is not None:
+                    mdev.create(self.sysfs, PciAddress.parse(d.parent), d.type_id, uuid,
+                                attrs=d.attrs)
+                    log.info("created mdev %s (%s on %s) from its mdevctl definition for %s",
+                             uuid, d.type_id, d.parent, self.vm)
+                elif rec is not None:
                     mdev.create(self.sysfs, PciAddress.parse(rec.parent), rec.type_id, uuid)
                     log.info("recreated mdev %s (%s on %s) for %s", uuid, rec.type_id,
                              rec.parent, self.vm)
                 else:
-                    if mdevctl is None:
-                        mdevctl = read_mdevctl(self.ctx)
-                    if uuid in mdevctl:
-                        parent, type_id, _ = mdevctl[uuid]
-                        mdev.create(self.sysfs, PciAddress.parse(parent), type_id, uuid)
-                    elif uuid in derived:
+                    if uuid in derived:
                         devices += self._create_derived(state, uuid, derived[uuid])
                         continue
                     else:
