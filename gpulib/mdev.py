@@ -267,7 +267,7 @@ def find_type(sysfs: Sysfs, parent: PciAddress, type_id: str) -> MdevType:
 
 
 def _conflict(uuid: str, existing: Mdev, parent: PciAddress, type_id: str) -> str:
-    return (f"mdev {uuid} is already live on {existing.parent} as {existing.type_id}, "
+    return (f"mdev {uuid} already exists: live on {existing.parent} as {existing.type_id}, "
             f"not on {parent} as {type_id}")
 
 

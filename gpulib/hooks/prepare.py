@@ -162,7 +162,7 @@ class Preparer:
                 # the one of a transient one.
                 if defs is None:
                     defs = read_definitions(self.ctx)
-                    follow_definitions(self.ctx, state, defs)
+                    follow_definitions(self.ctx, state, defs, migrate=False)
                     rec = state.vgpus.get(uuid)
                 d = defs.get(uuid)
                 if d is not None:
