@@ -23,30 +23,10 @@ from gpulib.errors import DeviceError, InputError
 from gpulib.lifecycle import DEFINITIONS_MARKER, open_store, restore
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import models
 from gpulib.sim.kernel import SimulatedKernel
 from gpulib.sysfs import Sysfs
-
-P1 = "0000:3b:00.0"
-P2 = "0000:5e:00.0"
-U1 = "11111111-2222-4333-8444-555555555555"
-U2 = "22222222-3333-4444-8555-666666666666"
-U3 = "33333333-4444-4555-8666-777777777777"
-ATTRS = {"nvidia/vgpu_params": r"[a-z_]+=\d+(,[a-z_]+=\d+)*", "weight": r"\d+"}
-
-
-def two_t4(root: str) -> FakeHost:
-    """Two T4s (mdev types on the PF); nvidia-232 devices have attribute files."""
-    host = FakeHost(root)
-    m = models()["t4"]
-    for bridge, gpu in (("0000:3a:00.0", P1), ("0000:5d:00.0", P2)):
-        host.add_bridge(bridge, numa_node=0, iommu_group=host.new_iommu_group())
-        host.add_function(gpu, m["vendor"], m["device"], m["class"], driver="nvidia",
-                          iommu_group=host.new_iommu_group(), numa_node=0, parent=bridge,
-                          vendor_name=m["vendor_name"], device_name=m["device_name"])
-        host.populate_mdev_parent(gpu, m["mdev_types"])
-        host.add_mdev_attributes(gpu, "nvidia-232", ATTRS)
-    return host
+from tests.hosts import P1, P2, U1, U2, U3
+from tests.hosts import two_t4_host as two_t4
 
 
 def reboot(host: FakeHost) -> FakeHost:
