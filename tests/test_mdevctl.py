@@ -395,3 +395,16 @@ def test_remove_of_an_unknown_attr_file_is_enoent(host: FakeHost) -> None:
     with pytest.raises(OSError) as err:
         sysfs.write(f"sys/bus/mdev/devices/{U1}/nope", "1")
     assert err.value.errno == errno.ENOENT
+
+
+def test_restore_unit_runs_after_udev_coldplug() -> None:
+    """Ordered after the coldplug that runs mdevctl's udev autostart (see the unit)."""
+    from tests.conftest import REPO
+
+    unit = (REPO / "etc" / "systemd" / "gpulib-restore.service").read_text()
+    after = {v for line in unit.splitlines() if line.startswith("After=")
+             for v in line.split("=", 1)[1].split()}
+    assert "systemd-udev-trigger.service" in after
+    before = {v for line in unit.splitlines() if line.startswith("Before=")
+              for v in line.split("=", 1)[1].split()}
+    assert "libvirtd.service" in before and "virtqemud.service" in before
