@@ -408,3 +408,51 @@ def test_gpulib_and_mdevctl_agree_on_every_persistent_vgpu(
                 if d["start"] == "auto" and uuid in live:
                     continue
                 assert d["start"] == "manual" or uuid in host.last_out, (uuid, host.last_out)
+
+
+# -- libvirt (item 7): its node device driver reads and writes the same record ---------
+
+@pytest.mark.libvirtd
+def test_libvirt_lists_gpulibs_vgpus_and_gpulib_follows_libvirts(host: Host,
+                                                                  tmp_path: Path) -> None:
+    """libvirt 9.0 with mdevctl support, in the same namespace over the fake host."""
+    from tests.helpers.mdevctl_env import add_pci_config, libvirt_skip_reason, virsh_in_namespace
+
+    reason = libvirt_skip_reason()
+    if reason:
+        pytest.skip(f"libvirt node device test: {reason}")
+    assert host.gpulib("mdev", "create", "--parent", P1, "--type", "nvidia-232",
+                       "--uuid", U1, "--attr", "weight=3")[0] == 0  # persistent, auto
+    assert host.gpulib("mdev", "create", "--parent", P2, "--type", "nvidia-232",
+                       "--uuid", U2, "--no-keep")[0] == 0  # transient
+    code, _, err = host.gpulib("mdev", "create", "--parent", P2, "--type", "nvidia-232",
+                               "--uuid", U3, "--start", "manual")
+    assert code == 0, err
+    host.mdevctl.run("stop", "-u", U3)  # defined, not live
+    add_pci_config(host.root)
+    xml = tmp_path / "mdev.xml"
+    xml.write_text(f"<device><parent>pci_0000_5e_00_0</parent><capability type='mdev'>"
+                   f"<type id='nvidia-232'/><uuid>{U4}</uuid>"
+                   f"<attr name='weight' value='7'/></capability></device>")
+
+    def name(uuid: str, parent: str) -> str:
+        return f"mdev_{uuid.replace('-', '_')}_{parent.replace(':', '_').replace('.', '_')}"
+
+    all_mdevs = "virsh nodedev-list --cap mdev --all"
+    active = "virsh nodedev-list --cap mdev"
+    info = f"virsh nodedev-info {name(U3, P2)}"
+    define = f"virsh nodedev-define {xml}"
+    autostart = f"virsh nodedev-autostart {name(U4, P2)}"
+    res = virsh_in_namespace(host.root, str(tmp_path / "libvirt"), all_mdevs, active, info,
+                             define, autostart)
+    assert res[all_mdevs][0] == 0, res
+    assert set(res[all_mdevs][1].split()) == {name(U1, P1), name(U2, P2), name(U3, P2)}
+    assert set(res[active][1].split()) == {name(U1, P1), name(U2, P2)}
+    fields = {k: v.strip() for k, v in (line.split(":", 1) for line in
+                                         res[info][1].splitlines() if ":" in line)}
+    assert (fields["Active"], fields["Persistent"], fields["Autostart"]) == ("no", "yes", "no")
+    # ...and what libvirt defines (through mdevctl) is gpulib's record too
+    assert res[define][0] == 0 and res[autostart][0] == 0, res
+    assert host.gpulib_defined()[U4] == {"parent": P2, "type_id": "nvidia-232",
+                                         "start": "auto", "attrs": [{"weight": "7"}]}
+    host.assert_agree()

@@ -205,6 +205,7 @@ class SimulatedKernel:
         drv = self.p("sys/bus/mdev/drivers/vfio_mdev")
         os.makedirs(drv, exist_ok=True)
         relative_symlink(drv, os.path.join(dev, "driver"))
+        relative_symlink(self.p("sys/bus/mdev"), os.path.join(dev, "subsystem"))
         group = self._new_group()
         gdir = self.p(f"sys/kernel/iommu_groups/{group}/devices")
         os.makedirs(gdir, exist_ok=True)

@@ -110,3 +110,93 @@ class Mdevctl:
                     for uuid, d in device.items():
                         found[uuid] = (parent, d["mdev_type"])
         return found
+
+
+# -- libvirt's node device driver over the same fake host -------------------------------
+
+# Run by `unshare --mount` as `sh -c SCRIPT sh <base> <root> <command>...`: a
+# private libvirtd (its own /run, /etc/libvirt, /var/lib/libvirt, ... as in
+# libvirtd_env.py) that sees the fake `sys/` and `etc/mdevctl.d`, then each
+# command (a shell line, virsh against that libvirtd), then libvirtd ends.
+# libudev refuses a /sys that is not sysfs unless SYSTEMD_DEVICE_VERIFY_SYSFS=0.
+LIBVIRT_SCRIPT = """\
+set -u
+b=$1; r=$2; shift 2
+mount --no-mtab --bind "$b/run" /run
+mount --no-mtab --bind "$b/etc" /etc/libvirt
+mount --no-mtab --bind "$b/lib" /var/lib/libvirt
+mount --no-mtab --bind "$b/cache" /var/cache/libvirt
+mount --no-mtab --bind "$b/log" /var/log/libvirt
+mount --no-mtab --bind "$r/sys" /sys
+mount --no-mtab --bind "$r/etc/mdevctl.d" /etc/mdevctl.d
+mkdir -p /run/lock
+SYSTEMD_DEVICE_VERIFY_SYSFS=0 libvirtd --timeout 60 >/var/log/libvirt/libvirtd.out 2>&1 &
+pid=$!
+i=0
+until virsh -c qemu:///system nodedev-list --cap pci 2>/dev/null | grep -q pci_; do
+    i=$((i + 1)); [ $i -gt 150 ] && break; sleep 0.2
+done
+for cmd in "$@"; do
+    echo "@@@ $cmd"
+    sh -c "$cmd" 2>&1
+    echo "@@@ rc=$?"
+done
+kill $pid; wait $pid
+"""
+LIBVIRT_DIRS = ("/etc/libvirt", "/var/lib/libvirt", "/var/cache/libvirt", "/var/log/libvirt")
+
+
+def libvirt_skip_reason() -> Optional[str]:
+    reason = skip_reason()
+    if reason:
+        return reason
+    missing = [p for p in ("libvirtd", "virsh") if shutil.which(p) is None]
+    missing += [d for d in LIBVIRT_DIRS if not os.path.isdir(d)]
+    if missing:
+        return "missing " + ", ".join(missing) + " (libvirt-daemon-system, libvirt-clients)"
+    return None
+
+
+def add_pci_config(root: str) -> None:
+    """A `config` file (the 256-byte header) for every PCI function of the fake
+    host: libvirt reads it before it lists a PCI device as a node device."""
+    import struct
+
+    devices = os.path.join(root, "sys/bus/pci/devices")
+    for name in os.listdir(devices):
+        d = os.path.realpath(os.path.join(devices, name))
+
+        def hexfile(attr: str, directory: str = d) -> int:
+            with open(os.path.join(directory, attr), encoding="ascii") as fh:
+                return int(fh.read().strip(), 16)
+
+        header = bytearray(256)
+        struct.pack_into("<HH", header, 0, hexfile("vendor"), hexfile("device"))
+        klass = hexfile("class")
+        header[9:12] = klass.to_bytes(3, "little")
+        header[0x0E] = 1 if klass >> 8 == 0x0604 else 0  # a bridge's header type
+        with open(os.path.join(d, "config"), "wb") as fh:
+            fh.write(bytes(header))
+
+
+def virsh_in_namespace(root: str, base: str, *commands: str) -> dict[str, tuple[int, str]]:
+    """Run shell lines (virsh against a private libvirtd) over the fake host;
+    returns command -> (exit code, output)."""
+    for sub in ("etc", "run", "lib", "cache", "log"):
+        os.makedirs(os.path.join(base, sub), exist_ok=True)
+    os.chmod(os.path.join(base, "run"), 0o755)
+    with open(os.path.join(base, "etc", "libvirtd.conf"), "w", encoding="utf-8") as fh:
+        fh.write('log_outputs = "1:file:/var/log/libvirt/libvirtd.log"\n'
+                 'log_filters = "1:node_device"\n')
+    res = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", LIBVIRT_SCRIPT, "sh",
+         base, root, *commands],
+        capture_output=True, text=True, check=False, timeout=120,
+        env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+             "HOME": "/root", "LANG": "C.UTF-8", "LIBVIRT_DEFAULT_URI": "qemu:///system"})
+    out: dict[str, tuple[int, str]] = {}
+    blocks = res.stdout.split("@@@ ")[1:]
+    for cmd_block, rc_block in zip(blocks[::2], blocks[1::2]):
+        cmd, _, text = cmd_block.partition("\n")
+        out[cmd] = (int(rc_block.split("=", 1)[1].split()[0]), text)
+    return out
