@@ -456,3 +456,23 @@ def test_libvirt_lists_gpulibs_vgpus_and_gpulib_follows_libvirts(host: Host,
     assert host.gpulib_defined()[U4] == {"parent": P2, "type_id": "nvidia-232",
                                          "start": "auto", "attrs": [{"weight": "7"}]}
     host.assert_agree()
+
+
+def test_handing_a_pool_member_over_to_mdevctl(host: Host) -> None:
+    """The README's recipe: undefine, pool apply, define again from the live device."""
+    host.fake.write_file("etc/gpulib/gpulib.conf", POOL_CONF)
+    assert host.gpulib("pool", "apply")[0] == 0
+    members = set(host.live())
+    mine = sorted(members)[0]
+    host.mdevctl.run("undefine", "-u", mine)
+    assert host.gpulib("pool", "apply")[0] == 0
+    host.mdevctl.run("define", "-u", mine, "--auto")
+    code, out, _ = host.gpulib("pool", "list", "--json")
+    pool = {m["id"] for m in json.loads(out)["desk"]}
+    assert code == 0 and mine not in pool and len(pool) == 4
+    assert mine in host.mdevctl.defined() and len(host.live()) == 5
+    host.reboot()
+    code, out, err = host.gpulib("restore")
+    assert code == 0, out + err
+    assert set(host.live()) == pool | {mine}, out
+    host.assert_agree()
