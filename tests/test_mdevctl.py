@@ -279,14 +279,25 @@ def test_state_follows_undefine_modify_type_and_manual(host: FakeHost,
 
 def test_a_v1_state_gets_definitions_once_then_follows_them(host: FakeHost) -> None:
     """Upgrade: a state written before definitions were the record (R6)."""
-    host.write_file("var/lib/gpulib/state.json", json.dumps({
+    v1 = {
         "version": 1, "vgpus": {
             U1: {"parent": P1, "type_id": "nvidia-232", "pool": "desk", "on_demand": False,
                  "vm": None, "created": "2026-01-01T00:00:00Z"},
             U2: {"parent": P1, "type_id": "nvidia-232", "pool": None, "on_demand": True,
                  "vm": "i-2-3-VM", "created": "2026-01-01T00:00:00Z"}},
-        "vf_types": {}, "type_names": {}, "allocations": {}, "unmanaged": []}))
+        "vf_types": {"0000:41:00.4": {"type_id": 594, "name": "NVIDIA A10-6Q", "pool": None,
+                                      "on_demand": False, "vm": None}},
+        "type_names": {"10de:2236": {"594": "NVIDIA A10-6Q"}},
+        "allocations": {"i-2-3-VM": {"vm": "i-2-3-VM", "domain_uuid": None,
+                                     "status": "active", "since": "2026-01-01T00:00:00Z",
+                                     "devices": [{"kind": "mdev", "id": U2,
+                                                  "on_demand": True}]}},
+        "unmanaged": ["0000:5e:00.0"]}
+    host.write_file("var/lib/gpulib/state.json", json.dumps(v1))
     outcomes = do_restore(host)
+    after = json.loads(Path(host.p("var/lib/gpulib/state.json")).read_text())
+    for key in ("vgpus", "vf_types", "type_names", "allocations", "unmanaged"):
+        assert after[key] == v1[key], key  # nothing lost
     assert [(o.ident, o.action) for o in outcomes if o.action == "defined for mdevctl"] == \
         [(U1, "defined for mdevctl")]
     defs = mdevctl.read_definitions(ctx_of(host))
@@ -408,3 +419,13 @@ def test_restore_unit_runs_after_udev_coldplug() -> None:
     before = {v for line in unit.splitlines() if line.startswith("Before=")
               for v in line.split("=", 1)[1].split()}
     assert "libvirtd.service" in before and "virtqemud.service" in before
+
+
+def test_a_state_from_a_newer_gpulib_is_refused_and_nothing_defined(
+        host: FakeHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    newer = json.dumps({"version": 99, "vgpus": {U1: {"parent": P1, "type_id": "nvidia-232",
+                                                       "created": "x"}}})
+    host.write_file("var/lib/gpulib/state.json", newer)
+    assert cli(monkeypatch, host.root, "restore") == 4
+    assert Path(host.p("var/lib/gpulib/state.json")).read_text() == newer
+    assert not os.path.exists(host.p(f"etc/mdevctl.d/{P1}"))
