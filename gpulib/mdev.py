@@ -303,7 +303,7 @@ def create(sysfs: Sysfs, parent: PciAddress, type_id: str, uuid: Optional[str] =
     if available is not None and available <= 0:
         raise NotAvailableError(f"No available instances of {_type_label(t)} on {parent}")
     try:
-        sysfs.write(t.rel + "/create", value)
+        sysfs.write(t.rel + "/create", value, expected=(errno.EEXIST,))
     except OSError as exc:
         if exc.errno == errno.EEXIST:
             # Made by another tool between our look and our write.

@@ -200,7 +200,9 @@ def test_r4_mdevctl_started_it_first_is_already_live(host: Host) -> None:
     assert "FAILED" not in out
 
 
-def test_r4_mdevctl_wins_the_race_between_gpulibs_look_and_its_write(host: Host) -> None:
+def test_r4_mdevctl_wins_the_race_between_gpulibs_look_and_its_write(
+        host: Host, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     host.mdevctl.run("define", "-u", U1, "-p", P1, "-t", "nvidia-232", "--auto")
     kernel = SimulatedKernel(host.root)
 
@@ -214,6 +216,7 @@ def test_r4_mdevctl_wins_the_race_between_gpulibs_look_and_its_write(host: Host)
         outcomes = restore(ctx, state)
     assert [(o.ident, o.action, o.ok) for o in outcomes] == [(U1, "already live", True)]
     assert host.live() == {U1: (P1, "nvidia-232")}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_r4_where_udev_autostart_works_only_mdevctl_starts_auto_vgpus(host: Host) -> None:
