@@ -114,8 +114,18 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
     targets = _targets(pool, sorted(by_parent))
     members: dict[str, list[str]] = {k: [] for k in by_parent}
     for uuid, rec in sorted(state.vgpus.items()):
-        if rec.pool == name:
-            members.setdefault(rec.parent, []).append(uuid)
+        if rec.pool != name:
+            continue
+        t = by_parent.get(rec.parent)
+        if t is not None and rec.type_id != t.type_id and not rec.on_demand:
+            # The operator changed its definition's type (mdevctl modify -t):
+            # it is no pool member any more; the pool makes another.
+            out.append(Outcome("mdev", uuid, f"left pool {name}", True,
+                               f"its definition is now {rec.type_id}, not {t.type_id}"))
+            if not dry_run:
+                rec.pool = None
+            continue
+        members.setdefault(rec.parent, []).append(uuid)
     for parent, uuids in sorted(members.items()):
         want = targets.get(parent, 0)
         t = by_parent.get(parent)

@@ -479,3 +479,21 @@ def test_handing_a_pool_member_over_to_mdevctl(host: Host) -> None:
     assert code == 0, out + err
     assert set(host.live()) == pool | {mine}, out
     host.assert_agree()
+
+
+def test_a_pool_member_whose_type_mdevctl_changed_leaves_the_pool(host: Host) -> None:
+    host.fake.write_file("etc/gpulib/gpulib.conf", POOL_CONF)
+    assert host.gpulib("pool", "apply")[0] == 0
+    on_p2 = sorted(u for u, (p, _) in host.live().items() if p == P2)
+    for u in on_p2:
+        host.mdevctl.run("modify", "-u", u, "-t", "nvidia-231")
+    host.reboot()
+    code, out, err = host.gpulib("restore")
+    assert code == 0, out + err
+    assert {u: host.live()[u] for u in on_p2} == {u: (P2, "nvidia-231") for u in on_p2}
+    code, out, _ = host.gpulib("pool", "apply")
+    assert out.count("left pool desk") == 2
+    # the NVIDIA one-type rule leaves no room for nvidia-232 on P2 now: honestly failed
+    code, out, _ = host.gpulib("pool", "list", "--json")
+    assert not set(on_p2) & {m["id"] for m in json.loads(out)["desk"]}
+    host.assert_agree()

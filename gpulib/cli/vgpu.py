@@ -126,7 +126,9 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
                     mdev.remove(env.ctx.sysfs, made.uuid)
                 raise
             state.vgpus.setdefault(made.uuid, VgpuRecord(str(address), type_id, pool="manual"))
-    click.echo(made.uuid + ("  (already live)" if made.already_live else ""))
+    click.echo(made.uuid)
+    if made.already_live:
+        click.echo(f"mdev {made.uuid} was already live ({type_id} on {address})", err=True)
 
 
 @mdev_group.command("remove")
