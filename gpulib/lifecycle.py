@@ -136,7 +136,7 @@ def follow_definitions(ctx: Context, state: State,
         if found is None:
             del state.vgpus[uuid]
             holder = _held_by(state, uuid)
-            log.warning("mdev %s was undefined in mdevctl: gpulib forgets it%s", uuid,
+            log.info("mdev %s was undefined in mdevctl: gpulib forgets it%s", uuid,
                         f" (VM {holder} still holds it until it stops)" if holder else "")
             out.append(Outcome("mdev", uuid, "forgotten", True,
                                "its mdevctl definition is gone" + (f"; pool {rec.pool} "
