@@ -137,7 +137,7 @@ def follow_definitions(ctx: Context, state: State,
             del state.vgpus[uuid]
             holder = _held_by(state, uuid)
             log.info("mdev %s was undefined in mdevctl: gpulib forgets it%s", uuid,
-                        f" (VM {holder} still holds it until it stops)" if holder else "")
+                     f" (VM {holder} still holds it until it stops)" if holder else "")
             out.append(Outcome("mdev", uuid, "forgotten", True,
                                "its mdevctl definition is gone" + (f"; pool {rec.pool} "
                                                                     "needs another member"
