@@ -90,6 +90,22 @@ def test_definition_round_trips_in_mdevctls_format(start: str, attrs: list[tuple
     assert mdevctl.parse(U1, P1, d.to_json()) == d
 
 
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["mdev_type", "start", "attrs", "x"]), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.binary(max_size=200) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_any_bytes_are_a_definition_or_nothing(raw: bytes) -> None:
+    d = mdevctl.parse(U1, P1, raw)
+    if d is not None:  # then it is one mdevctl would accept, and it round-trips
+        assert d.start in mdevctl.START_POLICIES
+        assert mdevctl.parse(U1, P1, d.to_json()) == d
+
+
 def test_written_atomically_with_mdevctls_mode(host: FakeHost) -> None:
     ctx = ctx_of(host)
     mdevctl.write_definition(ctx, mdevctl.Definition(U1, P1, "nvidia-232", "manual",
