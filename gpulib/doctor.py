@@ -17,10 +17,13 @@ Check ids (stable: scripts and the JSON depend on them):
 * `mdev`           mdev types offered, instances left, pools name offered types
 * `hooks`          gpulib's hooks are installed and executable (libvirt's qemu.d,
                    the CloudStack agent's hook directory)
-* `libvirt`        libvirtd was (re)started after the qemu hook appeared
+* `libvirt`        libvirtd was (re)started after the qemu hook appeared (the
+                   link's ctime: packages set its mtime to their build time)
 * `config`         gpulib.conf parses without errors or unknown keys
 * `state`          the state file is readable and consistent, the lock works
 * `discovery`      the CloudStack discovery JSON is valid for the agent
+* `logging`        no hook or command lost log records since boot (a full log
+                   disk, a broken syslog: `run/gpulib/log-failures`)
 
 A check emits one `ok` result summing up what it saw, or one result per
 problem. The report's status is the worst status; the exit code is 0 when
@@ -50,6 +53,7 @@ from gpulib.context import (
     CLOUDSTACK_AGENT_DIR,
     CONFIG_FILE,
     LOCK_FILE,
+    LOG_DIR,
     MODPROBE_DIR,
     PROC_CMDLINE,
     STATE_DIR,
@@ -73,7 +77,7 @@ EXIT_CODES = {OK: 0, FAIL: 1, WARN: 2}
 SCHEMA = 1
 
 CHECK_IDS = ("iommu", "nouveau", "driver-binding", "iommu-group", "sriov", "mdev", "hooks",
-             "libvirt", "config", "state", "discovery")
+             "libvirt", "config", "state", "discovery", "logging")
 
 AMD_VENDOR = 0x1002
 # Drivers that make a GPU the host's: a passthrough GPU must not be on one.
@@ -594,6 +598,7 @@ class Doctor:
             ("config", self.check_config),
             ("state", self.check_state),
             ("discovery", self.check_discovery),
+            ("logging", lambda: check_logging(self.ctx)),
         ]
 
     def run(self, only: Optional[list[str]] = None) -> Report:
@@ -942,6 +947,13 @@ class Doctor:
                                    "systemctl restart libvirtd")
         if found:
             found.message += " (libvirt's qemu hook)"
+            if self.sysfs.isdir(CLOUDSTACK_AGENT_DIR):
+                # The agent starts a VM with its own XML when the transformer
+                # refuses: only `prepare begin` can stop a start that would take
+                # a device another VM holds.
+                found.message += ("; the CloudStack agent is installed and ignores a "
+                                  "refusing transformer, so without this hook nothing "
+                                  "stops a VM from taking a GPU another VM holds")
             problems.append(found)
         else:
             ok.append(host_path(LIBVIRT_HOOK))
@@ -1011,7 +1023,10 @@ class Doctor:
             return [Result(cid, WARN, hook,
                            f"{why}: libvirtd reads its hooks only when it starts, so it may "
                            "not run gpulib's hook", "systemctl restart libvirtd")]
-        appeared = st.st_mtime
+        # When the link appeared on this host: its ctime (set when it is made,
+        # renamed into place or changed). Never the mtime: dpkg and rpm give it
+        # the package's build time, long before libvirtd's start.
+        appeared = st.st_ctime
         if appeared > started + _START_SLACK:
             return [Result(cid, FAIL, hook,
                            f"{daemon} started at {_when(started)}, before the qemu hook "
@@ -1034,6 +1049,9 @@ class Doctor:
             return [Result(cid, WARN, path, " ".join(m.split(": ", 1)[-1] for m in
                                                      self._config_warnings),
                            f"remove or correct the key named in {path}")]
+        capped = lock_timeout_problem(config, path)
+        if capped:
+            return [capped]
         if not os.path.exists(self.ctx.config_path):
             return [Result(cid, OK, path, "no configuration file: defaults apply")]
         return [Result(cid, OK, path, f"valid ({len(config.pools)} pool(s))")]
@@ -1146,6 +1164,36 @@ class Doctor:
         return [Result(cid, OK, "gpulib discover --format cloudstack",
                        f"valid for the CloudStack agent: {len(doc['gpus'])} GPU(s), "
                        f"{vgpus} vGPU instance(s), {vfs} VF instance(s)")]
+
+
+def lock_timeout_problem(config: Config, path: str) -> Optional[Result]:
+    """`[state] lock_timeout` above what the hooks wait (HOOK_LOCK_TIMEOUT_CAP)."""
+    from gpulib.state import HOOK_LOCK_TIMEOUT_CAP
+
+    value = config.get_float("state", "lock_timeout")
+    if value <= HOOK_LOCK_TIMEOUT_CAP:
+        return None
+    return Result("config", WARN, path,
+                  f"[state] lock_timeout = {value:g} s is above the {HOOK_LOCK_TIMEOUT_CAP:g} s "
+                  "the hooks wait at most (the CloudStack agent kills a hook after 30 s): "
+                  "the hooks use the cap, only gpulib commands wait longer",
+                  f"set lock_timeout to {HOOK_LOCK_TIMEOUT_CAP:g} or less in {path}")
+
+
+def check_logging(ctx: Context) -> list[Result]:
+    """`logging`: log records lost since boot (the hooks drop them silently:
+    their stderr belongs to the agent's XML), from `run/gpulib/log-failures`."""
+    from gpulib.logs import LOG_FAILURES_FILE, read_failures
+
+    shown = host_path(LOG_FAILURES_FILE)
+    notes = read_failures(ctx)
+    if not notes:
+        return [Result("logging", OK, "log", "no log record lost since boot")]
+    return [Result("logging", WARN, shown,
+                   f"{len(notes)} gpulib run(s) since boot could not write their log; the "
+                   f"last: {notes[-1]}",
+                   f"free space under {host_path(LOG_DIR)} or repair syslog (/dev/log), then "
+                   f"rm {shown}")]
 
 
 def _link_hooks_command(directory: str) -> str:

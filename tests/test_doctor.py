@@ -369,3 +369,13 @@ def test_cli_exit_codes(host: FakeHost, monkeypatch: Any, capsys: Any) -> None:
     assert f"FAIL  iommu-group  {RTX_AUDIO}:" in out
     assert f"fix: driverctl set-override {RTX_AUDIO} vfio-pci" in out
     assert "2 checks: 1 ok, 0 warn, 1 fail" in out
+
+
+def test_cloudstack_host_without_the_qemu_hook_fails(host: FakeHost) -> None:
+    # Under CloudStack the qemu hook is what stops a start the transformer refused.
+    assert os.path.isdir(host.p("etc/cloudstack/agent"))
+    os.unlink(host.p(dr.LIBVIRT_HOOK))
+    report = run(host, only=["hooks"])
+    r = assert_fault(report, "hooks", "fail", "/" + dr.LIBVIRT_HOOK)
+    assert "the CloudStack agent is installed" in r.message
+    assert report.exit_code == dr.EXIT_CODES[dr.FAIL]
