@@ -22,6 +22,7 @@ never names a vGPU that is not live.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpulib import mdev, nvidia
@@ -52,9 +53,9 @@ class Journal:
             self._checkpoint(self.state)
 
     def create_mdev(self, parent: PciAddress, type_id: str, uuid: str,
-                    on_demand: bool) -> mdev.Mdev:
+                    on_demand: bool, attrs: Sequence[tuple[str, str]] = ()) -> mdev.Mdev:
         self._intend(Intent("create-mdev", uuid, self.vm, str(parent), type_id, on_demand))
-        made = mdev.create(self.sysfs, parent, type_id, uuid)
+        made = mdev.create(self.sysfs, parent, type_id, uuid, attrs=attrs)
         self._undo.append((f"remove mdev {made.uuid}",
                            lambda: mdev.remove(self.sysfs, made.uuid, retry_seconds=0.5)))
         return made

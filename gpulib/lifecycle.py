@@ -14,13 +14,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from typing import Optional
 
-from gpulib import mdev, nvidia
+from gpulib import mdev, mdevctl, nvidia
 from gpulib.allocator import release
 from gpulib.config import Config
 from gpulib.context import Context
@@ -32,7 +30,6 @@ from gpulib.usage import DomainDevices, running_domains
 
 log = logging.getLogger(__name__)
 
-MDEVCTL_DIR = "etc/mdevctl.d"
 _ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
 # A pending allocation younger than this may belong to a VM that is starting:
 # the agent's 30 s transformer limit, libvirt's own start, and a wide margin.
@@ -51,8 +48,14 @@ def rebuild_state(ctx: Context) -> State:
     """Re-learn what can be re-learned: live vGPUs, VF types, running VMs' devices."""
     sysfs = ctx.sysfs
     state = State()
+    # Live vGPUs with a definition are persistent; gpulib cannot tell who made
+    # the others (an on-demand vGPU, libvirt's transient one), so it leaves them.
+    state.extra[DEFINITIONS_MARKER] = "mdevctl"
+    defs = mdevctl.read_definitions(ctx)
     for uuid, m in mdev.live_mdevs(sysfs).items():
-        state.vgpus[uuid] = VgpuRecord(str(m.parent), m.type_id)
+        known = defs.get(uuid)
+        if known is not None and (known.parent, known.type_id) == (str(m.parent), m.type_id):
+            state.vgpus[uuid] = VgpuRecord(known.parent, known.type_id)
     for address in list_addresses(sysfs):
         if nvidia.is_vendor_vf(sysfs, address):
             current = nvidia.current_type(sysfs, address) or 0
@@ -68,48 +71,115 @@ def rebuild_state(ctx: Context) -> State:
     return state
 
 
-# -- mdevctl -------------------------------------------------------------------------------
+# -- mdevctl's definitions ---------------------------------------------------------------
+# The persistent record of a vGPU (parent, type, start policy, attrs) is its
+# mdevctl definition; gpulib's state keeps only what mdevctl has no field for
+# (pool, on-demand, owner). A state written before definitions were the record
+# carries no marker: its persistent vGPUs get definitions once, then the state
+# follows the definitions.
 
-def read_mdevctl(ctx: Context) -> dict[str, tuple[str, str, bool]]:
-    """mdevctl's persistent definitions: uuid -> (parent, type, start=auto)."""
-    out: dict[str, tuple[str, str, bool]] = {}
-    sysfs = ctx.sysfs
-    for parent in sysfs.listdir(MDEVCTL_DIR):
-        for name in sysfs.listdir(f"{MDEVCTL_DIR}/{parent}"):
-            try:
-                uuid = mdev.check_uuid(name)
-                doc = json.loads(sysfs.read(f"{MDEVCTL_DIR}/{parent}/{name}") or "{}")
-                type_id = mdev.check_type_id(str(doc.get("mdev_type", "")))
-                PciAddress.parse(parent)
-            except (InputError, ValueError) as exc:
-                log.warning("ignoring mdevctl definition %s/%s: %s", parent, name, exc)
+DEFINITIONS_MARKER = "vgpu_definitions"
+# How long restore leaves `auto` vGPUs to mdevctl's udev autostart, where that
+# is active, before it starts the missing ones itself.
+AUTOSTART_WAIT_SECONDS = 10.0
+
+
+def _held_by(state: State, uuid: str) -> Optional[str]:
+    for vm, alloc in state.allocations.items():
+        if any(d.kind == "mdev" and d.id == uuid for d in alloc.devices):
+            return vm
+    return None
+
+
+def definition_for(rec: VgpuRecord, uuid: str) -> mdevctl.Definition:
+    return mdevctl.Definition(uuid, rec.parent, rec.type_id, "auto")
+
+
+def follow_definitions(ctx: Context, state: State,
+                       defs: Optional[dict[str, mdevctl.Definition]] = None,
+                       migrate: bool = True) -> list[Outcome]:
+    """Bring the state's persistent vGPU records in line with mdevctl's definitions.
+
+    An undefined vGPU is forgotten (a pool then counts one member less and
+    `pool apply` makes another); a changed type or parent is taken over.
+    On-demand vGPUs are transient and have no definition. A state from before
+    definitions were the record first gets definitions for its persistent
+    vGPUs; with `migrate` False (a read-only listing) it is left as it is.
+    """
+    defs = mdevctl.read_definitions(ctx) if defs is None else defs
+    out: list[Outcome] = []
+    if state.extra.get(DEFINITIONS_MARKER) != "mdevctl":
+        if not migrate:
+            return out
+        ok = True
+        for uuid, rec in sorted(state.vgpus.items()):
+            if rec.on_demand or uuid in defs:
                 continue
-            out[uuid] = (parent, type_id, doc.get("start") == "auto")
+            d = definition_for(rec, uuid)
+            try:
+                mdevctl.write_definition(ctx, d)
+            except (OSError, InputError) as exc:
+                ok = False
+                out.append(Outcome("mdev", uuid, "define for mdevctl", False, str(exc)))
+                continue
+            defs[uuid] = d
+            out.append(Outcome("mdev", uuid, "defined for mdevctl", True,
+                               f"{rec.type_id} on {rec.parent}"))
+        if not ok:
+            return out  # try again next time; forget nothing meanwhile
+        state.extra[DEFINITIONS_MARKER] = "mdevctl"
+    for uuid, rec in sorted(state.vgpus.items()):
+        if rec.on_demand:
+            continue
+        found = defs.get(uuid)
+        if found is None:
+            del state.vgpus[uuid]
+            holder = _held_by(state, uuid)
+            log.info("mdev %s was undefined in mdevctl: gpulib forgets it%s", uuid,
+                     f" (VM {holder} still holds it until it stops)" if holder else "")
+            out.append(Outcome("mdev", uuid, "forgotten", True,
+                               "its mdevctl definition is gone" + (f"; pool {rec.pool} "
+                                                                    "needs another member"
+                                                                    if rec.pool else "")))
+        elif (rec.parent, rec.type_id) != (found.parent, found.type_id):
+            log.info("mdev %s follows its mdevctl definition: %s on %s (was %s on %s)", uuid,
+                     found.type_id, found.parent, rec.type_id, rec.parent)
+            rec.parent, rec.type_id = found.parent, found.type_id
     return out
 
 
-def write_mdevctl(ctx: Context, uuid: str, parent: str, type_id: str) -> None:
-    """Keep mdevctl's view in step, so `mdevctl list -d` shows gpulib's pool vGPUs."""
-    directory = ctx.path(f"{MDEVCTL_DIR}/{parent}")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{uuid}.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"mdev_type": type_id, "start": "auto", "attrs": []}, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, os.path.join(directory, uuid))
-    except OSError as exc:
-        log.warning("could not write mdevctl definition for %s: %s", uuid, exc)
+def plan_definition(ctx: Context, uuid: str, parent: str, type_id: str,
+                    start: Optional[str] = None,
+                    attrs: Optional[list[tuple[str, str]]] = None) -> mdevctl.Definition:
+    """The definition a persistent vGPU should have, keeping what the operator set.
+
+    An existing definition keeps its start policy and attrs unless `start` or
+    `attrs` is given. A UUID defined on another parent, or as another type, is
+    refused with both named. Nothing is written.
+    """
+    old = mdevctl.read_definition(ctx, uuid)
+    if old is None:
+        return mdevctl.Definition(uuid, parent, type_id, start or "auto", attrs or [])
+    if old.parent != parent:
+        raise InputError(f"mdev {uuid} is defined on parent {old.parent}; refusing to define "
+                         f"it on {parent} too (undefine it there first: "
+                         f"mdevctl undefine -u {uuid})")
+    if old.type_id != type_id:
+        raise InputError(f"mdev {uuid} is defined as {old.type_id} on {parent}, not "
+                         f"{type_id} (change it with: mdevctl modify -u {uuid} -t {type_id})")
+    return mdevctl.Definition(uuid, parent, type_id, start or old.start,
+                              old.attrs if attrs is None else attrs, old.extra)
 
 
-def remove_mdevctl(ctx: Context, uuid: str, parent: str) -> None:
-    path = ctx.path(f"{MDEVCTL_DIR}/{parent}/{uuid}")
+def save_definition(ctx: Context, d: mdevctl.Definition) -> None:
+    """Write a definition unless the file already says the same."""
+    if mdevctl.read_definition(ctx, d.uuid) == d:
+        return
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        mdevctl.write_definition(ctx, d)
     except OSError as exc:
-        log.warning("could not remove mdevctl definition %s: %s", path, exc)
+        raise GpulibError(f"cannot write the mdevctl definition of {d.uuid}: "
+                          f"{exc.strerror or exc}") from None
 
 
 # -- restore --------------------------------------------------------------------------------
@@ -132,23 +202,55 @@ class Outcome:
         return f"{status:6s} {self.action} {self.kind} {self.ident}{extra}"
 
 
-def restore(ctx: Context, state: State, adopt_mdevctl: bool = True) -> list[Outcome]:
-    """Recreate registry vGPUs that are not live and set recorded VF types."""
+def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
+            autostart_wait: Optional[float] = None) -> list[Outcome]:
+    """Start the vGPUs that should exist and set recorded VF types.
+
+    Every `auto` mdevctl definition (only those gpulib keeps a record of when
+    `adopt_mdevctl` is False) and every transient vGPU record is created if not
+    live, with its attrs. `manual` definitions are left alone. Where mdevctl's
+    udev rule starts `auto` definitions itself, restore first gives it
+    `autostart_wait` seconds, so that one tool starts a vGPU, not both; a vGPU
+    the other tool made meanwhile is reported "already live", not an error.
+    """
     sysfs = ctx.sysfs
-    out: list[Outcome] = []
-    if adopt_mdevctl:
-        for uuid, (parent, type_id, auto) in sorted(read_mdevctl(ctx).items()):
-            if uuid not in state.vgpus and auto:
-                state.vgpus[uuid] = VgpuRecord(parent, type_id, pool="mdevctl")
-                out.append(Outcome("mdev", uuid, "adopted from mdevctl", True,
-                                   f"{type_id} on {parent}"))
+    defs = mdevctl.read_definitions(ctx)
+    out = follow_definitions(ctx, state, defs)
+    wanted: list[tuple[str, str, str, list[tuple[str, str]], str]] = []
+    for uuid, d in sorted(defs.items()):
+        if d.auto and (adopt_mdevctl or uuid in state.vgpus):
+            wanted.append((uuid, d.parent, d.type_id, d.attrs, "mdevctl definition"))
     for uuid, rec in sorted(state.vgpus.items()):
+        if uuid not in defs:
+            wanted.append((uuid, rec.parent, rec.type_id, [], "gpulib record"))
+    missing = [w for w in wanted if mdev.read_mdev(sysfs, w[0]) is None]
+    if missing and any(w[4] == "mdevctl definition" for w in missing) and \
+            mdevctl.udev_autostart(ctx):
+        wait = AUTOSTART_WAIT_SECONDS if autostart_wait is None else autostart_wait
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(
+                mdev.read_mdev(sysfs, w[0]) is None for w in missing
+                if w[4] == "mdevctl definition" and sysfs.exists(f"{mdev.MDEV_BUS}/{w[1]}")):
+            time.sleep(0.2)
+    for uuid, parent, type_id, attrs, source in wanted:
         live = mdev.read_mdev(sysfs, uuid)
         if live is not None:
+            if (str(live.parent), live.type_id) != (parent, type_id):
+                out.append(Outcome("mdev", uuid, "check", False,
+                                   f"live on {live.parent} as {live.type_id}, but the "
+                                   f"{source} says {type_id} on {parent}"))
+            elif any(w[0] == uuid for w in missing):
+                out.append(Outcome("mdev", uuid, "already live", True,
+                                   f"{type_id} on {parent}: started by mdevctl"))
             continue
         try:
-            mdev.create(sysfs, PciAddress.parse(rec.parent), rec.type_id, uuid)
-            out.append(Outcome("mdev", uuid, "recreated", True, f"{rec.type_id} on {rec.parent}"))
+            made = mdev.create(sysfs, PciAddress.parse(parent), type_id, uuid, attrs=attrs)
+            if made.already_live:
+                out.append(Outcome("mdev", uuid, "already live", True,
+                                   f"{type_id} on {parent}: started by another tool"))
+            else:
+                out.append(Outcome("mdev", uuid, "recreated", True, f"{type_id} on {parent}" +
+                                   (f" with {len(attrs)} attrs" if attrs else "")))
         except GpulibError as exc:
             out.append(Outcome("mdev", uuid, "recreate", False, exc.message))
     for addr, vrec in sorted(state.vf_types.items()):

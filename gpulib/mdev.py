@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 import time
+from collections.abc import Sequence
 from typing import Optional
 
 from gpulib.errors import DeviceError, InputError, NotAvailableError
@@ -213,13 +215,15 @@ def _one_line(text: str) -> str:
 class Mdev:
     """A mediated device; `live` is False for one known only to gpulib's registry."""
 
-    __slots__ = ("live", "parent", "type_id", "uuid")
+    __slots__ = ("already_live", "live", "parent", "type_id", "uuid")
 
     def __init__(self, uuid: str, parent: PciAddress, type_id: str, live: bool = True) -> None:
         self.uuid = uuid
         self.parent = parent
         self.type_id = type_id
         self.live = live
+        # create() found it live already (another tool made it): nothing was written.
+        self.already_live = False
 
     def __repr__(self) -> str:
         return f"Mdev({self.uuid}, {self.parent}, {self.type_id!r})"
@@ -315,23 +319,56 @@ def find_type(sysfs: Sysfs, parent: PciAddress, type_id: str) -> MdevType:
     return t
 
 
+def _conflict(uuid: str, existing: Mdev, parent: PciAddress, type_id: str) -> str:
+    return (f"mdev {uuid} already exists: live on {existing.parent} as {existing.type_id}, "
+            f"not on {parent} as {type_id}")
+
+
+def _await(sysfs: Sysfs, uuid: str, seconds: float) -> Optional[Mdev]:
+    """The device once it shows up with its links (the kernel adds them in steps)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = read_mdev(sysfs, uuid)
+        if found is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)
+
+
 def create(sysfs: Sysfs, parent: PciAddress, type_id: str, uuid: Optional[str] = None,
-           settle_seconds: float = 2.0) -> Mdev:
-    """Create an mdev and confirm it appeared; remove it again if it came up wrong."""
+           settle_seconds: float = 2.0, attrs: Sequence[tuple[str, str]] = ()) -> Mdev:
+    """Create an mdev, confirm it appeared and write its attributes in order.
+
+    A device already live with this UUID, parent and type is success (another
+    tool, mdevctl's udev autostart say, made it first): the result says
+    `already_live` and nothing is written. With another parent or type it is
+    an error naming both. A device that comes up wrong, or whose attribute
+    cannot be written, is removed again.
+    """
     t = find_type(sysfs, parent, type_id)
     value = check_uuid(uuid) if uuid else new_uuid()
     existing = read_mdev(sysfs, value)
     if existing is not None:
         if existing.parent == parent and existing.type_id == type_id:
+            existing.already_live = True
             return existing
-        raise DeviceError(f"an mdev with UUID {value} already exists on {existing.parent} "
-                          f"as {existing.type_id}")
+        raise DeviceError(_conflict(value, existing, parent, type_id))
     available = t.available_instances
     if available is not None and available <= 0:
         raise NotAvailableError(f"No available instances of {_type_label(t)} on {parent}")
     try:
-        sysfs.write(t.rel + "/create", value)
+        sysfs.write(t.rel + "/create", value, expected=(errno.EEXIST,))
     except OSError as exc:
+        if exc.errno == errno.EEXIST:
+            # Made by another tool between our look and our write.
+            existing = _await(sysfs, value, settle_seconds)
+            if existing is not None and existing.parent == parent and \
+                    existing.type_id == type_id:
+                log.info("mdev %s (%s on %s) is already live: created by another tool",
+                         value, type_id, parent)
+                existing.already_live = True
+                return existing
+            if existing is not None:
+                raise DeviceError(_conflict(value, existing, parent, type_id)) from None
         template = _CREATE_ERRORS.get(exc.errno or 0)
         if template is None:
             raise DeviceError(f"creating mdev {value} of {_type_label(t)} on {parent} failed: "
@@ -340,21 +377,37 @@ def create(sysfs: Sysfs, parent: PciAddress, type_id: str, uuid: Optional[str] =
         cls = NotAvailableError if exc.errno in (errno.ENOSPC, errno.EDQUOT,
                                                  errno.EUSERS) else DeviceError
         raise cls(msg[0].upper() + msg[1:]) from None
-    deadline = time.monotonic() + settle_seconds
-    while True:
-        made = read_mdev(sysfs, value)
-        if made is not None:
-            break
-        if time.monotonic() >= deadline:
-            raise DeviceError(f"mdev {value} did not appear after writing to {t.rel}/create")
-        time.sleep(0.05)
+    made = _await(sysfs, value, settle_seconds)
+    if made is None:
+        raise DeviceError(f"mdev {value} did not appear after writing to {t.rel}/create")
     if made.parent != parent or made.type_id != type_id:
         # Roll back: never leave a device that is not what was asked for.
         remove(sysfs, value)
         raise DeviceError(f"mdev {value} appeared on {made.parent} as {made.type_id}, "
                           f"not {parent} {type_id}; removed it")
+    write_attrs(sysfs, value, attrs)
     log.info("created mdev %s type %s on %s", value, type_id, parent)
     return made
+
+
+def write_attrs(sysfs: Sysfs, uuid: str, attrs: Sequence[tuple[str, str]]) -> None:
+    """Write a new device's attributes in order, as mdevctl does; on a failure
+    remove the device (a vGPU without its settings is not the one defined)."""
+    for name, text in attrs:
+        if not name or name.startswith("/") or ".." in name.split("/"):
+            remove(sysfs, uuid)
+            raise InputError(f"mdev {uuid}: not an attribute name: {name!r}; removed the device")
+        try:
+            sysfs.write(f"{MDEV_DEVICES}/{uuid}/{name}", text)
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            try:
+                remove(sysfs, uuid)
+                undone = "removed the device"
+            except DeviceError as again:
+                undone = f"removing the device failed too: {again.message}"
+            raise DeviceError(f"mdev {uuid}: writing attribute {name} = {text!r} failed "
+                              f"({reason}); {undone}") from None
 
 
 def remove(sysfs: Sysfs, uuid: str, retry_seconds: float = 0.0) -> bool:

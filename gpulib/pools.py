@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from gpulib import mdev, nvidia
+from gpulib import mdev, mdevctl, nvidia
 from gpulib.config import Config, PoolConfig
 from gpulib.context import Context
 from gpulib.discovery import Gpu, Inventory
 from gpulib.errors import GpulibError
-from gpulib.lifecycle import Outcome, remove_mdevctl, write_mdevctl
+from gpulib.lifecycle import Outcome, follow_definitions, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress
 from gpulib.state import State, VfRecord, VgpuRecord
@@ -94,7 +94,8 @@ def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
 
     A member anyone holds (the occupancy model: allocations, running domains,
     a conflicting node of its tree) is never removed or cleared."""
-    out: list[Outcome] = []
+    # Members the operator undefined in mdevctl are no longer members.
+    out: list[Outcome] = [] if dry_run else follow_definitions(ctx, state)
     for name, pool in sorted(config.pools.items()):
         p = plan(pool, inventory, frozenset(state.unmanaged))
         if not p.mdev_parents and not p.vf_parents:
@@ -117,8 +118,18 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
     targets = _targets(pool, sorted(by_parent))
     members: dict[str, list[str]] = {k: [] for k in by_parent}
     for uuid, rec in sorted(state.vgpus.items()):
-        if rec.pool == name:
-            members.setdefault(rec.parent, []).append(uuid)
+        if rec.pool != name:
+            continue
+        t = by_parent.get(rec.parent)
+        if t is not None and rec.type_id != t.type_id and not rec.on_demand:
+            # The operator changed its definition's type (mdevctl modify -t):
+            # it is no pool member any more; the pool makes another.
+            out.append(Outcome("mdev", uuid, f"left pool {name}", True,
+                               f"its definition is now {rec.type_id}, not {t.type_id}"))
+            if not dry_run:
+                rec.pool = None
+            continue
+        members.setdefault(rec.parent, []).append(uuid)
     for parent, uuids in sorted(members.items()):
         want = targets.get(parent, 0)
         t = by_parent.get(parent)
@@ -126,7 +137,11 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
             if mdev.read_mdev(sysfs, uuid) is None and t is not None and \
                     uuids.index(uuid) < want:
                 def recreate(u: str = uuid, t: mdev.MdevType = t) -> None:
-                    mdev.create(sysfs, t.parent, t.type_id, u)
+                    # Every pool member has a definition, so mdevctl and
+                    # libvirt list it as persistent.
+                    d = plan_definition(ctx, u, str(t.parent), t.type_id)
+                    mdev.create(sysfs, t.parent, t.type_id, u, attrs=d.attrs)
+                    save_definition(ctx, d)
                 out.append(_do(dry_run, "mdev", uuid, "recreate pool member", recreate))
         have = len(uuids)
         if have > want:
@@ -139,7 +154,7 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
                 def drop(u: str = uuid, parent: str = parent) -> None:
                     mdev.remove(sysfs, u)
                     del state.vgpus[u]
-                    remove_mdevctl(ctx, u, parent)
+                    mdevctl.remove_definition(ctx, u, parent)
                 out.append(_do(dry_run, "mdev", uuid, f"remove surplus of pool {name}", drop))
                 have -= 1
         while t is not None and have < want:
@@ -147,8 +162,12 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
 
             def create(u: str = uuid, t: mdev.MdevType = t) -> None:
                 mdev.create(sysfs, t.parent, t.type_id, u)
+                try:
+                    save_definition(ctx, mdevctl.Definition(u, str(t.parent), t.type_id))
+                except GpulibError:
+                    mdev.remove(sysfs, u)  # a member without a record would be lost
+                    raise
                 state.vgpus[u] = VgpuRecord(str(t.parent), t.type_id, pool=name)
-                write_mdevctl(ctx, u, str(t.parent), t.type_id)
             result = _do(dry_run, "mdev", uuid if not dry_run else "(new)",
                          f"create {t.type_id} on {t.parent} for pool {name}", create)
             out.append(result)

@@ -308,13 +308,19 @@ class Sysfs:
         return None
 
     # -- the one writer --------------------------------------------------------
-    def write(self, rel: str, data: str) -> None:
-        """Write an attribute; OSError carries the kernel's errno."""
+    def write(self, rel: str, data: str, expected: tuple[int, ...] = ()) -> None:
+        """Write an attribute; OSError carries the kernel's errno.
+
+        A failure with an errno in `expected` is one the caller handles as a
+        normal outcome (EEXIST of a vGPU another tool created): logged at
+        info, not as a warning.
+        """
         path = self.root + rel
         log.info("write %r to %s", data, path)
         try:
             self._kernel_write(path, data)
         except OSError as exc:
-            log.warning("write %r to %s failed: %s", data, path,
-                        os.strerror(exc.errno or errno.EIO))
+            log.log(logging.INFO if exc.errno in expected else logging.WARNING,
+                    "write %r to %s failed: %s", data, path,
+                    os.strerror(exc.errno or errno.EIO))
             raise

@@ -153,3 +153,27 @@ def tree_state(root: str) -> dict[str, tuple[int, float, int]]:
             st = os.lstat(path)
             out[os.path.relpath(path, root)] = (st.st_mode, st.st_mtime, st.st_size)
     return out
+
+
+# -- two T4s whose nvidia-232 vGPUs have attribute files (mdevctl tests) --
+
+P1 = "0000:3b:00.0"
+P2 = "0000:5e:00.0"
+U1 = "11111111-2222-4333-8444-555555555555"
+U2 = "22222222-3333-4444-8555-666666666666"
+U3 = "33333333-4444-4555-8666-777777777777"
+ATTR_SPEC = {"nvidia/vgpu_params": r"[a-z_]+=\d+(,[a-z_]+=\d+)*", "weight": r"\d+"}
+
+
+def two_t4_host(root: str) -> FakeHost:
+    """Two T4s (mdev types on the PF); nvidia-232 devices have attribute files."""
+    host = FakeHost(root)
+    m = models()["t4"]
+    for bridge, gpu in (("0000:3a:00.0", P1), ("0000:5d:00.0", P2)):
+        host.add_bridge(bridge, numa_node=0, iommu_group=host.new_iommu_group())
+        host.add_function(gpu, m["vendor"], m["device"], m["class"], driver="nvidia",
+                          iommu_group=host.new_iommu_group(), numa_node=0, parent=bridge,
+                          vendor_name=m["vendor_name"], device_name=m["device_name"])
+        host.populate_mdev_parent(gpu, m["mdev_types"])
+        host.add_mdev_attributes(gpu, "nvidia-232", ATTR_SPEC)
+    return host

@@ -6,9 +6,10 @@ from typing import Optional
 
 import click
 
-from gpulib import mdev, nvidia
+from gpulib import mdev, mdevctl, nvidia
 from gpulib.cli.common import Env, emit_json, json_option
-from gpulib.lifecycle import open_store, remove_mdevctl, write_mdevctl
+from gpulib.errors import GpulibError
+from gpulib.lifecycle import follow_definitions, open_store, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress
 from gpulib.state import State, VfRecord, VgpuRecord
@@ -66,18 +67,28 @@ def mdev_types(env: Env, parent: Optional[str], as_json: bool) -> None:
 @json_option
 @click.pass_obj
 def mdev_list(env: Env, as_json: bool) -> None:
-    """List live mdevs and the ones gpulib keeps (not live after a reboot)."""
+    """List live mdevs, mdevctl's definitions and the vGPUs gpulib keeps.
+
+    `definition` is the persistent record (mdevctl's: parent, type, start
+    policy, attrs; null for a transient vGPU); `pool`, `on_demand` and `vm`
+    are gpulib's.
+    """
     sysfs = env.ctx.sysfs
     state = open_store(env.ctx, env.config).load()
+    defs = mdevctl.read_definitions(env.ctx)
+    follow_definitions(env.ctx, state, defs, migrate=False)  # a view: nothing written
     live = mdev.live_mdevs(sysfs)
     occ = _occupancy(sysfs, state)
     rows = []
-    for uuid in sorted(set(live) | set(state.vgpus)):
+    for uuid in sorted(set(live) | set(state.vgpus) | set(defs)):
         m = live.get(uuid)
         rec = state.vgpus.get(uuid)
-        rows.append({"uuid": uuid, "parent": str(m.parent) if m else rec.parent if rec else None,
-                     "type_id": m.type_id if m else rec.type_id if rec else None,
-                     "live": m is not None, "pool": rec.pool if rec else None,
+        d = defs.get(uuid)
+        parent = str(m.parent) if m else d.parent if d else rec.parent if rec else None
+        type_id = m.type_id if m else d.type_id if d else rec.type_id if rec else None
+        rows.append({"uuid": uuid, "parent": parent, "type_id": type_id,
+                     "live": m is not None, "definition": d.as_dict() if d else None,
+                     "pool": rec.pool if rec else None,
                      "on_demand": rec.on_demand if rec else False,
                      "vm": occ.user("mdev", uuid),
                      "known": rec is not None})
@@ -85,8 +96,10 @@ def mdev_list(env: Env, as_json: bool) -> None:
         emit_json(rows)
         return
     for r in rows:
+        d = defs.get(str(r["uuid"]))
         click.echo(f"{r['uuid']}  {r['parent']}  {r['type_id']:<14} "
-                   f"{'live' if r['live'] else 'NOT LIVE'}  pool={r['pool'] or '-'} "
+                   f"{'live' if r['live'] else 'NOT LIVE'}  "
+                   f"{'defined=' + d.start if d else 'transient'}  pool={r['pool'] or '-'} "
                    f"vm={r['vm'] or '-'}")
 
 
@@ -95,20 +108,45 @@ def mdev_list(env: Env, as_json: bool) -> None:
 @click.option("--type", "type_id", required=True, help="mdev type id, e.g. nvidia-232.")
 @click.option("--uuid", help="UUID to use (default: a new one).")
 @click.option("--keep/--no-keep", default=True,
-              help="Record it in gpulib's registry so it is restored after reboots.")
+              help="Define it persistently (an mdevctl definition) so it is restored after "
+                   "reboots.")
+@click.option("--start", "start", type=click.Choice(mdevctl.START_POLICIES),
+              help="Start policy of the definition (default: keep an existing one's, else "
+                   "auto).")
+@click.option("--attr", "attrs", multiple=True, metavar="NAME=VALUE",
+              help="Attribute written after creation, in order; repeat for several. "
+                   "Given, it replaces an existing definition's attrs.")
 @click.pass_obj
-def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: bool) -> None:
+def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: bool,
+                start: Optional[str], attrs: tuple[str, ...]) -> None:
     """Create an mdev and print its UUID."""
     address = PciAddress.parse(parent)
     mdev.check_type_id(type_id)
     if uuid:
         uuid = mdev.check_uuid(uuid)
+    pairs = [mdevctl.parse_attr(a) for a in attrs] if attrs else None
+    if not keep and start:
+        raise click.UsageError("--start is the policy of a definition: not with --no-keep")
     with open_store(env.ctx, env.config).transaction() as state:
-        made = mdev.create(env.ctx.sysfs, address, type_id, uuid)
+        follow_definitions(env.ctx, state)
+        definition = plan_definition(env.ctx, uuid, str(address), type_id, start, pairs) \
+            if keep and uuid else None
+        apply = definition.attrs if definition else (pairs or [])
+        made = mdev.create(env.ctx.sysfs, address, type_id, uuid, attrs=apply)
         if keep:
+            if definition is None:
+                definition = mdevctl.Definition(made.uuid, str(address), type_id,
+                                                start or "auto", pairs or [])
+            try:
+                save_definition(env.ctx, definition)
+            except GpulibError:
+                if not made.already_live:
+                    mdev.remove(env.ctx.sysfs, made.uuid)
+                raise
             state.vgpus.setdefault(made.uuid, VgpuRecord(str(address), type_id, pool="manual"))
-            write_mdevctl(env.ctx, made.uuid, str(address), type_id)
     click.echo(made.uuid)
+    if made.already_live:
+        click.echo(f"mdev {made.uuid} was already live ({type_id} on {address})", err=True)
 
 
 @mdev_group.command("remove")
@@ -116,17 +154,17 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
 @click.option("--force", is_flag=True, help="Remove even if a VM holds it.")
 @click.pass_obj
 def mdev_remove(env: Env, uuid: str, force: bool) -> None:
-    """Remove an mdev and forget it."""
+    """Remove an mdev, its mdevctl definition, and forget it."""
     value = mdev.check_uuid(uuid)
     with open_store(env.ctx, env.config).transaction() as state:
         rec = state.vgpus.get(value)
         _refuse_held(env.ctx.sysfs, state, "mdev", value, force)
         removed = mdev.remove(env.ctx.sysfs, value)
+        undefined = mdevctl.remove_definition(env.ctx, value)
         if rec is not None:
             del state.vgpus[value]
-            remove_mdevctl(env.ctx, value, rec.parent)
-        elif not removed:
-            raise click.ClickException(f"no mdev {value} (not live, not known)")
+        elif not removed and not undefined:
+            raise click.ClickException(f"no mdev {value} (not live, not defined, not known)")
     click.echo(f"removed {value}")
 
 

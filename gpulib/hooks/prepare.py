@@ -43,7 +43,8 @@ from gpulib.domain import Domain, DomainXmlError, GpuRequest, PciHostdev, derive
 from gpulib.errors import DeviceError, InputError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
-from gpulib.lifecycle import boot_clock, open_store, read_mdevctl
+from gpulib.lifecycle import boot_clock, follow_definitions, open_store
+from gpulib.mdevctl import Definition, read_definitions
 from gpulib.occupancy import Occupancy, declaring_pools, refusal, whole_gpu_refusal
 from gpulib.pci import (
     PciAddress,
@@ -76,9 +77,11 @@ class MdevStep:
     """One named mdev in a start's plan: recreate it from `source` (parent, type),
     create it on demand (source DERIVED), or keep it (source None: it is live)."""
 
-    __slots__ = ("on_demand", "source", "uuid")
+    __slots__ = ("attrs", "on_demand", "source", "uuid")
 
-    def __init__(self, uuid: str, source: Optional[tuple[str, str]], on_demand: bool) -> None:
+    def __init__(self, uuid: str, source: Optional[tuple[str, str]], on_demand: bool,
+                 attrs: Optional[list[tuple[str, str]]] = None) -> None:
+        self.attrs = attrs or []  # the definition's, written in order after creation
         self.uuid = uuid
         self.source = source
         self.on_demand = on_demand
@@ -298,20 +301,28 @@ class Preparer:
                     addresses: list[PciAddress], derived: dict[str, VgpuRequest]
                     ) -> tuple[list[MdevStep], list[tuple[PciHostdev, PciAddress]]]:
         """What each named device needs, every refusal raised here: no write at all."""
-        mdevctl: Optional[dict[str, tuple[str, str, bool]]] = None
+        defs: Optional[dict[str, Definition]] = None
         mdev_steps: list[MdevStep] = []
         for uuid in uuids:
             rec = state.vgpus.get(uuid)
             source: Optional[tuple[str, str]] = None
+            attrs: list[tuple[str, str]] = []
             if mdev.read_mdev(self.sysfs, uuid) is None:
-                if rec is not None:
+                # The mdevctl definition is the record of a persistent vGPU
+                # (the operator may have changed it); gpulib's own record is
+                # the one of a transient one.
+                if defs is None:
+                    defs = read_definitions(self.ctx)
+                    follow_definitions(self.ctx, state, defs, migrate=False)
+                    rec = state.vgpus.get(uuid)
+                d = defs.get(uuid)
+                if d is not None:
+                    source = (d.parent, d.type_id)
+                    attrs = list(d.attrs)
+                elif rec is not None:
                     source = (rec.parent, rec.type_id)
                 else:
-                    if mdevctl is None:
-                        mdevctl = read_mdevctl(self.ctx)
-                    if uuid in mdevctl:
-                        source = mdevctl[uuid][:2]
-                    elif uuid in derived:
+                    if uuid in derived:
                         source = (DERIVED, "")
                     else:
                         raise DeviceError(
@@ -326,7 +337,7 @@ class Preparer:
                 continue
             if source is None or source[0] != DERIVED:
                 self._refuse(occ, "mdev", uuid)
-            mdev_steps.append(MdevStep(uuid, source, bool(rec and rec.on_demand)))
+            mdev_steps.append(MdevStep(uuid, source, bool(rec and rec.on_demand), attrs))
         pci_steps: list[tuple[PciHostdev, PciAddress]] = []
         for h, addr in zip(self.dom.pci_hostdevs(), addresses):
             if not self.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
@@ -365,7 +376,7 @@ class Preparer:
             if step.source is not None:
                 parent, type_id = step.source
                 journal.create_mdev(PciAddress.parse(parent), type_id, step.uuid,
-                                    step.on_demand)
+                                    step.on_demand, step.attrs)
                 log.info("recreated mdev %s (%s on %s) for %s", step.uuid, type_id, parent,
                          self.vm)
             devices.append(Device("mdev", step.uuid, on_demand=step.on_demand))

@@ -14,6 +14,7 @@ Methods are named by intent (`add_gpu`, `populate_mdev_parent`,
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional, Union
 
@@ -33,6 +34,28 @@ def _write(path: str, content: str, mode: int = 0o644) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(content)
     os.chmod(path, mode)
+
+
+# In a type's directory: the attribute files its devices have (JSON, name ->
+# regular expression of accepted values). The kernel keeps this in the driver.
+MDEV_ATTRS_SPEC = ".sim-mdev-attrs"
+
+
+def mdev_attr_spec(type_dir: str) -> dict[str, str]:
+    try:
+        with open(os.path.join(type_dir, MDEV_ATTRS_SPEC), encoding="utf-8") as fh:
+            spec = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in spec.items()} if isinstance(spec, dict) else {}
+
+
+def make_attr_files(mdev_dir: str, type_dir: str) -> None:
+    """A new device's attribute files (empty), as its type's driver adds them."""
+    for name in mdev_attr_spec(type_dir):
+        path = os.path.join(mdev_dir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _write(path, "", 0o644)
 
 
 def relative_symlink(target_abs: str, link_abs: str) -> None:
@@ -236,6 +259,12 @@ class FakeHost:
             _write(os.path.join(td, "create"), "", 0o200)
         relative_symlink(d, self.p(f"sys/class/mdev_bus/{a}"))
 
+    def add_mdev_attributes(self, parent: Addr, type_id: str, attrs: dict[str, str]) -> None:
+        """Devices of this type get attribute files: name (may hold a '/') -> the
+        regular expression of the values the driver accepts (others: EINVAL)."""
+        td = os.path.join(self.device_dir(_addr(parent)), "mdev_supported_types", type_id)
+        _write(os.path.join(td, MDEV_ATTRS_SPEC), json.dumps(attrs, sort_keys=True) + "\n")
+
     def add_mdev(self, uuid: str, parent: Addr, type_id: str,
                  consume: bool = True) -> str:
         """A live mdev as the kernel creates it (links, remove, iommu group)."""
@@ -254,6 +283,7 @@ class FakeHost:
         self.set_mdev_group(md, self.new_iommu_group())
         relative_symlink(md, self.p(f"sys/bus/mdev/devices/{uuid}"))
         relative_symlink(md, os.path.join(td, "devices", uuid))
+        make_attr_files(md, td)
         if consume:
             avail = os.path.join(td, "available_instances")
             with open(avail) as fh:

@@ -13,6 +13,9 @@ Handled attributes and their effects:
   (the PF and its VFs) runs one type at a time, so the other types read 0
   until its last vGPU is removed.
 * `sys/bus/mdev/devices/<uuid>/remove` (`1`): the reverse.
+* an mdev's attribute files (the type's `.sim-mdev-attrs` names them and the
+  values the driver accepts): EINVAL for any other value, ENOENT for a file
+  the device does not have.
 * `<VF>/nvidia/current_vgpu_type`: set (from the VF's creatable list) or clear
   (`0`); the creatable lists of the VF and its siblings shrink and grow.
 * `<PF>/sriov_numvfs`: VFs appear or vanish (EBUSY when changed without
@@ -35,7 +38,7 @@ from typing import Optional
 
 from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
-from gpulib.sim.fakehost import relative_symlink
+from gpulib.sim.fakehost import make_attr_files, mdev_attr_spec, relative_symlink
 from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, read_text
 
 log = logging.getLogger(__name__)
@@ -100,7 +103,59 @@ class SimulatedKernel:
         else:
             if not os.path.exists(real):
                 raise _err(errno.ENOENT, path)
+            self._check_mdev_attr(real, value)
             _write(real, data)
+
+    def settle(self) -> list[str]:
+        """Carry out writes another program made straight to the tree's files.
+
+        A tool that does not go through gpulib (mdevctl in a mount namespace
+        over this tree, say) writes a UUID into a type's `create` file or `1`
+        into a device's `remove` file; this does what the kernel would have
+        done then, and empties the file again. Returns the errors the kernel
+        would have returned, one line each.
+        """
+        errors: list[str] = []
+        bus = self.p("sys/class/mdev_bus")
+        for parent in sorted(os.listdir(bus)) if os.path.isdir(bus) else []:
+            types = os.path.join(os.path.realpath(os.path.join(bus, parent)),
+                                 "mdev_supported_types")
+            for t in sorted(os.listdir(types)) if os.path.isdir(types) else []:
+                create = os.path.join(types, t, "create")
+                value = _read(create)
+                if value:
+                    _write(create, "")
+                    try:
+                        self._mdev_create(os.path.join(types, t), value)
+                    except OSError as exc:
+                        errors.append(f"create {value} on {parent} {t}: {exc.strerror}")
+        devices = self.p("sys/bus/mdev/devices")
+        for uuid in sorted(os.listdir(devices)) if os.path.isdir(devices) else []:
+            dev = os.path.realpath(os.path.join(devices, uuid))
+            value = _read(os.path.join(dev, "remove"))
+            if value:
+                _write(os.path.join(dev, "remove"), "")
+                try:
+                    self._mdev_remove(dev, value)
+                except OSError as exc:
+                    errors.append(f"remove {uuid}: {exc.strerror}")
+        return errors
+
+    def _check_mdev_attr(self, real: str, value: str) -> None:
+        """An mdev attribute file takes only what its driver accepts (EINVAL)."""
+        import re
+
+        dev = os.path.dirname(real)
+        for _ in range(3):
+            if os.path.islink(os.path.join(dev, "mdev_type")):
+                break
+            dev = os.path.dirname(dev)
+        else:
+            return
+        spec = mdev_attr_spec(os.path.realpath(os.path.join(dev, "mdev_type")))
+        pattern = spec.get(os.path.relpath(real, dev))
+        if pattern is not None and not re.fullmatch(pattern, value):
+            raise _err(errno.EINVAL, real)
 
     # -- mdev ------------------------------------------------------------------------
     def _gpu_of(self, parent_dir: str) -> str:
@@ -150,6 +205,7 @@ class SimulatedKernel:
         drv = self.p("sys/bus/mdev/drivers/vfio_mdev")
         os.makedirs(drv, exist_ok=True)
         relative_symlink(drv, os.path.join(dev, "driver"))
+        relative_symlink(self.p("sys/bus/mdev"), os.path.join(dev, "subsystem"))
         group = self._new_group()
         gdir = self.p(f"sys/kernel/iommu_groups/{group}/devices")
         os.makedirs(gdir, exist_ok=True)
@@ -159,6 +215,7 @@ class SimulatedKernel:
         relative_symlink(dev, self.p(f"sys/bus/mdev/devices/{uuid}"))
         os.makedirs(os.path.join(type_dir, "devices"), exist_ok=True)
         relative_symlink(dev, os.path.join(type_dir, "devices", uuid))
+        make_attr_files(dev, type_dir)
         _write(avail_path, f"{available - 1}\n")
         if first_on_gpu:
             self._one_type_only(gpu_dir, type_dir)
@@ -203,7 +260,13 @@ class SimulatedKernel:
             os.rmdir(os.path.join(group, "devices"))
             os.rmdir(group)
         for name in os.listdir(dev):
-            os.unlink(os.path.join(dev, name))
+            entry = os.path.join(dev, name)
+            if os.path.isdir(entry) and not os.path.islink(entry):
+                import shutil
+
+                shutil.rmtree(entry)  # an attribute sub-directory (nvidia/)
+            else:
+                os.unlink(entry)
         os.rmdir(dev)
         avail_path = os.path.join(type_dir, "available_instances")
         _write(avail_path, f"{int(_read(avail_path, '0') or 0) + 1}\n")
