@@ -21,6 +21,7 @@ COMMANDS = {
     "reconcile": ("gpulib.cli.pool", "reconcile_cmd"),
     "device": ("gpulib.cli.device", "device_group"),
     "snapshot": ("gpulib.cli.snapshot", "snapshot"),
+    "setup": ("gpulib.cli.setup", "setup"),
 }
 
 

@@ -73,9 +73,8 @@ def check(d: Doctor) -> list[Result]:
             applied = d.setup_pending(cid)
             if applied:
                 return [d.result(cid, WARN, "/sys/module/nouveau",
-                                 f"{msg}; gpulib setup blacklisted it ({', '.join(blacklisted)})"
-                                 f" and updated the initramfs at {applied}: a reboot is "
-                                 "pending", [Reboot()], pending="reboot")]
+                                 f"{msg}; blacklisted ({', '.join(blacklisted)}) by gpulib "
+                                 f"setup at {applied}: a reboot is pending", [Reboot()], pending="reboot")]
             msg += (f" although blacklisted ({', '.join(blacklisted)}): the initramfs or an "
                     "earlier boot still loads it")
             actions: list[Action] = [*initramfs_actions(d), Reboot()]
