@@ -37,6 +37,7 @@ from gpulib.config import Config
 from gpulib.context import MODPROBE_DIR, Context
 from gpulib.discovery import BRIDGE_BASE_CLASS, Gpu
 from gpulib.doctor import (
+    HOST_DISPLAY_DRIVERS,
     SETUP_JOURNAL,
     Doctor,
     Report,
@@ -260,7 +261,15 @@ class Planner:
         if self.wanted("driver-binding"):
             configured = self.config.get("setup", "passthrough")
             from_config = [w for w in re.split(r"[\s,]+", configured.strip()) if w]
-            self._passthrough(_select(self.doctor, self.passthrough, from_config))
+            chosen = _select(self.doctor, self.passthrough, from_config)
+            for gpu in self.doctor.inventory.gpus:
+                if gpu not in chosen and not self.doctor.is_vgpu_gpu(gpu) and \
+                        gpu.fn.driver in HOST_DISPLAY_DRIVERS:
+                    self.plan.notes.append(
+                        f"{gpu.address} stays with the host (on {gpu.fn.driver}): setup takes "
+                        "a GPU from the host only when named with --passthrough or in "
+                        "[setup] passthrough")
+            self._passthrough(chosen)
         elif self.passthrough:
             raise InputError("--passthrough needs the driver-binding check (it was left out "
                              "with --check)")

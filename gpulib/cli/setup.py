@@ -49,7 +49,8 @@ def setup(env: Env, do_apply: bool, yes: bool, as_json: bool, only: tuple[str, .
         except (hostsetup.SetupError, OSError) as exc:
             failure = getattr(exc, "message", None) or str(exc)
             code = EXIT_FAILED
-    if plan.refusals and passthrough_asked(passthrough, env):
+    if plan.refusals:
+        # asked for (a GPU, an edit) and not done: the caller must look
         code = EXIT_FAILED
     report = None
     if do_apply:
@@ -77,7 +78,3 @@ def setup(env: Env, do_apply: bool, yes: bool, as_json: bool, only: tuple[str, .
             click.echo(f"gpulib doctor: {report.status} ({shown})")
     raise click.exceptions.Exit(code)
 
-
-def passthrough_asked(passthrough: tuple[str, ...], env: Env) -> bool:
-    """Someone asked for a GPU (option or config): a refusal is then a failure."""
-    return bool(passthrough) or bool(env.config.get("setup", "passthrough").strip())

@@ -60,7 +60,7 @@ def check(d: Doctor) -> list[Result]:
                          f"({' '.join(off)}); {what}",
                          [KernelArgs(add=wanted, remove=tuple(off))])]
     if not active:
-        if on_cmdline and (shown or vendor == "amd"):
+        if on_cmdline and shown:
             firmware = {"intel": "VT-d", "amd": "AMD-Vi/IOMMU"}.get(vendor or "",
                                                                     "VT-d or AMD-Vi/IOMMU")
             return [d.result(cid, FAIL, subject,
@@ -69,6 +69,9 @@ def check(d: Doctor) -> list[Result]:
                              [Manual(f"enable {firmware} (and SR-IOV) in the firmware setup, "
                                      "then reboot")])]
         actions: list[Action] = [KernelArgs(add=wanted)]
+        if vendor == "amd":
+            actions.append(Manual("(the AMD IOMMU is on by default: if it stays off after the "
+                                  "reboot, enable AMD-Vi/IOMMU in the firmware setup)"))
         if vendor is None:
             actions.append(Manual("(on AMD CPUs: amd_iommu=on iommu=pt instead; also enable "
                                   "VT-d or AMD-Vi in the firmware setup)"))

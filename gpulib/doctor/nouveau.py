@@ -74,7 +74,8 @@ def check(d: Doctor) -> list[Result]:
             if applied:
                 return [d.result(cid, WARN, "/sys/module/nouveau",
                                  f"{msg}; blacklisted ({', '.join(blacklisted)}) by gpulib "
-                                 f"setup at {applied}: a reboot is pending", [Reboot()], pending="reboot")]
+                                 f"setup at {applied}: a reboot is pending",
+                                 [Reboot()], pending="reboot")]
             msg += (f" although blacklisted ({', '.join(blacklisted)}): the initramfs or an "
                     "earlier boot still loads it")
             actions: list[Action] = [*initramfs_actions(d), Reboot()]
