@@ -108,12 +108,14 @@ def configured_args(text: str) -> list[str]:
 
 def _edit_value(value: str, add: Iterable[str], remove: Iterable[str]) -> str:
     drop = set(remove)
+    dropped = False
     kept: list[tuple[str, str]] = []  # (whitespace before, token)
     last = 0
     for m in re.finditer(r"\S+", value):
         gap, token = value[last:m.start()], m.group()
         last = m.end()
         if token in drop:
+            dropped = True
             continue
         kept.append((gap, token))
     tail = value[last:]
@@ -122,10 +124,11 @@ def _edit_value(value: str, add: Iterable[str], remove: Iterable[str]) -> str:
     if kept:
         kept[0] = (lead.group() if lead else "", kept[0][1])
     present = {t for _, t in kept}
-    for arg in add:
-        if arg not in present:
-            kept.append((" " if kept else "", arg))
-            present.add(arg)
+    new = [a for a in dict.fromkeys(add) if a not in present]
+    if not dropped and not new:
+        return value
+    for arg in new:
+        kept.append((" " if kept else "", arg))
     return "".join(g + t for g, t in kept) + (tail if kept else "")
 
 

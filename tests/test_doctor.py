@@ -369,3 +369,26 @@ def test_cli_exit_codes(host: FakeHost, monkeypatch: Any, capsys: Any) -> None:
     assert f"FAIL  iommu-group  {RTX_AUDIO}:" in out
     assert f"fix: driverctl set-override {RTX_AUDIO} vfio-pci" in out
     assert "2 checks: 1 ok, 0 warn, 1 fail" in out
+
+
+def test_fixes_are_the_rendered_actions(host: FakeHost) -> None:
+    """One place decides: the fix text is the actions, the JSON carries both."""
+    from gpulib.doctor.actions import KernelArgs, Reboot, RunCommand, WriteFile, render
+
+    host.load_module("nouveau")
+    os.unlink(host.p("etc/modprobe.d/blacklist-nouveau.conf"))
+    host.set_cmdline("BOOT_IMAGE=/vmlinuz root=/dev/sda1 ro")
+    shutil.rmtree(host.p("sys/class/iommu"))
+    report = run(host, only=["iommu", "nouveau"])
+    nouveau = only(report, "nouveau")
+    assert nouveau.actions == [
+        WriteFile("etc/modprobe.d/blacklist-nouveau.conf",
+                  "blacklist nouveau\noptions nouveau modeset=0\n"),
+        RunCommand(("update-initramfs", "-u")), Reboot()]
+    assert nouveau.fix == render(nouveau.actions, report.distro)
+    iommu = only(report, "iommu")
+    assert iommu.actions == [KernelArgs(add=("intel_iommu=on", "iommu=pt"))]
+    doc = iommu.to_json()
+    assert doc["actions"] == [{"kind": "kernel-args", "add": ["intel_iommu=on", "iommu=pt"],
+                               "remove": []}]
+    assert doc["fix"] == report.distro.kernel_args_fix(add="intel_iommu=on iommu=pt")
