@@ -378,6 +378,7 @@ def test_fixes_are_the_rendered_actions(host: FakeHost) -> None:
     host.load_module("nouveau")
     os.unlink(host.p("etc/modprobe.d/blacklist-nouveau.conf"))
     host.set_cmdline("BOOT_IMAGE=/vmlinuz root=/dev/sda1 ro")
+    host.write_file("proc/cpuinfo", "processor\t: 0\nvendor_id\t: GenuineIntel\n")
     shutil.rmtree(host.p("sys/class/iommu"))
     report = run(host, only=["iommu", "nouveau"])
     nouveau = only(report, "nouveau")

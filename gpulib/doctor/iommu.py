@@ -73,8 +73,8 @@ def check(d: Doctor) -> list[Result]:
             actions.append(Manual("(the AMD IOMMU is on by default: if it stays off after the "
                                   "reboot, enable AMD-Vi/IOMMU in the firmware setup)"))
         if vendor is None:
-            actions.append(Manual("(on AMD CPUs: amd_iommu=on iommu=pt instead; also enable "
-                                  "VT-d or AMD-Vi in the firmware setup)"))
+            actions.append(Manual("(on AMD CPUs: only iommu=pt, the AMD IOMMU is on by "
+                                  "default; also enable VT-d or AMD-Vi in the firmware setup)"))
         return [d.result(cid, FAIL, subject,
                          f"the IOMMU is not enabled: no {wanted[0]} on the kernel "
                          f"command line; {what}", actions)]
