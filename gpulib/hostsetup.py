@@ -54,7 +54,7 @@ from gpulib.doctor.actions import (
     RunCommand,
     WriteFile,
 )
-from gpulib.errors import GpulibError, InputError
+from gpulib.errors import GpulibError, InputError, LockTimeout
 from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction
 
 log = logging.getLogger(__name__)
@@ -332,6 +332,12 @@ class Planner:
         except bootconfig.BootConfigError as exc:
             self.plan.refusals.append(Refusal(host_path(bootconfig.DEFAULT_GRUB), exc.message))
             return
+        for name in sorted(self.doctor.sysfs.listdir("etc/default/grub.d")):
+            other = self.doctor.sysfs.read(f"etc/default/grub.d/{name}") or ""
+            if name.endswith(".cfg") and re.search(rf"^\s*{distro.grub_key}=", other, re.M):
+                self.plan.notes.append(
+                    f"/etc/default/grub.d/{name} sets {distro.grub_key} too and is read after "
+                    "/etc/default/grub: check that it keeps the arguments")
         checks = list(dict.fromkeys(self.args_for)) or ["iommu"]
         running = [r for r in self.remove if r in self.doctor.cmdline and r not in configured]
         if new != text:
@@ -489,9 +495,32 @@ def _backup(ctx: Context, rel: str, stamp: str) -> str:
     return candidate
 
 
+SETUP_LOCK = "var/lib/gpulib/setup.lock"
+
+
 def apply(ctx: Context, plan: Plan, reboot_for: list[str],
           now: Optional[float] = None) -> None:
-    """Apply the plan's steps in order; stop at the first failure (SetupError)."""
+    """Apply the plan's steps in order; stop at the first failure (SetupError).
+
+    Two setups at once would interleave their edits: the second gets LockTimeout.
+    """
+    import fcntl
+
+    path = ctx.path(SETUP_LOCK)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LockTimeout(f"another gpulib setup is applying ({host_path(SETUP_LOCK)} is "
+                              "locked)") from None
+        _apply(ctx, plan, reboot_for, now)
+    finally:
+        os.close(fd)
+
+
+def _apply(ctx: Context, plan: Plan, reboot_for: list[str], now: Optional[float]) -> None:
     now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     applied: list[Step] = []

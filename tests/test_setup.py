@@ -376,3 +376,28 @@ def test_backup_names_do_not_collide(tmp_path: Any) -> None:
         hostsetup.apply(ctx, plan, reboot_for, now=BTIME + 10)
         assert len(glob.glob(host.p("etc/default/grub.gpulib-*.bak*"))) == expected
         shutil.copy(host.p("etc/default/grub.tmpcopy"), host.p("etc/default/grub"))
+
+
+def test_ubuntu_grub_d_override_is_named(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    host = unprepared_host(str(tmp_path / "h"), "ubuntu2404")
+    host.write_file("etc/default/grub.d/50-cloudimg-settings.cfg",
+                    'GRUB_CMDLINE_LINUX_DEFAULT="console=tty1 console=ttyS0"\n')
+    _code, plan = setup_json(host, monkeypatch, capsys, "--check", "iommu")
+    assert any("50-cloudimg-settings.cfg sets GRUB_CMDLINE_LINUX_DEFAULT" in n
+               for n in plan["notes"])
+
+
+def test_two_setups_at_once(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    import fcntl
+
+    host = unprepared_host(str(tmp_path / "h"), "debian12")
+    os.makedirs(host.p("var/lib/gpulib"), exist_ok=True)
+    before = tree_contents(host.root)
+    with open(host.p(hostsetup.SETUP_LOCK), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        monkeypatch.setenv("GPULIB_ROOT", host.root)
+        code = cli.main(["setup", "--apply", "--yes"])
+    assert code == 3 and "another gpulib setup" in capsys.readouterr().err
+    after = tree_contents(host.root)
+    assert {k: v for k, v in after.items() if not k.endswith("setup.lock")} == \
+        {k: v for k, v in before.items() if not k.endswith("setup.lock")}

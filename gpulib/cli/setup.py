@@ -46,7 +46,7 @@ def setup(env: Env, do_apply: bool, yes: bool, as_json: bool, only: tuple[str, .
                           err=as_json)
         try:
             hostsetup.apply(env.ctx, plan, reboot_for)
-        except (hostsetup.SetupError, OSError) as exc:
+        except (hostsetup.SetupError, OSError) as exc:  # LockTimeout (exit 3) passes
             failure = getattr(exc, "message", None) or str(exc)
             code = EXIT_FAILED
     if plan.refusals:
