@@ -132,6 +132,9 @@ def test_unprepared_host_plan_apply_and_second_run(tmp_path: Any, monkeypatch: A
         assert "reboot is pending" in r.message and r.fix == "reboot"
     # the GPU was not named: it stays with the host, the doctor still says so
     assert report.summary()["driver-binding"] == "fail"
+    # its missing IOMMU group waits for the same reboot
+    (group,) = report.results_for("iommu-group")
+    assert group.status == "warn" and group.pending == "reboot"
 
     # a second run finds nothing to do and changes nothing
     after = tree_contents(host.root)
@@ -238,6 +241,11 @@ def test_named_gpu_goes_to_vfio_with_its_group(tmp_path: Any, monkeypatch: Any,
         "options vfio-pci ids=10de:2484,10de:228b", "softdep nouveau pre: vfio-pci",
         "softdep snd_hda_intel pre: vfio-pci"]
     assert "driver-binding" in done["pending_reboot"]
+    # the doctor: the GPU and its audio function wait for the reboot, nothing fails
+    report = doctor(host, ["driver-binding", "iommu-group"])
+    assert {r.check: (r.status, r.pending) for r in report.results} == {
+        "driver-binding": ("warn", "reboot"), "iommu-group": ("warn", "reboot")}
+    assert {r.subject for r in report.results} == {GPU, GPU_AUDIO}
     after = tree_contents(host.root)
     code, again = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--passthrough",
                              GPU)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpulib.doctor.actions import Reboot
 from gpulib.doctor.core import FAIL, HOST_DISPLAY_DRIVERS, OK, WARN, Result, is_free_for_vfio
 
 if TYPE_CHECKING:
@@ -42,6 +43,14 @@ def check(d: Doctor) -> list[Result]:
         if is_free_for_vfio(drv):
             continue
         group_ids = ",".join(d.group_ids(gpu))
+        applied = d.vfio_pending({ids})
+        if applied:
+            problems.append(d.result(
+                cid, WARN, str(gpu.address),
+                f"{d.label(gpu)} is offered for passthrough and still on {drv}; gpulib setup "
+                f"configured vfio-pci for it at {applied}: a reboot is pending",
+                [Reboot()], pending="reboot"))
+            continue
         if drv in HOST_DISPLAY_DRIVERS:
             if ids in stub:
                 msg = (f"{d.label(gpu)} is offered for passthrough but bound to the host "

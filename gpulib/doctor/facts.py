@@ -298,6 +298,22 @@ class Doctor:
         return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(applied))) \
             if isinstance(applied, (int, float)) else "an earlier run"
 
+    def vfio_pending(self, ids: set[tuple[int, int]]) -> Optional[str]:
+        """gpulib setup configured vfio-pci for these ids in this boot: when, else None."""
+        configured: set[tuple[int, int]] = set()
+        for arg in self.configured_args:
+            name, _, value = arg.partition("=")
+            if name in ("vfio-pci.ids", "vfio_pci.ids"):
+                for item in value.split(","):
+                    parts = item.split(":")
+                    try:
+                        configured.add((int(parts[0], 16), int(parts[1], 16)))
+                    except (IndexError, ValueError):
+                        continue
+        if not ids <= configured:
+            return None
+        return self.setup_pending("driver-binding")
+
     def result(self, check: str, status: str, subject: str, message: str,
                actions: list[Action], pending: Optional[str] = None) -> Result:
         """A finding whose fix text is its actions, rendered for this distribution."""

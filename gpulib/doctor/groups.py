@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gpulib.doctor.core import FAIL, OK, Result, is_free_for_vfio
+from gpulib.doctor.actions import Reboot
+from gpulib.doctor.core import FAIL, OK, WARN, Result, is_free_for_vfio
 from gpulib.pci import PCI_DEVICES
 
 if TYPE_CHECKING:
@@ -18,6 +19,14 @@ def check(d: Doctor) -> list[Result]:
     for gpu in gpus:
         group = gpu.fn.iommu_group
         if group is None:
+            applied = d.setup_pending("iommu")
+            if applied:
+                problems.append(d.result(
+                    cid, WARN, str(gpu.address),
+                    f"passthrough GPU {d.label(gpu)} has no IOMMU group yet: gpulib setup "
+                    f"enabled the IOMMU at {applied}, a reboot is pending", [Reboot()],
+                    pending="reboot"))
+                continue
             problems.append(Result(
                 cid, FAIL, str(gpu.address),
                 f"passthrough GPU {d.label(gpu)} has no IOMMU group: it cannot be "
@@ -27,6 +36,15 @@ def check(d: Doctor) -> list[Result]:
             member = fn.address
             drv = d.sysfs.link_name(f"{PCI_DEVICES}{member}/driver")
             if is_free_for_vfio(drv):
+                continue
+            applied = d.vfio_pending({(fn.vendor_id, fn.device_id)})
+            if applied:
+                problems.append(d.result(
+                    cid, WARN, str(member),
+                    f"{member} ({fn.class_name}) shares IOMMU group {group} with passthrough "
+                    f"GPU {gpu.address} and is still on {drv}; gpulib setup configured "
+                    f"vfio-pci for it at {applied}: a reboot is pending", [Reboot()],
+                    pending="reboot"))
                 continue
             other = "" if member.slot_key == gpu.address.slot_key else (
                 "; it is another device, so it goes to the same VM (or the slot lacks "
