@@ -252,6 +252,9 @@ class Planner:
 
     def make(self) -> Plan:
         checks = [c for c in SETUP_CHECKS if c != "driver-binding" and self.wanted(c)]
+        if not self.only:
+            # not changed by setup, but part of what the operator must still do
+            checks.append("libvirt")
         report = self.doctor.run(checks) if checks else Report([], self.doctor.distro)
         for result in report.results:
             if result.pending:
@@ -297,7 +300,8 @@ class Planner:
             if check not in self.reboot_for:
                 self.reboot_for.append(check)
         elif isinstance(action, RestartService):
-            self.plan.add_todo(f"systemctl restart {action.name}")
+            self.plan.add_todo(f"systemctl restart {action.name}" +
+                               (f" {action.note}" if action.note else ""))
         elif isinstance(action, Manual):
             self.plan.add_todo(action.text.replace("\n", " "))
 

@@ -409,3 +409,14 @@ def test_two_setups_at_once(tmp_path: Any, monkeypatch: Any, capsys: Any) -> Non
     after = tree_contents(host.root)
     assert {k: v for k, v in after.items() if not k.endswith("setup.lock")} == \
         {k: v for k, v in before.items() if not k.endswith("setup.lock")}
+
+
+def test_libvirtd_restart_is_left_to_the_operator(tmp_path: Any, monkeypatch: Any,
+                                                  capsys: Any) -> None:
+    from tests.hosts import HOOKS_AT, start_libvirtd
+
+    host = healthy_host(str(tmp_path))
+    start_libvirtd(host, started=HOOKS_AT - 60)
+    code, plan = setup_json(host, monkeypatch, capsys)
+    assert code == 0 and plan["steps"] == []
+    assert plan["still_to_do"] == ["systemctl restart libvirtd (running VMs keep running)"]

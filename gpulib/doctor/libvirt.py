@@ -6,6 +6,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Optional
 
+from gpulib.doctor.actions import RestartService
 from gpulib.doctor.core import (
     FAIL,
     LIBVIRT_DAEMONS,
@@ -67,16 +68,16 @@ def check(d: Doctor) -> list[Result]:
                        "systemctl restart libvirtd")]
     daemon, started, why = _daemon_start(d)
     if started is None:
-        return [Result(cid, WARN, hook,
-                       f"{why}: libvirtd reads its hooks only when it starts, so it may "
-                       "not run gpulib's hook", "systemctl restart libvirtd")]
+        return [d.result(cid, WARN, hook,
+                         f"{why}: libvirtd reads its hooks only when it starts, so it may "
+                         "not run gpulib's hook", [RestartService("libvirtd")])]
     appeared = st.st_mtime
     if appeared > started + _START_SLACK:
-        return [Result(cid, FAIL, hook,
-                       f"{daemon} started at {_when(started)}, before the qemu hook "
-                       f"appeared ({_when(appeared)}): it reads its hooks only when it "
-                       "starts, so it does not run gpulib's hook",
-                       f"systemctl restart {daemon} (running VMs keep running)")]
+        return [d.result(cid, FAIL, hook,
+                         f"{daemon} started at {_when(started)}, before the qemu hook "
+                         f"appeared ({_when(appeared)}): it reads its hooks only when it "
+                         "starts, so it does not run gpulib's hook",
+                         [RestartService(daemon, "(running VMs keep running)")])]
     return [Result(cid, OK, hook,
                    f"{daemon} started at {_when(started)}, after the qemu hook appeared "
                    f"({_when(appeared)})")]
