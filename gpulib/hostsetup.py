@@ -134,9 +134,13 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     backups: list[str] = field(default_factory=list)
 
+    run_commands: Optional[bool] = None  # None: decided by the root
+
     @property
     def runs_commands(self) -> bool:
         """Commands run only on the real root; below another root they are listed."""
+        if self.run_commands is not None:
+            return self.run_commands
         return os.path.realpath(self.root) == "/"
 
     def add_todo(self, text: str) -> None:
@@ -314,6 +318,7 @@ class Planner:
                                        new=action.content, mode=action.mode)
 
     def _command(self, check: str, why: str, argv: tuple[str, ...]) -> None:
+        why = _PURPOSE.get(os.path.basename(argv[0]) if argv else "", why)
         for step in self.commands:
             if step.argv == argv:
                 if check not in step.checks:
@@ -464,6 +469,15 @@ class Planner:
             self.plan.add_todo("reboot the host")
             if "driver-binding" not in self.reboot_for:
                 self.reboot_for.append("driver-binding")
+
+
+_PURPOSE = {
+    "update-grub": "make the boot entries use /etc/default/grub's command line",
+    "grub2-mkconfig": "make the boot entries use /etc/default/grub's command line",
+    "grubby": "give every installed kernel's boot entry the new arguments",
+    "update-initramfs": "the initramfs must hold the new modprobe.d files",
+    "dracut": "the initramfs must hold the new modprobe.d files",
+}
 
 
 def _short(message: str) -> str:

@@ -420,3 +420,24 @@ def test_libvirtd_restart_is_left_to_the_operator(tmp_path: Any, monkeypatch: An
     code, plan = setup_json(host, monkeypatch, capsys)
     assert code == 0 and plan["steps"] == []
     assert plan["still_to_do"] == ["systemctl restart libvirtd (running VMs keep running)"]
+
+
+def test_a_failing_command_stops_the_apply(tmp_path: Any) -> None:
+    """Files first, then commands; the first failure stops, and what did not finish is not
+    recorded as waiting for the reboot."""
+    host = unprepared_host(str(tmp_path / "h"), "debian12")
+    ctx = Context.for_root(host.root)
+    plan, reboot_for = hostsetup.make_plan(ctx)
+    assert [s.kind for s in plan.steps] == ["edit", "edit", "command", "command"]
+    grub_cmd, initramfs_cmd = plan.steps[2], plan.steps[3]
+    grub_cmd.argv = ("true",)  # the boot entries: fine
+    initramfs_cmd.argv = ("false",)  # the initramfs: fails
+    plan.run_commands = True
+    with pytest.raises(hostsetup.SetupError, match="exit 1"):
+        hostsetup.apply(ctx, plan, reboot_for)
+    assert [s.done for s in plan.steps] == ["created", "edited", "ran", "failed (exit 1)"]
+    journal = json.loads(read(host, dr.SETUP_JOURNAL))
+    assert journal["pending_reboot"] == ["iommu"]  # nouveau's initramfs never got built
+    report = doctor(host, ["iommu", "nouveau"])
+    assert [r.pending for r in report.results] == ["reboot", None]
+    assert report.results_for("nouveau")[0].fix == "update-initramfs -u && reboot"
