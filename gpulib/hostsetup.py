@@ -549,6 +549,16 @@ def _apply(ctx: Context, plan: Plan, reboot_for: list[str], now: Optional[float]
                 if os.path.islink(path):
                     raise SetupError(f"{host_path(step.path)} is a symbolic link: edit its "
                                      "target by hand")
+                try:
+                    with open(path, "rb") as fh:
+                        now_text: Optional[str] = fh.read().decode("utf-8", "replace")
+                except FileNotFoundError:
+                    now_text = None
+                if now_text != step.old:
+                    # someone edited it while the plan waited for the operator's yes
+                    step.done = "changed since the plan"
+                    raise SetupError(f"{host_path(step.path)} changed since the plan was made: "
+                                     "run gpulib setup again")
                 mode = step.mode
                 if step.old is not None:
                     mode = os.stat(path).st_mode & 0o7777

@@ -441,3 +441,14 @@ def test_a_failing_command_stops_the_apply(tmp_path: Any) -> None:
     report = doctor(host, ["iommu", "nouveau"])
     assert [r.pending for r in report.results] == ["reboot", None]
     assert report.results_for("nouveau")[0].fix == "update-initramfs -u && reboot"
+
+
+def test_a_file_changed_after_planning_is_not_overwritten(tmp_path: Any) -> None:
+    host = unprepared_host(str(tmp_path / "h"), "debian12")
+    ctx = Context.for_root(host.root)
+    plan, reboot_for = hostsetup.make_plan(ctx, only=["iommu"])
+    host.write_file("etc/default/grub", DEBIAN_GRUB + "GRUB_TIMEOUT=10\n")
+    with pytest.raises(hostsetup.SetupError, match="changed since the plan"):
+        hostsetup.apply(ctx, plan, reboot_for)
+    assert read(host, "etc/default/grub") == DEBIAN_GRUB + "GRUB_TIMEOUT=10\n"
+    assert not glob.glob(host.p("etc/default/grub.gpulib-*"))
