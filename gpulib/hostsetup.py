@@ -338,6 +338,9 @@ class Planner:
             add = [a for a in self.add if a not in configured]
             remove = [r for r in self.remove if r in configured]
             new = bootconfig.edit_cmdline(text, distro.grub_key, add, remove)
+            for key in bootconfig.CMDLINE_KEYS:
+                if key != distro.grub_key:  # an argument to remove may sit in either
+                    new = bootconfig.edit_cmdline(new, key, (), remove)
         except bootconfig.BootConfigError as exc:
             self.plan.refusals.append(Refusal(host_path(bootconfig.DEFAULT_GRUB), exc.message))
             return

@@ -452,3 +452,18 @@ def test_a_file_changed_after_planning_is_not_overwritten(tmp_path: Any) -> None
         hostsetup.apply(ctx, plan, reboot_for)
     assert read(host, "etc/default/grub") == DEBIAN_GRUB + "GRUB_TIMEOUT=10\n"
     assert not glob.glob(host.p("etc/default/grub.gpulib-*"))
+
+
+def test_iommu_switched_off_is_removed_wherever_it_is(tmp_path: Any, monkeypatch: Any,
+                                                      capsys: Any) -> None:
+    host = unprepared_host(str(tmp_path / "h"), "debian12")
+    host.write_file("etc/default/grub", DEBIAN_GRUB.replace('GRUB_CMDLINE_LINUX=""',
+                                                            'GRUB_CMDLINE_LINUX="intel_iommu=off"'))
+    host.set_cmdline("BOOT_IMAGE=/boot/vmlinuz root=/dev/sda1 ro intel_iommu=off quiet")
+    code, done = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--check", "iommu")
+    assert code == 0, done
+    assert read(host, "etc/default/grub") == DEBIAN_GRUB.replace(
+        'GRUB_CMDLINE_LINUX_DEFAULT="quiet"',
+        'GRUB_CMDLINE_LINUX_DEFAULT="quiet intel_iommu=on iommu=pt"')
+    (r,) = doctor(host, ["iommu"]).results
+    assert r.pending == "reboot"
