@@ -12,8 +12,11 @@ Order of preference for a vGPU request:
    NVIDIA vendor VF that can take the type.
 Among candidates, `spread` (default) takes the least-loaded GPU first, `pack`
 the most-loaded one that still has room.
-Devices the operator unmanaged, and devices a running or defined domain or
-another allocation uses, are never chosen.
+Devices the operator unmanaged are never chosen, nor any device the
+occupancy model (`gpulib.occupancy`) says another VM holds: an allocation
+(pending or active) or a running domain, on that node or one it conflicts
+with in the PF/VF/mdev tree or the IOMMU group. Sysfs changes go through the
+start's Journal (write-ahead intents, rollback) when one is given.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from gpulib.sysfs import Sysfs
 
 if TYPE_CHECKING:  # the hooks' start/stop path imports this module: keep it light
     from gpulib.discovery import Gpu, Inventory
+    from gpulib.journal import Journal
+    from gpulib.occupancy import Occupancy
 
 log = logging.getLogger(__name__)
 
@@ -91,22 +96,32 @@ class Candidate:
 
 class Allocator:
     def __init__(self, sysfs: Sysfs, state: State, inventory: Inventory,
-                 policy: str = "spread", prefer_numa: Optional[int] = None) -> None:
+                 policy: str = "spread", prefer_numa: Optional[int] = None,
+                 occupancy: Optional[Occupancy] = None,
+                 journal: Optional[Journal] = None) -> None:
         """`prefer_numa`: the node the VM's memory is bound to (its <numatune>):
-        GPUs there come first, others still serve when it has none left."""
+        GPUs there come first, others still serve when it has none left.
+        `occupancy`: who holds what (default: the inventory's, built from the
+        same state); what this allocator gives is added to it."""
         self.prefer_numa = prefer_numa
         self.sysfs = sysfs
         self.state = state
         self.inv = inventory
         self.policy = policy
-        self.taken: set[str] = set()
+        self.occ = occupancy if occupancy is not None else inventory.occupancy
+        self.journal = journal
         self.added_load: dict[PciAddress, int] = {}
-        for alloc in state.allocations.values():
-            for d in alloc.devices:
-                self.taken.add(d.id.lower())
-        usage = inventory.usage
-        self.taken.update(u for u in usage.mdev)
-        self.taken.update(str(a) for a in usage.pci)
+        self._types: dict[tuple[PciAddress, str], mdev.MdevType] = {}
+        # Each GPU's load when this allocator started; what it gives is added_load.
+        self._base_load: dict[PciAddress, int] = {}
+
+    def _held(self, node: str, vm: Optional[str] = None) -> bool:
+        return self.occ.is_held(node, vm)
+
+    def _hold(self, vm: str, node: str) -> None:
+        from gpulib.occupancy import PENDING, Hold
+
+        self.occ.add(Hold(vm, PENDING, node))
 
     # -- helpers ----------------------------------------------------------------------
     def _unmanaged(self, gpu: Gpu, address: Optional[PciAddress] = None) -> bool:
@@ -114,8 +129,11 @@ class Allocator:
         return str(gpu.address) in um or (address is not None and str(address) in um)
 
     def _load(self, gpu: Gpu) -> int:
-        used = sum(1 for v in gpu.vgpus if v.used_by or v.uuid in self.taken)
-        used += sum(1 for vf in gpu.vfs if vf.used_by or str(vf.address) in self.taken)
+        used = self._base_load.get(gpu.address)
+        if used is None:
+            used = sum(1 for v in gpu.vgpus if self._held(v.uuid))
+            used += sum(1 for vf in gpu.vfs if self._held(str(vf.address)))
+            self._base_load[gpu.address] = used
         return used + self.added_load.get(gpu.address, 0)
 
     def _numa_ok(self, gpu: Gpu, numa: Optional[int]) -> bool:
@@ -128,10 +146,14 @@ class Allocator:
             sign * c.load, str(c.gpu.address), c.ident))
 
     # -- candidates -----------------------------------------------------------------------
+    def pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
+        """Free pool members that satisfy one instance of `req` for `vm`."""
+        return self._pool_candidates(req, vm)
+
     def _pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
         out = []
         for uuid, rec in sorted(self.state.vgpus.items()):
-            if rec.pool is None or rec.vm is not None or uuid in self.taken:
+            if rec.pool is None or self._held(uuid, vm):
                 continue
             try:
                 parent = PciAddress.parse(rec.parent)
@@ -143,13 +165,17 @@ class Allocator:
             gpu = owner[0]
             if self._unmanaged(gpu, parent) or not self._numa_ok(gpu, req.numa):
                 continue
-            t = mdev.MdevType(self.sysfs, parent, rec.type_id)
+            # One read of a type's name per parent, not one per pool member.
+            t = self._types.get((parent, rec.type_id))
+            if t is None:
+                t = self._types[(parent, rec.type_id)] = mdev.MdevType(self.sysfs, parent,
+                                                                       rec.type_id)
             if not req.matches_mdev(t):
                 continue
             out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),
                                  self._use_pool_mdev(uuid, rec, vm)))
         for addr, vrec in sorted(self.state.vf_types.items()):
-            if vrec.pool is None or vrec.vm is not None or addr in self.taken:
+            if vrec.pool is None or self._held(addr, vm):
                 continue
             if not req.matches_vendor(vrec.type_id, vrec.name):
                 continue
@@ -166,15 +192,15 @@ class Allocator:
                         uuid_for: Callable[[], str]) -> list[Candidate]:
         out: list[Candidate] = []
         for gpu in self.inv.gpus:
-            if self._unmanaged(gpu) or not self._numa_ok(gpu, req.numa) or gpu.used_by:
+            if self._unmanaged(gpu) or not self._numa_ok(gpu, req.numa):
                 continue
             types = list(gpu.mdev_types)
             for vf in gpu.vfs:
-                if str(vf.address) not in self.taken and not vf.used_by and \
-                        not self._unmanaged(gpu, vf.address):
+                if not self._unmanaged(gpu, vf.address):
                     types.extend(vf.mdev_types)
             for t in types:
-                if not req.matches_mdev(t):
+                # The parent (or its PF) held whole by another VM: no vGPU on it.
+                if not req.matches_mdev(t) or self.occ.parent_conflicts(str(t.parent), vm):
                     continue
                 avail = t.available_instances or 0
                 if avail <= 0:
@@ -184,8 +210,8 @@ class Allocator:
                                          self._load(gpu), self._new_mdev(t, vm, uuid_for)))
             for vf in gpu.vfs:
                 nv = vf.nvidia
-                if nv is None or nv.current_type or str(vf.address) in self.taken or \
-                        vf.used_by or self._unmanaged(gpu, vf.address) or \
+                if nv is None or nv.current_type or self._held(str(vf.address), vm) or \
+                        self._unmanaged(gpu, vf.address) or \
                         str(vf.address) in self.state.vf_types:
                     continue
                 for tid, name in nv.creatable.items():
@@ -199,8 +225,7 @@ class Allocator:
     def _use_pool_mdev(self, uuid: str, rec: VgpuRecord, vm: str) -> Callable[[], Device]:
         def make() -> Device:
             if mdev.read_mdev(self.sysfs, uuid) is None:
-                mdev.create(self.sysfs, PciAddress.parse(rec.parent), rec.type_id, uuid)
-            rec.vm = vm
+                self._create(PciAddress.parse(rec.parent), rec.type_id, uuid, False)
             return Device("mdev", uuid, on_demand=False)
         return make
 
@@ -208,8 +233,7 @@ class Allocator:
         def make() -> Device:
             vf = PciAddress.parse(addr)
             if nvidia.current_type(self.sysfs, vf) != rec.type_id:
-                nvidia.set_type(self.sysfs, vf, rec.type_id)
-            rec.vm = vm
+                self._set_type(vf, rec.type_id, False)
             return Device("vf", addr, on_demand=False)
         return make
 
@@ -217,8 +241,8 @@ class Allocator:
                   uuid_for: Callable[[], str]) -> Callable[[], Device]:
         def make() -> Device:
             uuid = uuid_for()
-            made = mdev.create(self.sysfs, t.parent, t.type_id, uuid)
-            self.state.vgpus[made.uuid] = VgpuRecord(str(t.parent), t.type_id, None, True, vm,
+            made = self._create(t.parent, t.type_id, uuid, True)
+            self.state.vgpus[made.uuid] = VgpuRecord(str(t.parent), t.type_id, None, True,
                                                      utc_now())
             return Device("mdev", made.uuid, on_demand=True)
         return make
@@ -226,10 +250,22 @@ class Allocator:
     def _new_vf(self, vf: PciAddress, tid: int, name: Optional[str],
                 vm: str) -> Callable[[], Device]:
         def make() -> Device:
-            nvidia.set_type(self.sysfs, vf, tid)
-            self.state.vf_types[str(vf)] = VfRecord(tid, name, None, True, vm)
+            self._set_type(vf, tid, True)
+            self.state.vf_types[str(vf)] = VfRecord(tid, name, None, True)
             return Device("vf", str(vf), on_demand=True)
         return make
+
+    def _create(self, parent: PciAddress, type_id: str, uuid: str,
+                on_demand: bool) -> mdev.Mdev:
+        if self.journal is not None:
+            return self.journal.create_mdev(parent, type_id, uuid, on_demand)
+        return mdev.create(self.sysfs, parent, type_id, uuid)
+
+    def _set_type(self, vf: PciAddress, type_id: int, on_demand: bool) -> None:
+        if self.journal is not None:
+            self.journal.set_vf_type(vf, type_id, on_demand)
+        else:
+            nvidia.set_type(self.sysfs, vf, type_id)
 
     # -- requests ----------------------------------------------------------------------------
     def allocate_vgpus(self, vm: str, req: VgpuRequest, uuid_for: Callable[[], str],
@@ -251,18 +287,18 @@ class Allocator:
                         + f" ({len(devices)} of {req.count} found)")
                 dev = cands[0].make()
                 made.append(dev)
-                self.taken.add(dev.id)
+                self._hold(vm, dev.id)
                 gpu_addr = cands[0].gpu.address
                 self.added_load[gpu_addr] = self.added_load.get(gpu_addr, 0) + 1
                 devices.append(dev)
         except Exception:
             # Roll back what this request created: a half-done allocation
-            # must not leave vGPUs nobody will ever release.
-            for dev in reversed(made):
-                if dev.on_demand:
-                    self.destroy(dev)
-                else:
-                    self._unassign(dev, vm)
+            # must not leave vGPUs nobody will ever release. With a journal,
+            # the start rolls back everything it did, this request included.
+            if self.journal is None:
+                for dev in reversed(made):
+                    if dev.on_demand:
+                        self.destroy(dev)
             raise
         return devices
 
@@ -271,33 +307,33 @@ class Allocator:
         for gpu in sorted(self.inv.gpus, key=lambda g: str(g.address)):
             if len(out) == req.count:
                 break
-            if not req.matches(gpu) or self._unmanaged(gpu) or gpu.used_by or \
-                    str(gpu.address) in self.taken or not gpu.passthrough_enabled or \
+            if not req.matches(gpu) or self._unmanaged(gpu) or \
+                    self._held(str(gpu.address), vm) or not gpu.passthrough_enabled or \
                     not self._numa_ok(gpu, req.numa):
                 continue
-            self.taken.add(str(gpu.address))
+            self._hold(vm, str(gpu.address))
             out.append(Device("pci", str(gpu.address)))
         if len(out) < req.count:
             raise NotAvailableError(f"no free GPU matching {req.model!r} for {vm} "
                                     f"({len(out)} of {req.count} found)")
         return out
 
-    def _unassign(self, dev: Device, vm: str) -> None:
-        rec: Optional[VgpuRecord | VfRecord] = (
-            self.state.vgpus.get(dev.id) if dev.kind == "mdev" else self.state.vf_types.get(dev.id))
-        if rec is not None and rec.vm == vm:
-            rec.vm = None
-
     def destroy(self, dev: Device) -> None:
         destroy_device(self.sysfs, self.state, dev)
 
 
 def record(state: State, vm: str, domain_uuid: Optional[str], devices: list[Device],
-           status: str = "pending") -> Allocation:
-    """Add devices to a VM's allocation (created pending unless told otherwise)."""
+           status: str = "pending",
+           clock: Optional[tuple[Optional[str], float]] = None) -> Allocation:
+    """Add devices to a VM's allocation (created pending unless told otherwise).
+
+    `clock`: this boot's id and CLOCK_BOOTTIME (lifecycle.boot_clock), recorded
+    with a new allocation so a dead pending start can be proven dead."""
     alloc = state.allocations.get(vm)
     if alloc is None:
-        alloc = Allocation(vm, domain_uuid, status, utc_now(), [])
+        alloc = Allocation(vm, domain_uuid, status, utc_now(), [],
+                           boot_id=clock[0] if clock else None,
+                           uptime=clock[1] if clock else None)
         state.allocations[vm] = alloc
     known = {(d.kind, d.id) for d in alloc.devices}
     for d in devices:
@@ -337,11 +373,7 @@ def release(sysfs: Sysfs, state: State, vm: str, destroy_on_demand: bool = True,
                 continue
         else:
             rec_m = state.vgpus.get(dev.id) if dev.kind == "mdev" else None
-            if rec_m is not None and rec_m.vm == vm:
-                rec_m.vm = None
             rec_v = state.vf_types.get(dev.id) if dev.kind == "vf" else None
-            if rec_v is not None and rec_v.vm == vm:
-                rec_v.vm = None
             actions.append(f"returned {dev.kind} {dev.id}" + (" to its pool" if
                                                               (rec_m or rec_v) else ""))
     if failed:

@@ -39,12 +39,17 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, mode: int = 0o644) -> None:
+def write_atomic(path: str, data: bytes, mode: int = 0o644, sync_dir: bool = True,
+                 durable: bool = True) -> None:
     """Replace `path` with `data` atomically and durably.
 
     Raises AtomicWriteError (with errno and strerror of the failing call) and
     leaves no temp file behind. A failure to sync the directory after the
     rename is only logged: the new file is already in place and visible.
+    `sync_dir=False` leaves the directory's fsync (the rename's durability) to
+    the caller, who may do it after releasing a lock: other processes see the
+    new file as soon as it is renamed. `durable=False` (a cache) skips the
+    file's fsync too: still atomic, not kept across a power cut.
     """
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f"{temp_prefix(path)}{os.getpid()}."
@@ -57,7 +62,8 @@ def write_atomic(path: str, data: bytes, mode: int = 0o644) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -67,6 +73,8 @@ def write_atomic(path: str, data: bytes, mode: int = 0o644) -> None:
         except OSError:
             pass
         raise AtomicWriteError(e.errno, e.strerror or str(e), path) from None
+    if not sync_dir:
+        return
     try:
         fsync_dir(directory)
     except OSError as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Optional
+from typing import Callable, Optional
 
 from gpulib.sysfs import Sysfs
 
@@ -35,6 +35,11 @@ class Context:
     def __init__(self, sysfs: Sysfs) -> None:
         self.sysfs = sysfs
         self.root = sysfs.root
+        # Set by the hooks (state.HOOK_LOCK_TIMEOUT_CAP): the longest any state
+        # lock wait may last in this process, whatever the configuration says.
+        self.lock_wait_cap: Optional[float] = None
+        # Set by the hooks: run with the state lock held (see StateStore.on_lock).
+        self.on_lock: Optional[Callable[[], None]] = None
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Context:

@@ -20,6 +20,15 @@ from typing import Callable, Optional
 from gpulib import mdev, nvidia
 from gpulib.config import Config, Match
 from gpulib.errors import GpulibError
+from gpulib.occupancy import (
+    ACTIVE,
+    Hold,
+    Occupancy,
+    Tree,
+    declaring_pools,
+    node_id,
+    whole_gpu_refusal,
+)
 from gpulib.pci import (
     CLASS_PROCESSING_ACCEL,
     DISPLAY_BASE_CLASS,
@@ -32,7 +41,7 @@ from gpulib.pci import (
 )
 from gpulib.pciids import PciNames
 from gpulib.sysfs import Sysfs
-from gpulib.usage import Usage, read_usage
+from gpulib.usage import running_domains
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +134,7 @@ class Gpu:
         self.group_members: list[PciAddress] = []
         self.description: Optional[str] = None  # the GPU's own `description`, if any
         self.used_by: Optional[str] = None
+        self.pools: list[str] = []  # pools of gpulib.conf declaring vGPUs on it
         self.errors: list[str] = []
 
     @property
@@ -147,18 +157,29 @@ class Gpu:
     @property
     def offered_vfs(self) -> list[VirtualFunction]:
         """VFs offered as instances: a VF whose capacity is offered as mdev
-        types is not also a free VF (its mdevs are the instances)."""
-        return [vf for vf in self.vfs if not vf.mdev_parent]
+        types is not also a free VF (its mdevs are the instances), and an
+        NVIDIA vendor VF is offered only with a type it will really get (its
+        current type, or the one gpulib's registry gives it at VM start): the
+        hooks refuse an untyped one."""
+        return [vf for vf in self.vfs if not vf.mdev_parent
+                and (vf.nvidia is None or vf.nvidia.profile_type)]
+
+    @property
+    def whole_refusal(self) -> Optional[str]:
+        """Why the GPU is not given whole (the hooks ask the same function)."""
+        typed = sum(1 for vf in self.vfs if vf.nvidia is not None and vf.nvidia.profile_type)
+        return whole_gpu_refusal(max(len(self.vfs), self.sriov_numvfs), len(self.vgpus), typed,
+                                 self.pools)
 
     @property
     def passthrough_enabled(self) -> bool:
-        return not self.vgpus and not self.offered_vfs
+        return self.whole_refusal is None
 
 
 class Inventory:
-    def __init__(self, gpus: list[Gpu], usage: Usage) -> None:
+    def __init__(self, gpus: list[Gpu], occupancy: Occupancy) -> None:
         self.gpus = gpus
-        self.usage = usage
+        self.occupancy = occupancy
 
     def gpu(self, address: PciAddress) -> Optional[Gpu]:
         for g in self.gpus:
@@ -193,11 +214,14 @@ class Known:
     def __init__(self, learned: Optional[dict[str, dict[str, str]]] = None,
                  allocations: Optional[dict[str, list[tuple[str, str]]]] = None,
                  vf_types: Optional[dict[str, tuple[int, Optional[str]]]] = None,
-                 registry: Optional[dict[str, tuple[str, str]]] = None) -> None:
+                 registry: Optional[dict[str, tuple[str, str]]] = None,
+                 occupancy: Optional[Occupancy] = None) -> None:
         self.learned = learned or {}
         self.allocations = allocations or {}
         self.vf_types = vf_types or {}
         self.registry = registry or {}
+        # Who holds what; built from `allocations` and the running domains if absent.
+        self.occupancy = occupancy
 
 
 class Discovery:
@@ -212,6 +236,7 @@ class Discovery:
         self.allocations = known.allocations
         self.vf_types = known.vf_types
         self.registry = known.registry
+        self.occupancy = known.occupancy
         self.names = PciNames(sysfs)
         # Names seen in creatable lists during this scan, for the state file.
         self.new_names: dict[str, dict[str, str]] = {}
@@ -220,7 +245,16 @@ class Discovery:
         sysfs = self.sysfs
         include = self.config.match("discovery", "include")
         exclude = self.config.match("discovery", "exclude")
-        usage = read_usage(sysfs, self.allocations)
+        usage = self.occupancy
+        if usage is None:
+            usage = Occupancy(Tree(sysfs, {u: p for u, (p, _) in self.registry.items()}))
+            for vm, devices in self.allocations.items():
+                for kind, ident in devices:
+                    try:
+                        usage.add(Hold(vm, ACTIVE, node_id(kind, ident)))
+                    except GpulibError:
+                        continue
+            usage.add_running(running_domains(sysfs))
         live = mdev.live_mdevs(sysfs)
         # vGPUs gpulib keeps but the kernel does not have now (after a reboot):
         # listed as instances, recreated when a VM starts, never reported missing.
@@ -246,7 +280,7 @@ class Discovery:
             gpus.append(self._gpu(fn, usage, live))
         return Inventory(gpus, usage)
 
-    def _gpu(self, fn: PciFunction, usage: Usage, live: dict[str, mdev.Mdev]) -> Gpu:
+    def _gpu(self, fn: PciFunction, usage: Occupancy, live: dict[str, mdev.Mdev]) -> Gpu:
         sysfs = self.sysfs
         gpu = Gpu(fn)
         steps: tuple[tuple[str, Callable[[], None]], ...] = (
@@ -277,9 +311,12 @@ class Discovery:
                 if m.parent in parents:
                     t = types.get((m.parent, m.type_id)) or mdev.MdevType(sysfs, m.parent,
                                                                            m.type_id)
-                    gpu.vgpus.append(Vgpu(m.uuid, m.parent, t, usage.vm_for_mdev(m.uuid),
+                    gpu.vgpus.append(Vgpu(m.uuid, m.parent, t, usage.user("mdev", m.uuid),
                                           m.live))
-        gpu.used_by = usage.vm_for_pci(fn.address)
+        gpu.used_by = usage.user("pci", str(fn.address))
+        if self.config.pools and gpu.mdev_types:
+            gpu.pools = declaring_pools(self.config, fn.address, fn.vendor_id, fn.device_id,
+                                        gpu.mdev_types)
         return gpu
 
     def _names(self, gpu: Gpu) -> None:
@@ -302,7 +339,7 @@ class Discovery:
         if gpu.mdev_parent:
             gpu.mdev_types = mdev.list_types(self.sysfs, gpu.address)
 
-    def _vfs(self, gpu: Gpu, usage: Usage) -> None:
+    def _vfs(self, gpu: Gpu, usage: Occupancy) -> None:
         sysfs = self.sysfs
         key = learned_names_key(gpu.fn.vendor_id, gpu.fn.device_id)
         names: dict[int, str] = {int(k): v for k, v in self.learned.get(key, {}).items()
@@ -316,7 +353,7 @@ class Discovery:
                 gpu.errors.append(f"VF {address}: {exc}")
                 fn = PciFunction(address)
             vf = VirtualFunction(index, fn)
-            vf.used_by = usage.vm_for_pci(address)
+            vf.used_by = usage.user("pci", str(address))
             vf.mdev_parent = mdev.is_parent(sysfs, address)
             if vf.mdev_parent:
                 vf.mdev_types = mdev.list_types(sysfs, address, vf_types)

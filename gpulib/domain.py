@@ -386,10 +386,34 @@ class PciHostdev(_XmlNode):
                 raise DomainXmlError(f"PCI hostdev <source><address> has no {name}=")
         try:
             return PciAddress.from_libvirt(
-                addr.get("domain") or "0", addr.get("bus"), addr.get("slot"),
-                addr.get("function") or "0")
+                addr.get("domain"), addr.get("bus"), addr.get("slot"), addr.get("function"))
         except InputError as exc:
             raise DomainXmlError(f"PCI hostdev: {exc.message}") from None
+
+    def agent421_mangled(self) -> Optional[tuple[int, int, int]]:
+        """(PCI domain, bus, function) when the source address is CloudStack 4.21's
+        rendering of a function in a non-zero PCI domain, else None.
+
+        That agent split `0001:d6:00.0` on ':' and wrote
+        `domain='0x0000' bus='0x0001' slot='0xd6' function='0x0'`: the bus
+        attribute carries four hex digits and the slot is above 0x1f, which no
+        real address has. The slot itself is lost; whoever knows the host's
+        functions may repair the address when exactly one matches.
+        """
+        addr = self.element.find("source/address")
+        if addr is None:
+            return None
+        bus, slot = addr.get("bus") or "", addr.get("slot") or ""
+        try:
+            d, b, s, f = (int(v, 0) for v in (addr.get("domain") or "0", bus, slot,
+                                                addr.get("function") or "0"))
+        except ValueError:
+            return None
+        digits = bus[2:] if bus[:2].lower() == "0x" else ""
+        if d != 0 or len(digits) != 4 or not 0x1F < s <= 0xFF or not 0 <= f <= 7 \
+                or not 0 < b <= 0xFFFF:
+            return None
+        return b, s, f
 
     @property
     def managed(self) -> bool:
@@ -412,8 +436,7 @@ class PciHostdev(_XmlNode):
             return None
         try:
             return PciAddress.from_libvirt(
-                addr.get("domain") or "0", addr.get("bus") or "0", addr.get("slot") or "0",
-                addr.get("function") or "0")
+                addr.get("domain"), addr.get("bus"), addr.get("slot"), addr.get("function"))
         except InputError as exc:
             raise DomainXmlError(f"PCI hostdev guest address: {exc.message}") from None
 
@@ -743,8 +766,11 @@ class Domain:
 
     def find_pci_hostdev(self, address: PciAddress) -> Optional[PciHostdev]:
         for h in self.pci_hostdevs():
-            if h.address == address:
-                return h
+            try:
+                if h.address == address:
+                    return h
+            except DomainXmlError:
+                continue  # an unreadable address (4.21's rendering) names no device
         return None
 
     def find_mdev_hostdev(self, mdev_uuid: str) -> Optional[MdevHostdev]:

@@ -3,8 +3,10 @@
 * `restore`: after a reboot every mdev is gone and every NVIDIA VF reads type
   0; recreate what the registry (and mdevctl's definitions) say should exist,
   with the same UUIDs on the same parents.
-* `reconcile`: release allocations of VMs that are not running, and report
-  registry entries whose device vanished and live vGPUs nobody knows.
+* `reconcile`: settle the write-ahead intents of starts that died (complete
+  or undo them, `gpulib.journal`), release allocations of VMs that are not
+  running (a pending one once proven dead: `pending_is_dead`), and report
+  registry entries whose device vanished and live vGPUs nobody holds.
 * `rebuild_state`: what a corrupt state file is replaced with: the registry
   and allocations re-learned from sysfs and libvirt's status files.
 * `open_store`: the StateStore every entry point uses (with that rebuild).
@@ -26,14 +28,16 @@ from gpulib.errors import GpulibError, InputError
 from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress, list_addresses
 from gpulib.state import Allocation, Device, State, StateStore, VfRecord, VgpuRecord, utc_now
-from gpulib.usage import read_usage, running_domains
+from gpulib.usage import DomainDevices, running_domains
 
 log = logging.getLogger(__name__)
 
 MDEVCTL_DIR = "etc/mdevctl.d"
 _ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
-# A pending allocation younger than this may belong to a VM that is starting.
+# A pending allocation younger than this may belong to a VM that is starting:
+# the agent's 30 s transformer limit, libvirt's own start, and a wide margin.
 PENDING_GRACE_SECONDS = 120.0
+BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
 
 
 def open_store(ctx: Context, config: Optional[Config] = None,
@@ -59,11 +63,6 @@ def rebuild_state(ctx: Context) -> State:
         devices += [Device("vf" if str(a) in state.vf_types else "pci", str(a)) for a in dom.pci]
         if devices:
             state.allocations[dom.name] = Allocation(dom.name, None, "active", utc_now(), devices)
-            for d in devices:
-                if d.kind == "mdev":
-                    state.vgpus[d.id].vm = dom.name
-                elif d.kind == "vf":
-                    state.vf_types[d.id].vm = dom.name
     log.error("state rebuilt from sysfs and libvirt: %d vGPUs, %d VF types, %d allocations",
               len(state.vgpus), len(state.vf_types), len(state.allocations))
     return state
@@ -190,21 +189,65 @@ def age_seconds(iso: str) -> float:
     return time.time() - (days * 86400 + hh * 3600 + mm * 60 + ss)
 
 
+def boot_clock(ctx: Context) -> tuple[Optional[str], float]:
+    """This boot's id and the seconds since it (CLOCK_BOOTTIME: no clock change moves it)."""
+    boot_id = ctx.sysfs.read(BOOT_ID_FILE)
+    boot_id = boot_id.strip() if boot_id else None
+    try:
+        uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):  # not Linux
+        uptime = time.monotonic()
+    return boot_id or None, uptime
+
+
+def stamp(ctx: Context, alloc: Allocation) -> None:
+    """Mark an allocation as made now, in this boot (see pending_is_dead)."""
+    alloc.since = utc_now()
+    alloc.boot_id, alloc.uptime = boot_clock(ctx)
+
+
+def pending_is_dead(alloc: Allocation, running: set[str], clock: tuple[Optional[str], float],
+                    grace: float = PENDING_GRACE_SECONDS) -> bool:
+    """Whether a pending allocation's start is proven dead: its VM does not run and
+    is not starting.
+
+    The proof, in order:
+    * its VM runs (libvirt wrote its status file): alive;
+    * it was made in another boot (the kernel's boot_id differs): dead, nothing
+      of an earlier boot is still starting;
+    * it was made in this boot: dead once `grace` seconds of CLOCK_BOOTTIME have
+      passed (a clock that never jumps; negative means another boot: dead);
+    * a record without that clock (schema 1): its wall-clock age decides, and a
+      time more than `grace` in the future (the clock was set back, or a bad
+      record) is dead too, so such an allocation can always be released.
+    """
+    if alloc.vm in running:
+        return False
+    boot_id, uptime = clock
+    if alloc.boot_id is not None and boot_id is not None and alloc.boot_id != boot_id:
+        return True
+    if alloc.uptime is not None:
+        elapsed = uptime - alloc.uptime
+        return elapsed < 0 or elapsed >= grace
+    age = age_seconds(alloc.since)
+    return age >= grace or age <= -grace
+
+
 def release_not_running(ctx: Context, state: State, running: set[str],
                         destroy_on_demand: bool = True, grace: float = PENDING_GRACE_SECONDS,
                         pending_only: bool = False, keep: Optional[str] = None
                         ) -> list[Outcome]:
     """Release allocations of VMs that are not running.
 
-    A pending one younger than `grace` may belong to a VM that is starting and
-    is kept; `pending_only` (the hooks' cheap cleanup) leaves active ones to
-    `gpulib reconcile`.
+    A pending one is kept until proven dead (`pending_is_dead`); `pending_only`
+    (the hooks' cheap cleanup) leaves active ones to `gpulib reconcile`.
     """
     out: list[Outcome] = []
+    clock = boot_clock(ctx)
     for vm, alloc in sorted(state.allocations.items()):
         if vm == keep or vm in running or (pending_only and alloc.status != "pending"):
             continue
-        if alloc.status == "pending" and age_seconds(alloc.since) < grace:
+        if alloc.status == "pending" and not pending_is_dead(alloc, running, clock, grace):
             continue
         log.warning("releasing the %s allocation of %s: it is not running (since %s)",
                     alloc.status, vm, alloc.since)
@@ -216,10 +259,15 @@ def release_not_running(ctx: Context, state: State, running: set[str],
 
 
 def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
-              grace: float = PENDING_GRACE_SECONDS) -> list[Outcome]:
+              grace: float = PENDING_GRACE_SECONDS,
+              running: Optional[list[DomainDevices]] = None) -> list[Outcome]:
+    from gpulib.occupancy import Occupancy
+
     sysfs = ctx.sysfs
-    usage = read_usage(sysfs, include_defined=False)
-    out = release_not_running(ctx, state, usage.running, destroy_on_demand, grace)
+    domains = running_domains(sysfs) if running is None else running
+    out = settle_intents(ctx, state)
+    out += release_not_running(ctx, state, {d.name for d in domains}, destroy_on_demand, grace)
+    occ = Occupancy.build(sysfs, state, domains)
     live = mdev.live_mdevs(sysfs)
     for uuid, rec in sorted(state.vgpus.items()):
         try:
@@ -229,10 +277,17 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
         if parent is None or not sysfs.exists(f"sys/bus/pci/devices/{parent}"):
             out.append(Outcome("mdev", uuid, "report", False,
                                f"parent {rec.parent} is gone from this host"))
-    known_users = set(usage.mdev)
-    for uuid, m in sorted(live.items()):
-        if uuid not in state.vgpus and uuid not in known_users:
-            out.append(Outcome("mdev", uuid, "report", False,
-                               f"live {m.type_id} on {m.parent} is unknown to gpulib and "
-                               f"used by no running VM (remove it: gpulib mdev remove {uuid})"))
+    for uuid in occ.stray_mdevs(live, state.vgpus):
+        m = live[uuid]
+        out.append(Outcome("mdev", uuid, "report", False,
+                           f"live {m.type_id} on {m.parent} is unknown to gpulib and "
+                           f"used by no running VM (remove it: gpulib mdev remove {uuid})"))
     return out
+
+
+def settle_intents(ctx: Context, state: State) -> list[Outcome]:
+    """Complete or undo what interrupted starts left (journal.settle)."""
+    from gpulib.journal import settle
+
+    return [Outcome("intent", line.split(" ", 2)[1], line.split(": ", 1)[-1],
+                    "FAILED" not in line, line) for line in settle(ctx.sysfs, state)]

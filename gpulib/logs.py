@@ -11,10 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Optional
 
 from gpulib.context import LOG_DIR, Context
 
+LOG_FAILURES_FILE = "run/gpulib/log-failures"
+# The note file stays small whatever happens: a line per failing process.
+_FAILURES_MAX_BYTES = 64 * 1024
 _FORMAT = "%(name)s: %(levelname)s %(message)s"
 _configured = False
 
@@ -26,14 +30,20 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
     if _configured:
         return
     _configured = True
+    # Whatever handler fails (ours or one added later), never a traceback on
+    # stderr (logging.Handler.handleError prints only when this is set).
+    logging.raiseExceptions = False
+    # Python's warnings print to stderr too: into the log with them.
+    logging.captureWarnings(True)
+    failures = FailureNote(ctx.path(LOG_FAILURES_FILE), program)
     root = logging.getLogger()
     root.setLevel(min(_level(level), _level(stderr_level) if stderr_level else logging.CRITICAL))
     handler: Optional[logging.Handler] = None
     if use_syslog and ctx.root == "/" and os.path.exists("/dev/log"):
-        handler = SyslogHandler(program)
+        handler = SyslogHandler(program, failures)
         handler.setFormatter(logging.Formatter(_FORMAT))
     if handler is None:
-        handler = LazyFileHandler(ctx.path(LOG_DIR + "/gpulib.log"))
+        handler = LazyFileHandler(ctx.path(LOG_DIR + "/gpulib.log"), failures)
         handler.setFormatter(logging.Formatter(f"%(asctime)s {program}[%(process)d]: "
                                                + _FORMAT))
     handler.setLevel(_level(level))
@@ -45,12 +55,50 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
         root.addHandler(err)
 
 
+class FailureNote:
+    """Notes, once per process, that a log record was lost (for `gpulib doctor`)."""
+
+    def __init__(self, path: str, program: str) -> None:
+        self.path = path
+        self.program = program
+        self.count = 0
+
+    def __call__(self, exc: Optional[BaseException]) -> None:
+        self.count += 1
+        if self.count > 1:
+            return
+        reason = f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        line = f"{stamp} {self.program}[{os.getpid()}] {' '.join(reason.split())}\n"
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, 0o644)
+            try:
+                if os.fstat(fd).st_size < _FAILURES_MAX_BYTES:
+                    os.write(fd, line.encode("utf-8", "replace"))
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # nowhere left to say it: the record is lost, quietly
+
+
+def read_failures(ctx: Context) -> list[str]:
+    """The lines of the failure note (one per process that lost a record)."""
+    try:
+        with open(ctx.path(LOG_FAILURES_FILE), encoding="utf-8", errors="replace") as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    except OSError:
+        return []
+
+
 class LazyFileHandler(logging.FileHandler):
     """A log file created on the first record only: a command that has nothing
     to log (discover, doctor, snapshot) leaves the root untouched."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, failures: Optional[FailureNote] = None) -> None:
         super().__init__(path, encoding="utf-8", delay=True)
+        self._failures = failures
 
     def _open(self):  # type: ignore[no-untyped-def]
         os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
@@ -60,17 +108,31 @@ class LazyFileHandler(logging.FileHandler):
         try:
             super().emit(record)
         except OSError:
-            pass  # a read-only root (a mounted snapshot) must not fail a command
+            # Opening failed (a read-only root, a full disk): the record is lost.
+            self.handleError(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        # Never the default (a traceback on stderr, which the agent would read).
+        if self._failures is not None:
+            self._failures(sys.exc_info()[1])
+        # A stream left half-written stays broken: reopen on the next record.
+        stream, self.stream = self.stream, None  # type: ignore[assignment]
+        if stream is not None:
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass
 
 
 class SyslogHandler(logging.Handler):
     """Through libc's syslog(3): logging.handlers costs a VM start milliseconds."""
 
-    def __init__(self, program: str) -> None:
+    def __init__(self, program: str, failures: Optional[FailureNote] = None) -> None:
         super().__init__()
         import syslog
 
         self._syslog = syslog
+        self._failures = failures
         syslog.openlog(program, syslog.LOG_PID, syslog.LOG_DAEMON)
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -82,6 +144,10 @@ class SyslogHandler(logging.Handler):
             s.syslog(priority, self.format(record))
         except Exception:
             self.handleError(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self._failures is not None:
+            self._failures(sys.exc_info()[1])
 
 
 def _level(name: Optional[str]) -> int:

@@ -70,6 +70,26 @@ def check_type(text: object) -> int:
     return value
 
 
+def resolve_type(sysfs: Sysfs, vf: PciAddress, text: str) -> int:
+    """A type as an administrator names it: the numeric id (`594`, `nvidia-594`)
+    or the name as `creatable_vgpu_types` lists it (`NVIDIA A10-6Q`, matched
+    exactly but for case). Unknown or ambiguous names are refused with the
+    list of creatable types."""
+    bare = text[7:] if text.startswith("nvidia-") else text
+    if bare.strip().isdigit():
+        return check_type(bare)
+    creatable = creatable_types(sysfs, vf)
+    wanted = " ".join(text.split()).casefold()
+    hits = sorted(i for i, name in creatable.items() if " ".join(name.split()).casefold() == wanted)
+    listing = ", ".join(f"{k} ({v})" for k, v in sorted(creatable.items())) or "none"
+    if len(hits) == 1:
+        return hits[0]
+    if hits:
+        raise InputError(f"vGPU type name {text!r} is ambiguous on {vf}: ids "
+                         f"{', '.join(map(str, hits))} (creatable: {listing}); give the id")
+    raise InputError(f"no creatable vGPU type named {text!r} on {vf} (creatable: {listing})")
+
+
 def set_type(sysfs: Sysfs, vf: PciAddress, type_id: int,
              names: Optional[dict[int, str]] = None) -> None:
     """Give an idle VF a vGPU type, checking the creatable list first, then read back."""

@@ -20,6 +20,41 @@ _ADDR_RE = lazy(
     r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
 
 
+MAX_DOMAIN = 0xFFFFFFFF
+_C_SPACE = " \t\n\v\f\r"
+_OCT_DIGITS = frozenset("01234567")
+_DEC_DIGITS = frozenset("0123456789")
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+
+
+def libvirt_uint(text: str) -> Optional[int]:
+    """A number attribute as libvirt reads it, or None where libvirt refuses it.
+
+    libvirt reads `domain`, `bus`, `slot` and `function` with C's strtoul in
+    base 0 and then refuses a minus sign, trailing characters and values
+    above UINT_MAX. So: leading C whitespace is skipped, `+` is allowed,
+    `0x`/`0X` means hex, a leading `0` octal (`0301` is 0xc1), only ASCII
+    digits count; Python's int(x, 0) differs both ways (`0b1`, `0o7`, `1_0`,
+    non-ASCII digits, trailing spaces accepted; `0301` refused).
+    """
+    rest = text.lstrip(_C_SPACE)
+    if rest[:1] == "+":
+        rest = rest[1:]
+    if rest[:2] in ("0x", "0X") and rest[2:3] in _HEX_DIGITS and rest[2:3]:
+        digits, base, allowed = rest[2:], 16, _HEX_DIGITS
+    elif rest[:1] == "0":
+        digits, base, allowed = rest, 8, _OCT_DIGITS
+    else:
+        digits, base, allowed = rest, 10, _DEC_DIGITS
+    if not digits or not allowed.issuperset(digits):
+        return None
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > 11:  # above UINT_MAX in any base (and int()'s digit limit)
+        return None
+    value = int(digits, base)
+    return value if value <= 0xFFFFFFFF else None
+
+
 class PciAddress(NamedTuple):
     domain: int
     bus: int
@@ -32,24 +67,31 @@ class PciAddress(NamedTuple):
         m = _ADDR_RE.fullmatch(text) if isinstance(text, str) else None
         if not m:
             raise InputError(f"not a PCI address: {text!r} (expected dddd:bb:ss.f)")
+        # Domains go up to 0xffffffff: Linux names the devices behind an Intel
+        # VMD controller `10000:01:00.0`, and libvirt accepts such domains.
         domain = int(m.group(1) or "0", 16)
         slot = int(m.group(3), 16)
-        if domain > 0xFFFF or slot > 0x1F:
+        if domain > MAX_DOMAIN or slot > 0x1F:
             raise InputError(f"PCI address out of range: {text!r}")
         return cls(domain, int(m.group(2), 16), slot, int(m.group(4)))
 
     @classmethod
-    def from_libvirt(cls, domain: str, bus: str, slot: str, function: str) -> PciAddress:
-        """From the attributes of libvirt's `<address type='pci'>`."""
-        try:
-            values = [int(v, 0) for v in (domain or "0", bus, slot, function)]
-        except (TypeError, ValueError):
-            raise InputError(
-                f"bad PCI address in XML: domain={domain!r} bus={bus!r} "
-                f"slot={slot!r} function={function!r}") from None
+    def from_libvirt(cls, domain: Optional[str], bus: Optional[str], slot: Optional[str],
+                     function: Optional[str]) -> PciAddress:
+        """From the attributes of libvirt's `<address type='pci'>`, read as libvirt
+        reads them (`libvirt_uint`); an absent attribute (None) is 0, as in libvirt."""
+        values = []
+        for name, text in (("domain", domain), ("bus", bus), ("slot", slot),
+                           ("function", function)):
+            value = 0 if text is None else libvirt_uint(text)
+            if value is None:
+                raise InputError(f"bad PCI address in XML: {name}={text!r} is not a "
+                                 "non-negative integer as libvirt reads it")
+            values.append(value)
         d, b, s, f = values
-        if not (0 <= d <= 0xFFFF and 0 <= b <= 0xFF and 0 <= s <= 0x1F and 0 <= f <= 7):
-            raise InputError(f"PCI address out of range: {d:04x}:{b:02x}:{s:02x}.{f}")
+        if not (b <= 0xFF and s <= 0x1F and f <= 7):
+            raise InputError(f"PCI address out of range: {d:04x}:{b:02x}:{s:02x}.{f} "
+                             "(bus <= 0xff, slot <= 0x1f, function <= 7)")
         return cls(d, b, s, f)
 
     def __str__(self) -> str:

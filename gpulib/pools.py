@@ -19,6 +19,7 @@ from gpulib.context import Context
 from gpulib.discovery import Gpu, Inventory
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import Outcome, remove_mdevctl, write_mdevctl
+from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress
 from gpulib.state import State, VfRecord, VgpuRecord
 
@@ -89,7 +90,10 @@ def _targets(pool: PoolConfig, parents: list[str]) -> dict[str, int]:
 
 def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
           dry_run: bool = False) -> list[Outcome]:
-    """Bring every pool to its declared size; returns the changes (made or planned)."""
+    """Bring every pool to its declared size; returns the changes (made or planned).
+
+    A member anyone holds (the occupancy model: allocations, running domains,
+    a conflicting node of its tree) is never removed or cleared."""
     out: list[Outcome] = []
     for name, pool in sorted(config.pools.items()):
         p = plan(pool, inventory, frozenset(state.unmanaged))
@@ -99,14 +103,14 @@ def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
                                f"{pool.type_id or pool.profile} among the selected GPUs"))
             continue
         if p.mdev_parents:
-            out += _apply_mdev(ctx, state, name, pool, p, dry_run)
+            out += _apply_mdev(ctx, state, name, pool, p, dry_run, inventory.occupancy)
         else:
-            out += _apply_vf(ctx, state, name, pool, p, dry_run)
+            out += _apply_vf(ctx, state, name, pool, p, dry_run, inventory.occupancy)
     return out
 
 
 def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: PoolPlan,
-                dry_run: bool) -> list[Outcome]:
+                dry_run: bool, occ: Occupancy) -> list[Outcome]:
     sysfs = ctx.sysfs
     out: list[Outcome] = []
     by_parent = {str(t.parent): t for _, t in p.mdev_parents}
@@ -130,8 +134,7 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
             for uuid in reversed(uuids):
                 if have <= want:
                     break
-                rec = state.vgpus[uuid]
-                if rec.vm is not None:
+                if occ.holder(uuid) is not None:
                     continue
                 def drop(u: str = uuid, parent: str = parent) -> None:
                     mdev.remove(sysfs, u)
@@ -156,7 +159,7 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
 
 
 def _apply_vf(ctx: Context, state: State, name: str, pool: PoolConfig, p: PoolPlan,
-              dry_run: bool) -> list[Outcome]:
+              dry_run: bool, occ: Occupancy) -> list[Outcome]:
     sysfs = ctx.sysfs
     out: list[Outcome] = []
     by_gpu: dict[str, list[tuple[PciAddress, int, str]]] = {}
@@ -177,7 +180,7 @@ def _apply_vf(ctx: Context, state: State, name: str, pool: PoolConfig, p: PoolPl
         for addr in reversed(sorted(members)):
             if have <= want:
                 break
-            if state.vf_types[addr].vm is not None:
+            if occ.holder(addr) is not None:
                 continue
             def clear(a: str = addr) -> None:
                 nvidia.clear_type(sysfs, PciAddress.parse(a))
@@ -211,17 +214,18 @@ def _do(dry_run: bool, kind: str, ident: str, action: str,
         return Outcome(kind, ident, action, False, exc.message)
 
 
-def members(config: Config, state: State) -> dict[str, list[dict[str, object]]]:
+def members(config: Config, state: State, occupancy: Occupancy
+            ) -> dict[str, list[dict[str, object]]]:
     """`gpulib pool list`: every pool's members and who holds them."""
     out: dict[str, list[dict[str, object]]] = {name: [] for name in config.pools}
     for uuid, rec in sorted(state.vgpus.items()):
         if rec.pool is not None:
             out.setdefault(rec.pool, []).append(
                 {"kind": "mdev", "id": uuid, "parent": rec.parent, "type": rec.type_id,
-                 "vm": rec.vm})
+                 "vm": occupancy.user("mdev", uuid)})
     for addr, vrec in sorted(state.vf_types.items()):
         if vrec.pool is not None:
             out.setdefault(vrec.pool, []).append(
                 {"kind": "vf", "id": addr, "type": vrec.type_id, "name": vrec.name,
-                 "vm": vrec.vm})
+                 "vm": occupancy.user("vf", addr)})
     return out

@@ -18,7 +18,9 @@ from gpulib.context import Context
 from gpulib.discovery import Discovery, Inventory, Known
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import open_store
+from gpulib.occupancy import Occupancy
 from gpulib.state import State, StateStore
+from gpulib.usage import running_domains
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +29,20 @@ def allocations_view(state: State) -> dict[str, list[tuple[str, str]]]:
     return {vm: [(d.kind, d.id) for d in a.devices] for vm, a in state.allocations.items()}
 
 
-def known_from_state(state: State) -> Known:
+def known_from_state(state: State, occupancy: Optional[Occupancy] = None) -> Known:
     return Known(
         learned=state.type_names,
         allocations=allocations_view(state),
         vf_types={a: (r.type_id, r.name) for a, r in state.vf_types.items()},
-        registry={u: (r.parent, r.type_id) for u, r in state.vgpus.items()})
+        registry={u: (r.parent, r.type_id) for u, r in state.vgpus.items()},
+        occupancy=occupancy)
 
 
 def discover_host(ctx: Context, config: Optional[Config] = None,
-                  state: Optional[State] = None, learn: bool = True) -> Inventory:
+                  state: Optional[State] = None, learn: bool = True,
+                  occupancy: Optional[Occupancy] = None) -> Inventory:
+    """The host's GPUs; `occupancy` (who holds what) is built from `state` and the
+    running domains when not given, so every caller asks the same model."""
     if state is None:
         try:
             state = open_store(ctx, config).load()
@@ -44,13 +50,64 @@ def discover_host(ctx: Context, config: Optional[Config] = None,
             # A state file we cannot use must not hide the host's GPUs.
             log.error("discovery without gpulib state: %s", exc)
             state = State()
-    disc = Discovery(ctx.sysfs, config, known_from_state(state))
+    if occupancy is None:
+        occupancy = Occupancy.build(ctx.sysfs, state, running_domains(ctx.sysfs))
+    disc = Discovery(ctx.sysfs, config, known_from_state(state, occupancy))
     inventory = disc.run()
     if learn and disc.new_names:
         # The same store as everywhere: a corrupt file found here is rebuilt
         # from the host, never replaced by an empty registry.
         _remember_names(open_store(ctx, config, timeout=2.0), disc.new_names)
     return inventory
+
+
+def pool_inventory(ctx: Context, state: State, occupancy: Occupancy) -> Inventory:
+    """Only the GPUs that carry pool members, read from the registry and a few
+    sysfs attributes of each GPU: what an allocation from pools needs (the
+    parent's GPU, its NUMA node, its pool members for the load) at a fraction
+    of a full discovery's cost. A request the pools cannot serve needs
+    `discover_host`."""
+    from gpulib.discovery import Gpu, Vgpu, VirtualFunction
+    from gpulib.errors import InputError
+    from gpulib.mdev import MdevType
+    from gpulib.pci import PciAddress, PciFunction
+
+    sysfs = ctx.sysfs
+    gpus: dict[PciAddress, Gpu] = {}
+
+    def gpu_of(parent: PciAddress) -> Optional[Gpu]:
+        physfn = sysfs.link_name(f"sys/bus/pci/devices/{parent}/physfn")
+        try:
+            pf = PciAddress.parse(physfn) if physfn else parent
+        except InputError:
+            return None
+        gpu = gpus.get(pf)
+        if gpu is None:
+            try:
+                gpu = gpus[pf] = Gpu(PciFunction.read(sysfs, pf))
+            except OSError:
+                return None
+        if parent != pf and all(vf.address != parent for vf in gpu.vfs):
+            gpu.vfs.append(VirtualFunction(len(gpu.vfs), PciFunction(parent)))
+        return gpu
+
+    for uuid, rec in sorted(state.vgpus.items()):
+        if rec.pool is None:
+            continue
+        try:
+            parent = PciAddress.parse(rec.parent)
+        except InputError:
+            continue
+        gpu = gpu_of(parent)
+        if gpu is not None:
+            gpu.vgpus.append(Vgpu(uuid, parent, MdevType(sysfs, parent, rec.type_id), None))
+    for addr, vrec in sorted(state.vf_types.items()):
+        if vrec.pool is not None:
+            try:
+                gpu_of(PciAddress.parse(addr))
+            except InputError:
+                continue
+    return Inventory(sorted(gpus.values(), key=lambda g: g.address), occupancy)
 
 
 def _remember_names(store: StateStore, names: dict[str, dict[str, str]]) -> None:

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Callable, Optional
 
-from gpulib import mdev
+from gpulib import atomicfile, mdev
 from gpulib.cloudstack import STATE_CHANGE_HOOK, TRANSFORMER_HOOK
 from gpulib.config import Config
 from gpulib.context import (
@@ -568,7 +568,16 @@ def create(ctx: Context, output: Optional[str] = None,
            stdout: Optional[IO[bytes]] = None) -> tuple[str, Summary]:
     """Write the snapshot to `output` (default name in the cwd; `-` = `stdout`).
 
-    The file appears whole or not at all (written next to it, then renamed).
+    What `output` may be, decided before anything is written:
+    * missing or a regular file: the file appears whole or not at all (an
+      exclusively created temp file beside it, never following a link, then
+      renamed: `atomicfile.write_atomic`);
+    * a directory: the default name inside it;
+    * a FIFO or a character device (`/dev/null`, `/dev/stdout`, a named
+      pipe), also through a symlink: written to as a stream, as a shell
+      redirect would, never replaced;
+    * anything else (a symlink to a file, a block device, a socket): refused,
+      nothing written.
     """
     if output == "-":
         if stdout is None:
@@ -579,21 +588,52 @@ def create(ctx: Context, output: Optional[str] = None,
     path = os.path.abspath(output or default_filename(ctx))
     if os.path.isdir(path):
         path = os.path.join(path, default_filename(ctx))
-    tmp = f"{path}.{os.getpid()}.tmp"
+    kind = _output_kind(path)
     try:
-        with open(tmp, "wb") as fh:
-            summary = write(ctx, fh)
-        os.replace(tmp, path)
+        if kind == "stream":
+            return path, _write_stream(ctx, path)
+        buf = io.BytesIO()
+        summary = write(ctx, buf)
+        atomicfile.write_atomic(path, buf.getvalue(), 0o644)
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise GpulibError(f"cannot write snapshot {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return path, summary
+
+
+def _output_kind(path: str) -> str:
+    """"file" (create or replace atomically) or "stream" (write into it); refuses
+    what is neither."""
+    try:
+        link = os.lstat(path)
+    except FileNotFoundError:
+        return "file"
+    except OSError as exc:
+        raise GpulibError(f"cannot write snapshot {path}: {exc.strerror or exc}") from None
+    if stat.S_ISREG(link.st_mode):
+        return "file"
+    try:
+        target = os.stat(path) if stat.S_ISLNK(link.st_mode) else link
+    except OSError:
+        target = None
+    if target is not None and (stat.S_ISFIFO(target.st_mode) or stat.S_ISCHR(target.st_mode)):
+        return "stream"
+    what = ("a symbolic link" if stat.S_ISLNK(link.st_mode) else
+            "a block device" if stat.S_ISBLK(link.st_mode) else
+            "a socket" if stat.S_ISSOCK(link.st_mode) else "not a regular file")
+    raise InputError(f"refusing to write the snapshot to {path}: it is {what} (give a new "
+                     "file name, a regular file, a FIFO or a character device)")
+
+
+def _write_stream(ctx: Context, path: str) -> Summary:
+    fd = os.open(path, os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        # Swapped for something else since it was looked at: do not write.
+        os.close(fd)
+        raise InputError(f"refusing to write the snapshot to {path}: it changed while "
+                         "being opened")
+    if os.isatty(fd):
+        os.close(fd)
+        raise InputError(f"refusing to write a tarball to the terminal {path}")
+    with os.fdopen(fd, "wb") as fh:
+        return write(ctx, fh, stream=True)

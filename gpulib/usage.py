@@ -1,42 +1,45 @@
-"""Which VM uses which device, without asking libvirt (hooks must never call it).
+"""Which devices running domains hold, read from libvirt's status files.
 
-Sources, in order (DESIGN section 4): gpulib's own allocations, the status XML
-of running domains (`run/libvirt/qemu/<name>.xml`, `<domstatus><domain>`),
-and the definitions of defined domains (`etc/libvirt/qemu/*.xml`). The first
-source that names a device wins.
+Hooks must never call libvirt, so this reads `run/libvirt/qemu/<name>.xml`
+(`<domstatus><domain>`, DESIGN section 4). Only what libvirt itself acts on
+counts: `<hostdev>` elements that are children of the domain's `<devices>`,
+in no namespace. Nothing inside `<metadata>` (any namespace), comments or
+CDATA is a device: a tenant can put XML there.
 
-Files without a `<hostdev` are not parsed at all; that keeps a host with many
-VMs cheap to scan.
+Defined but stopped domains (`etc/libvirt/qemu/*.xml`) are not users: a
+plain-libvirt user may keep two defined VMs naming one GPU and start either.
+
+Cost: a file without the bytes `<hostdev` is not parsed at all (its name
+comes from the file name, as libvirt names it); the others are parsed once
+by libxml2, which is linear in their size (no regular expression, no
+backtracking: malformed input fails fast). Results are cached, keyed on the
+file's identity (device, inode), size and mtime: in the process (a hook reads
+the directory before taking the state lock and again under it) and across
+processes in `run/gpulib/domains.json` (libvirt replaces a status file by
+rename, so a changed file never matches its old key), so a start on a host
+with many running VMs parses only the files that changed since the last one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import re
-from typing import Optional
+import os
+from typing import Any
 
-from gpulib.context import DEFINED_DOMAINS, RUNNING_DOMAINS
-from gpulib.lazyre import lazy
+from gpulib.context import RUNNING_DOMAINS
+from gpulib.errors import InputError
 from gpulib.pci import PciAddress
 from gpulib.sysfs import Sysfs
 
 log = logging.getLogger(__name__)
 
-# Hostdev sources as libvirt writes them: attributes in any order and quote.
-_HOSTDEV = lazy(r"<hostdev\b([^>]*)>(.*?)</hostdev>", re.S)
-_ATTR = lazy(r"""([A-Za-z_:][-.\w:]*)\s*=\s*(?:'([^']*)'|"([^"]*)")""")
-_SOURCE = lazy(r"<source\b[^>]*>(.*?)</source>", re.S)
-_ADDRESS = lazy(r"<address\b([^>]*?)/?>", re.S)
-_NAME = lazy(r"<name>\s*([^<]+?)\s*</name>")
-
-
-def _attrs(text: str) -> dict[str, str]:
-    return {m.group(1): m.group(2) if m.group(2) is not None else m.group(3)
-            for m in _ATTR.finditer(text)}
+# libvirt caps a domain XML at 10 MB; a status file is that plus a little.
+MAX_STATUS_BYTES = 16 * 1024 * 1024
 
 
 class DomainDevices:
-    """The host devices one domain file names."""
+    """The host devices one running domain holds."""
 
     __slots__ = ("mdevs", "name", "pci")
 
@@ -45,109 +48,143 @@ class DomainDevices:
         self.pci: list[PciAddress] = []
         self.mdevs: list[str] = []
 
-
-def scan_domain_xml(text: str) -> Optional[DomainDevices]:
-    """Devices of one domain (status or definition) XML, None if unreadable.
-
-    libvirt writes these files itself, so a tolerant scan is enough and avoids
-    paying for an XML parser on every VM of a large host. Comments are removed
-    first so a commented-out hostdev is not counted.
-    """
-    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
-    # In a status file the first <name> inside <domain> is the VM's name.
-    dom_start = text.find("<domain")
-    m = _NAME.search(text, dom_start if dom_start >= 0 else 0)
-    if not m:
-        return None
-    devices = DomainDevices(m.group(1))
-    if "<hostdev" not in text:
-        return devices
-    for hd in _HOSTDEV.finditer(text):
-        attrs = _attrs(hd.group(1))
-        if attrs.get("mode", "subsystem") != "subsystem":
-            continue
-        src = _SOURCE.search(hd.group(2))
-        if not src:
-            continue
-        addr = _ADDRESS.search(src.group(1))
-        if not addr:
-            continue
-        a = _attrs(addr.group(1))
-        kind = attrs.get("type")
-        if kind == "pci":
-            try:
-                devices.pci.append(PciAddress.from_libvirt(
-                    a.get("domain", "0"), a.get("bus", ""), a.get("slot", ""),
-                    a.get("function", "")))
-            except Exception:
-                log.debug("skipping unreadable PCI hostdev in domain %s", devices.name)
-        elif kind == "mdev" and a.get("uuid"):
-            devices.mdevs.append(a["uuid"].lower())
-    return devices
+    def __repr__(self) -> str:
+        return f"DomainDevices({self.name!r}, pci={self.pci!r}, mdevs={self.mdevs!r})"
 
 
-def _scan_dir(sysfs: Sysfs, rel: str) -> list[DomainDevices]:
-    out = []
-    for name in sorted(sysfs.listdir(rel)):
-        if not name.endswith(".xml"):
-            continue
-        try:
-            data = sysfs.read_bytes(f"{rel}/{name}")
-        except OSError as exc:
-            log.warning("cannot read %s/%s: %s", rel, name, exc.strerror)
-            continue
-        if data is None:
-            continue
-        found = scan_domain_xml(data.decode("utf-8", "replace"))
-        if found is not None:
-            out.append(found)
-    return out
+def _parser() -> Any:
+    from lxml import etree
+
+    return etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False,
+                           huge_tree=False, collect_ids=False, remove_comments=True,
+                           remove_pis=True)
 
 
-class Usage:
-    """Device -> VM maps, with the source each answer came from."""
-
-    def __init__(self) -> None:
-        self.pci: dict[PciAddress, str] = {}
-        self.mdev: dict[str, str] = {}
-        self.running: set[str] = set()
-        self.defined: set[str] = set()
-
-    def add(self, devices: DomainDevices) -> None:
-        for addr in devices.pci:
-            self.pci.setdefault(addr, devices.name)
-        for uuid in devices.mdevs:
-            self.mdev.setdefault(uuid, devices.name)
-
-    def vm_for_pci(self, address: PciAddress) -> Optional[str]:
-        return self.pci.get(address)
-
-    def vm_for_mdev(self, uuid: str) -> Optional[str]:
-        return self.mdev.get(uuid.lower())
-
-
-def running_domains(sysfs: Sysfs) -> list[DomainDevices]:
-    return _scan_dir(sysfs, RUNNING_DOMAINS)
-
-
-def read_usage(sysfs: Sysfs, allocations: Optional[dict[str, list[tuple[str, str]]]] = None,
-               include_defined: bool = True) -> Usage:
-    """Build the maps. `allocations` is gpulib's own: vm -> [(kind, id)]."""
-    usage = Usage()
-    for vm, devices in (allocations or {}).items():
-        for kind, ident in devices:
-            if kind == "mdev":
-                usage.mdev.setdefault(ident.lower(), vm)
-            else:
+def _hostdevs(domain: Any, found: DomainDevices) -> None:
+    for devices in domain.iterchildren("devices"):
+        for hd in devices.iterchildren("hostdev"):
+            if (hd.get("mode") or "subsystem") != "subsystem":
+                continue
+            addr = hd.find("source/address")
+            if addr is None:
+                continue
+            kind = hd.get("type")
+            if kind == "pci":
                 try:
-                    usage.pci.setdefault(PciAddress.parse(ident), vm)
-                except Exception:
+                    found.pci.append(PciAddress.from_libvirt(
+                        addr.get("domain") or "0", addr.get("bus") or "",
+                        addr.get("slot") or "", addr.get("function") or "0"))
+                except InputError:
+                    log.debug("domain %s: unreadable PCI hostdev address", found.name)
+            elif kind == "mdev" and addr.get("uuid"):
+                found.mdevs.append(str(addr.get("uuid")).strip().lower())
+
+
+def scan_domain_xml(data: bytes, name: str) -> DomainDevices:
+    """The devices a status (or domain) XML holds; nothing when it cannot be read.
+
+    `name` is the domain's name (libvirt's file name). A file that cannot be
+    parsed is logged and read as holding nothing: libvirt writes these
+    files itself, so that means a file cut short, not a device to guard.
+    """
+    found = DomainDevices(name)
+    if b"<hostdev" not in data:
+        return found
+    from lxml import etree
+
+    try:
+        root = etree.fromstring(data, _parser())
+    except etree.XMLSyntaxError as exc:
+        log.warning("cannot read the status of domain %s: %s", name, exc.msg)
+        return found
+    if root.tag == "domstatus":
+        for domain in root.iterchildren("domain"):
+            _hostdevs(domain, found)
+    elif root.tag == "domain":
+        _hostdevs(root, found)
+    return found
+
+
+# path -> ((st_dev, st_ino, st_size, st_mtime_ns), devices)
+_CACHE: dict[str, tuple[tuple[int, int, int, int], DomainDevices]] = {}
+CACHE_FILE = "run/gpulib/domains.json"
+_loaded_roots: set[str] = set()
+
+
+def _load_cache(sysfs: Sysfs) -> None:
+    """Fill the in-process cache from the file other hooks left (once per root)."""
+    if sysfs.root in _loaded_roots:
+        return
+    _loaded_roots.add(sysfs.root)
+    try:
+        with open(sysfs.path(CACHE_FILE), "rb") as fh:
+            doc = json.loads(fh.read(MAX_STATUS_BYTES))
+        for name, (dev, ino, size, mtime, pci, mdevs) in doc.items():
+            found = DomainDevices(str(name))
+            found.pci = [PciAddress.parse(str(a)) for a in pci]
+            found.mdevs = [str(u) for u in mdevs]
+            _CACHE.setdefault(sysfs.path(f"{RUNNING_DOMAINS}/{name}.xml"),
+                              ((int(dev), int(ino), int(size), int(mtime)), found))
+    except (OSError, ValueError, TypeError, InputError):
+        return  # no cache, or one we cannot use: parse the files
+
+
+def _save_cache(sysfs: Sysfs, found: list[tuple[tuple[int, int, int, int],
+                                                 DomainDevices]]) -> None:
+    from gpulib import atomicfile
+
+    doc = {d.name: [*key, [str(a) for a in d.pci], d.mdevs] for key, d in found}
+    path = sysfs.path(CACHE_FILE)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        atomicfile.write_atomic(path, json.dumps(doc, sort_keys=True).encode(), 0o600,
+                                sync_dir=False, durable=False)
+    except OSError as exc:
+        log.debug("cannot write %s: %s", path, exc)
+
+
+def running_names(sysfs: Sysfs) -> set[str]:
+    """Names of the running domains (their status files): no file is read."""
+    return {n[:-4] for n in sysfs.listdir(RUNNING_DOMAINS) if n.endswith(".xml") and len(n) > 4}
+
+
+def running_domains(sysfs: Sysfs, save_cache: bool = False) -> list[DomainDevices]:
+    """Every running domain and the devices it holds.
+
+    `save_cache`: write what was parsed to the cross-process cache (the hooks;
+    read-only commands such as discover, doctor and snapshot write nothing)."""
+    _load_cache(sysfs)
+    out = []
+    keyed: list[tuple[tuple[int, int, int, int], DomainDevices]] = []
+    parsed = False
+    for name in sorted(running_names(sysfs)):
+        path = sysfs.path(f"{RUNNING_DOMAINS}/{name}.xml")
+        try:
+            with open(path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                cached = _CACHE.get(path)
+                if cached is not None and cached[0] == key:
+                    out.append(cached[1])
+                    keyed.append(cached)
                     continue
-    for dom in running_domains(sysfs):
-        usage.running.add(dom.name)
-        usage.add(dom)
-    if include_defined:
-        for dom in _scan_dir(sysfs, DEFINED_DOMAINS):
-            usage.defined.add(dom.name)
-            usage.add(dom)
-    return usage
+                data = fh.read(MAX_STATUS_BYTES + 1)
+                parsed = True
+        except FileNotFoundError:
+            continue  # the domain stopped while we looked
+        except OSError as exc:
+            log.warning("cannot read the status of domain %s: %s", name, exc.strerror)
+            out.append(DomainDevices(name))
+            continue
+        if len(data) > MAX_STATUS_BYTES:
+            log.warning("status file of domain %s is larger than %d bytes: not read",
+                        name, MAX_STATUS_BYTES)
+            found = DomainDevices(name)
+        else:
+            found = scan_domain_xml(data, name)
+        _CACHE[path] = (key, found)
+        keyed.append((key, found))
+        out.append(found)
+    if parsed and save_cache:
+        _save_cache(sysfs, keyed)
+    return out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from typing import Optional
 
 from gpulib.cloudstack import AGENT_HOOKS_DIR, STATE_CHANGE_HOOK, TRANSFORMER_HOOK
 from gpulib.context import Context
@@ -93,9 +95,14 @@ def install_hooks(host: FakeHost, mtime: float = HOOKS_AT) -> None:
         os.utime(host.p(rel), (mtime, mtime))
 
 
-def start_libvirtd(host: FakeHost, started: float = LIBVIRTD_AT, pid: int = LIBVIRTD_PID,
+def start_libvirtd(host: FakeHost, started: Optional[float] = None, pid: int = LIBVIRTD_PID,
                    comm: str = "libvirtd") -> None:
-    """run/libvirtd.pid, proc/<pid>/stat (starttime in clock ticks), proc/stat btime."""
+    """run/libvirtd.pid, proc/<pid>/stat (starttime in clock ticks), proc/stat btime.
+
+    By default libvirtd starts now: after the hooks the test installed (the
+    doctor compares with their ctime, which a test cannot set back)."""
+    if started is None:
+        started = max(LIBVIRTD_AT, time.time() + 1)
     ticks = os.sysconf("SC_CLK_TCK")
     host.write_file("proc/stat", f"cpu  10 0 10 1000 0 0 0 0 0 0\nbtime {BTIME}\n"
                                  "processes 4242\n")
@@ -118,15 +125,16 @@ def healthy_host(tmp: str) -> FakeHost:
 def tree_contents(root: str) -> dict[str, str]:
     """Every file and link below root (content in hex, or link target).
 
-    The log and the lock file are left out: neither is state, and taking
-    the lock creates its file.
+    The log, the lock file and gpulib's cache of running domains
+    (`run/gpulib/`) are left out: none is state, and taking the lock creates
+    its file.
     """
     out = {}
     for d, dirs, files in os.walk(root):
         for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             p = os.path.join(d, name)
             rel = os.path.relpath(p, root)
-            if rel.startswith("var/log/") or rel.endswith("state.lock"):
+            if rel.startswith(("var/log/", "run/gpulib/")) or rel.endswith("state.lock"):
                 continue
             if os.path.islink(p):
                 out[rel] = os.readlink(p)

@@ -106,9 +106,13 @@ class Allocations(RuleBasedStateMachine):
             for d in alloc.devices:
                 assert d.id not in seen, f"{d.id} held by {seen.get(d.id)} and {vm}"
                 seen[d.id] = vm
-        for uuid in seen:
-            if uuid in state.vgpus:
-                assert state.vgpus[uuid].vm == seen[uuid]
+        # Tree-aware: no node is held by two VMs, nor a node and its ancestor.
+        sysfs = self.ctx.sysfs
+        live = mdev.live_mdevs(sysfs)
+        for ident, vm in seen.items():
+            parent = str(live[ident].parent) if ident in live else None
+            if parent is not None and parent in seen:
+                assert seen[parent] == vm, f"{ident} of {vm} under {parent} of {seen[parent]}"
 
     @invariant()
     def within_what_types_offer(self) -> None:

@@ -65,7 +65,10 @@ def check_agent_document(doc: Any) -> None:
             assert isinstance(vf["vf_pci_address"], str)
             assert isinstance(vf["vf_profile"], str) and vf["vf_profile"]
             check_libvirt_address(vf["libvirt_address"])
-        expected_enabled = 1 if not g["vgpu_instances"] and not g["vf_instances"] else 0
+        # Whole only without vGPU use and without enabled VFs (offered or not: an
+        # untyped vendor VF is not offered, yet the GPU is split).
+        expected_enabled = 1 if not g["vgpu_instances"] and not g["vf_instances"] \
+            and not g["sriov_numvfs"] else 0
         assert fp["enabled"] == expected_enabled
 
 
@@ -102,8 +105,8 @@ def test_pci_domain_0001_is_written_with_its_domain(handmade_root: str) -> None:
     assert g["pci_class"] == "Display controller"
     assert g["pci_root"] == "0001:d5:00.0"
     assert g["numa_node"] == 1
-    # used by a defined (not running) domain; the commented-out hostdev is not a user
-    assert g["full_passthrough"]["used_by_vm"] == "vm-defined"
+    # named by a defined (not running) domain only: not a user, free for anyone
+    assert g["full_passthrough"]["used_by_vm"] is None
     accel = by_address(cloudstack_doc(handmade_root))["0001:e6:00.0"]
     assert accel["pci_class"] == "Processing accelerators"
     assert accel["full_passthrough"]["used_by_vm"] is None
@@ -125,13 +128,14 @@ def test_mdev_on_vf_numbers_come_from_the_type_description(handmade_root: str) -
 def test_vendor_vfs_in_virtfn_order_with_profile_from_current_type(handmade_root: str) -> None:
     g = by_address(cloudstack_doc(handmade_root))["82:00.0"]
     addrs = [vf["vf_pci_address"] for vf in g["vf_instances"]]
-    assert addrs == ["82:00.4", "82:00.5", "82:00.6", "82:00.7", "82:01.0", "82:01.1",
-                     "82:01.2", "82:01.3", "82:01.4", "82:01.5", "82:01.6"]
+    # Untyped vendor VFs (type 0, no record, no pool) are not offered: the hooks
+    # would refuse them (no type to give).
+    assert addrs == ["82:00.4"]
     first = g["vf_instances"][0]
     assert first["vf_profile"] == "NVIDIA L40S-6Q"
     assert first["video_ram"] == 6144
     assert first["used_by_vm"] == "vm-running"
-    assert g["vf_instances"][1]["vf_profile"] == "Device 26b9"  # no pci.ids: lspci's fallback
+    assert g["sriov_numvfs"] == 11 and g["full_passthrough"]["enabled"] == 0
 
 
 def test_passthrough_gpu_used_by_running_vm(handmade_root: str) -> None:

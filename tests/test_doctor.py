@@ -393,3 +393,13 @@ def test_fixes_are_the_rendered_actions(host: FakeHost) -> None:
     assert doc["actions"] == [{"kind": "kernel-args", "add": ["intel_iommu=on", "iommu=pt"],
                                "remove": []}]
     assert doc["fix"] == report.distro.kernel_args_fix(add="intel_iommu=on iommu=pt")
+
+
+def test_cloudstack_host_without_the_qemu_hook_fails(host: FakeHost) -> None:
+    # Under CloudStack the qemu hook is what stops a start the transformer refused.
+    assert os.path.isdir(host.p("etc/cloudstack/agent"))
+    os.unlink(host.p(dr.LIBVIRT_HOOK))
+    report = run(host, only=["hooks"])
+    r = assert_fault(report, "hooks", "fail", "/" + dr.LIBVIRT_HOOK)
+    assert "the CloudStack agent is installed" in r.message
+    assert report.exit_code == dr.EXIT_CODES[dr.FAIL]

@@ -67,6 +67,9 @@ EXPECTED_HOSTDEVS: dict[str, list[tuple[Any, ...]]] = {
     "passthrough-2gpu-display.xml": [("pci", "0000:17:00.0", True, "on", "on"),
                                      ("pci", "0000:65:00.0", True, "on", "on")],
     "nvidia-vf-vgpu.xml": [("pci", "0000:41:00.4", False, "off", None)],
+    "nvidia-vf-vgpu-managed-yes.xml": [("pci", "0000:41:00.4", True, "off", None)],
+    # 4.21's rendering of 0001:d6:00.0: the slot is lost (README).
+    "pcidomain-0001-agent421.xml": [("pci", "agent421 0001:d6:??.0", True, "off", None)],
     "pcidomain-0001.xml": [("pci", "0001:d6:00.0", True, "off", None)],
     "vgpu-mdev.xml": [("mdev", "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5d", "vfio-pci", "off", None)],
     "vgpu-mdev-display.xml": [
@@ -109,10 +112,20 @@ def _one_line_error(exc: BaseException, *needles: str) -> str:
     return message
 
 
+def _pci_text(h: PciHostdev) -> str:
+    """The host address, or how CloudStack 4.21 mangled it (slot lost)."""
+    mangled = h.agent421_mangled()
+    if mangled is not None:
+        with pytest.raises(DomainXmlError, match="out of range"):
+            h.address  # noqa: B018  (the property raises)
+        return f"agent421 {mangled[0]:04x}:{mangled[1]:02x}:??.{mangled[2]}"
+    return str(h.address)
+
+
 def _hostdev_summary(h: Hostdev) -> dict[str, Any]:
     if isinstance(h, PciHostdev):
         guest = h.guest_address
-        return {"type": "pci", "address": str(h.address), "managed": h.managed,
+        return {"type": "pci", "address": _pci_text(h), "managed": h.managed,
                 "display": h.display, "ramfb": h.ramfb,
                 "guest_address": None if guest is None else str(guest),
                 "multifunction": h.multifunction}
@@ -205,7 +218,7 @@ def test_fixture_hostdevs_match_readme(fixture: str) -> None:
     found: list[tuple[Any, ...]] = []
     for h in dom.hostdevs():
         if isinstance(h, PciHostdev):
-            found.append(("pci", str(h.address), h.managed, h.display, h.ramfb))
+            found.append(("pci", _pci_text(h), h.managed, h.display, h.ramfb))
             assert h.guest_address is None and not h.multifunction
         else:
             found.append(("mdev", h.uuid_checked(), h.model, h.display, h.ramfb))
@@ -1048,7 +1061,9 @@ def test_virsh_defines_edited_xml(tmp_path: Path, fixture: str, edit: str) -> No
     before = _virsh(tmp_path, f"define {inp}")
     after = _virsh(tmp_path, f"define {outp}; dumpxml {dom.name}")
     if before.returncode != 0:
-        # The input is already refused: our edit must not add an error.
+        # The input is already refused: our edit must not add an error (the
+        # define alone: dumpxml of a domain never defined adds its own).
+        after = _virsh(tmp_path, f"define {outp}")
         assert _virsh_errors(after, outp) <= _virsh_errors(before, inp)
         return
     assert after.returncode == 0, after.stderr

@@ -209,12 +209,15 @@ def test_on_start_and_on_stop(demo: str) -> None:
     assert res.returncode == 0 and res.stdout == b"" and res.stderr == b""
     state = json.loads(Path(demo, STATE).read_text())
     assert state["allocations"]["i-2-52-VM"]["status"] == "active"
-    assert state["vgpus"][DEMO_POOL_MDEVS[0]]["vm"] == "i-2-52-VM"
+    # Allocations are the one record of who holds what (schema 2).
+    assert [d["id"] for d in state["allocations"]["i-2-52-VM"]["devices"]] == [
+        DEMO_POOL_MDEVS[0]]
+    assert "vm" not in state["vgpus"][DEMO_POOL_MDEVS[0]]
     res = run([STATE_CHANGE, "stop", "i-2-52-VM"], demo)
     assert res.returncode == 0
     state = json.loads(Path(demo, STATE).read_text())
     assert "i-2-52-VM" not in state["allocations"]
-    assert state["vgpus"][DEMO_POOL_MDEVS[0]]["vm"] is None
+    assert DEMO_POOL_MDEVS[0] in state["vgpus"]
     # pool vGPUs stay for the next VM
     assert os.path.islink(os.path.join(demo, f"sys/bus/mdev/devices/{DEMO_POOL_MDEVS[0]}"))
 
@@ -417,4 +420,4 @@ def test_a_new_domain_with_an_old_name_keeps_its_pool_vgpu(demo: str) -> None:
     alloc = state["allocations"]["i-2-52-VM"]
     assert alloc["domain_uuid"] == "1b4c2e17-3a6f-4d8b-a5e1-7c0f3d9b2a46"
     assert alloc["status"] == "pending"
-    assert state["vgpus"][DEMO_POOL_MDEVS[0]]["vm"] == "i-2-52-VM"
+    assert [d["id"] for d in alloc["devices"]] == [DEMO_POOL_MDEVS[0]]

@@ -171,13 +171,24 @@ def libvirtd(env: Env) -> Iterator[PrivateLibvirtd]:
         daemon.stop()  # destroys/undefines the domains, ends what we started, by pid
 
 
-def domain_xml(name: str, mdev: str | None = None) -> str:
+def domain_xml(name: str, mdev: str | None = None, pci: str | None = None) -> str:
     hostdev = ""
     if mdev is not None:
         hostdev = f"""
     <hostdev mode='subsystem' type='mdev' model='vfio-pci'>
       <source><address uuid='{mdev}'/></source>
     </hostdev>"""
+    if pci is not None:
+        # As the CloudStack agent's LibvirtGpuDef renders a passthrough GPU.
+        d, b, sf = pci.split(":")
+        s, f = sf.split(".")
+        hostdev += f"""
+<hostdev mode='subsystem' type='pci' managed='yes' display='off'>
+  <driver name='vfio'/>
+  <source>
+    <address domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>
+  </source>
+</hostdev>"""
     return f"""<domain type='qemu'>
   <name>{name}</name>
   <memory unit='MiB'>64</memory>
@@ -195,10 +206,10 @@ def define(env: Env, libvirtd: PrivateLibvirtd) -> Iterator[Callable[..., str]]:
     """define(name, mdev=None) -> name; destroyed and undefined after the test."""
     names: list[str] = []
 
-    def _define(suffix: str, mdev: str | None = None) -> str:
+    def _define(suffix: str, mdev: str | None = None, pci: str | None = None) -> str:
         name = PREFIX + suffix
         xml = env.base / f"{name}.xml"
-        xml.write_text(domain_xml(name, mdev))
+        xml.write_text(domain_xml(name, mdev, pci))
         res = libvirtd.virsh("define", str(xml))
         assert res.returncode == 0, env.explain(res)
         names.append(name)
@@ -262,7 +273,6 @@ def test_pool_vgpu_is_recreated_then_released(env: Env, libvirtd: PrivateLibvirt
     mdevs_before = env.live_mdevs()
     state_before = env.state()
     assert POOL_UUID not in mdevs_before
-    assert state_before["vgpus"][POOL_UUID]["vm"] is None
     assert name not in state_before["allocations"]
 
     res = libvirtd.virsh("start", name)
@@ -298,13 +308,13 @@ def test_pool_vgpu_is_recreated_then_released(env: Env, libvirtd: PrivateLibvirt
     alloc = state_prepared["allocations"][name]
     assert alloc["status"] == "pending"
     assert POOL_UUID in json.dumps(alloc["devices"])
-    assert state_prepared["vgpus"][POOL_UUID]["vm"] == name
+    # Allocations are the one record of who holds a device (state schema 2).
+    assert "vm" not in state_prepared["vgpus"][POOL_UUID]
 
     # After `release end`: the allocation is gone and the registry entry is free again;
     # the pool vGPU itself stays live for the next VM (DESIGN 6.2: pool devices stay).
     expected = json.loads(json.dumps(state_prepared))
     del expected["allocations"][name]
-    expected["vgpus"][POOL_UUID]["vm"] = None
     state_after = env.state()
     assert state_after == expected
     assert state_after["allocations"] == state_before["allocations"]
@@ -343,6 +353,34 @@ def test_unknown_vgpu_is_refused_by_prepare(env: Env, libvirtd: PrivateLibvirtd,
     assert unknown not in env.live_mdevs()
     assert env.state() == state_before
     assert domstate(libvirtd, name) == "shut off"
+
+
+def test_second_domain_naming_a_held_gpu_fails_to_start(env: Env, libvirtd: PrivateLibvirtd,
+                                                        define: Callable[..., str]) -> None:
+    """The agent starts a VM with its own XML when the transformer refused; libvirt's
+    `prepare begin` refuses the same start, with the same reason, so it never runs."""
+    from gpulib.sim.fakehost import FakeHost
+
+    gpu = "0000:3b:00.0"
+    holder = "i-2-33-VM"
+    host = FakeHost(str(env.root))
+    host.add_running_domain(holder, "8f3c6d2a-41b7-4c6e-9a0d-2b5e7f1c9a34", pci=(gpu,))
+    try:
+        name = define("held-gpu", pci=gpu)
+        state_before = env.state()
+        res = libvirtd.virsh("start", name)
+        assert res.returncode != 0, env.explain(res)
+        assert "Hook script execution failed" in res.stderr, env.explain(res)
+        assert f"gpulib: PCI device {gpu} is in use by running VM {holder}" in res.stderr, \
+            env.explain(res)
+        calls = env.calls(name)
+        assert calls[0]["op"] == "prepare begin" and calls[0]["rc"] == 1, env.explain(res)
+        assert "start begin" not in [c["op"] for c in calls], env.explain(res)
+        assert env.state() == state_before
+        assert domstate(libvirtd, name) == "shut off"
+    finally:
+        host.stop_domain(holder)
+        os.unlink(env.root / f"etc/libvirt/qemu/{holder}.xml")
 
 
 GARBAGE = {

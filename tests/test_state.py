@@ -79,11 +79,10 @@ def sample_state() -> State:
     s = State()
     s.vgpus["6f3a1c2e-0b1d-4c5e-9f00-112233445566"] = VgpuRecord(
         parent="0000:41:00.4", type_id="nvidia-558", pool="a10-4q", on_demand=False,
-        vm="i-2-10-VM", created=STAMP)
+        created=STAMP)
     s.vgpus["00000000-0000-0000-0000-000000000001"] = VgpuRecord(
         parent="0000:81:00.0", type_id="i915-GVTg_V5_4", on_demand=True, created=STAMP)
-    s.vf_types["0000:41:00.5"] = VfRecord(type_id=558, name="NVIDIA A10-4Q", pool="p",
-                                          vm="i-2-11-VM")
+    s.vf_types["0000:41:00.5"] = VfRecord(type_id=558, name="NVIDIA A10-4Q", pool="p")
     s.vf_types["0001:c1:1f.7"] = VfRecord(type_id=0, name=None)
     s.type_names["10de:2236"] = {"558": "NVIDIA A10-4Q", "559": "NVIDIA A10-6Q"}
     s.allocations["i-2-10-VM"] = Allocation(
@@ -115,15 +114,16 @@ models = st.from_regex(r"[0-9a-f]{4}:[0-9a-f]{4}", fullmatch=True)
 type_numbers = st.integers(0, 100000).map(str)
 
 vgpu_records = st.builds(VgpuRecord, parent=components, type_id=components, pool=opt_text,
-                         on_demand=st.booleans(), vm=st.none() | vm_names, created=any_text)
+                         on_demand=st.booleans(), created=any_text)
 vf_records = st.builds(VfRecord, type_id=st.integers(0, 2**31), name=opt_text, pool=opt_text,
-                       on_demand=st.booleans(), vm=st.none() | vm_names)
+                       on_demand=st.booleans())
 devices = (st.builds(Device, kind=st.just("mdev"), id=uuids, on_demand=st.booleans())
            | st.builds(Device, kind=st.sampled_from(["vf", "pci"]), id=pci_addrs,
                        on_demand=st.booleans()))
 allocations = st.builds(Allocation, vm=vm_names, domain_uuid=st.none() | uuids,
                         status=st.sampled_from(["pending", "active"]), since=any_text,
-                        devices=st.lists(devices, max_size=4))
+                        devices=st.lists(devices, max_size=4), boot_id=opt_text,
+                        uptime=st.none() | st.floats(0, 1e9))
 
 
 def _state(vgpus: dict[str, VgpuRecord], vfs: dict[str, VfRecord],
@@ -215,7 +215,7 @@ def test_round_trip_through_the_file(store: StateStore) -> None:
     assert store.load() == sample_state()
     assert make_store(Path(store.state_path).parents[3]).load() == sample_state()
     doc = json.loads(read_bytes(store.state_path) or b"")
-    assert doc["version"] == SCHEMA_VERSION == 1
+    assert doc["version"] == SCHEMA_VERSION == 2
     assert doc["unmanaged"] == ["0000:01:00.0", "0000:03:00.0"]
     assert doc["allocations"]["i-2-10-VM"]["devices"][1] == {
         "kind": "vf", "id": "0000:41:00.5", "on_demand": True}
@@ -315,15 +315,15 @@ def test_for_context_uses_the_root(tmp_path: Path) -> None:
 # Newer versions and corrupt files.
 
 
-NEWER = json.dumps({"version": 2, "vgpus": {"x": 1}, "whatever": [1, 2]}).encode()
+NEWER = json.dumps({"version": 3, "vgpus": {"x": 1}, "whatever": [1, 2]}).encode()
 
 
 def test_newer_version_refused_by_load(store: StateStore) -> None:
     write_raw(store, NEWER)
     with pytest.raises(StateVersionError) as e:
         store.load()
-    assert e.value.message == (f"state file {store.state_path} is version 2, this gpulib "
-                               f"understands up to 1: upgrade gpulib")
+    assert e.value.message == (f"state file {store.state_path} is version 3, this gpulib "
+                               f"understands up to 2: upgrade gpulib")
     assert isinstance(e.value, StateError) and e.value.exit_code == EXIT_STATE
 
 
@@ -341,7 +341,7 @@ def test_newer_version_refused_by_transaction_file_untouched(store: StateStore) 
 
     ran = False
     other = make_store(Path(store.state_path).parents[3], rebuild=rebuild)
-    match = "is version 2, this gpulib understands up to 1"
+    match = "is version 3, this gpulib understands up to 2"
     with pytest.raises(StateVersionError, match=match), other.transaction():
         ran = True
     assert not ran and not rebuilt
@@ -828,3 +828,79 @@ def test_failed_write_leaves_old_file_and_no_temp(store: StateStore,
     monkeypatch.undo()
     assert read_bytes(store.state_path) == before
     assert temp_files(store) == []
+
+
+# ---------------------------------------------------------------------------
+# Upgrades: the schema-1 files the previous release wrote.
+
+V1_DIR = Path(__file__).resolve().parent / "data" / "state-v1"
+
+
+def test_v1_state_migrates_losing_nothing(store: StateStore) -> None:
+    raw = (V1_DIR / "state.json").read_bytes()
+    v1 = json.loads(raw)
+    assert v1["version"] == 1
+    write_raw(store, raw)
+    with store.transaction() as state:
+        pass  # the first use writes the upgrade even when nothing else changes
+    doc = json.loads(read_bytes(store.state_path) or b"{}")
+    assert doc["version"] == SCHEMA_VERSION == 2
+    state = store.load()
+    # Every vGPU, with its parent, type, pool (pool members) and on-demand flag.
+    assert set(state.vgpus) == set(v1["vgpus"])
+    for u, rec in v1["vgpus"].items():
+        got = state.vgpus[u]
+        assert (got.parent, got.type_id, got.pool, got.on_demand, got.created) == (
+            rec["parent"], rec["type_id"], rec["pool"], rec["on_demand"], rec["created"])
+    # Every VF type.
+    assert set(state.vf_types) == set(v1["vf_types"])
+    for a, rec in v1["vf_types"].items():
+        got_vf = state.vf_types[a]
+        assert (got_vf.type_id, got_vf.name, got_vf.pool, got_vf.on_demand) == (
+            rec["type_id"], rec["name"], rec["pool"], rec["on_demand"])
+    # Every allocation with its devices, status and domain UUID.
+    assert set(state.allocations) == set(v1["allocations"])
+    for vm, alloc in v1["allocations"].items():
+        got_a = state.allocations[vm]
+        assert (got_a.status, got_a.domain_uuid, got_a.since) == (
+            alloc["status"], alloc["domain_uuid"], alloc["since"])
+        assert [(d.kind, d.id, d.on_demand) for d in got_a.devices] == [
+            (d["kind"], d["id"], d["on_demand"]) for d in alloc["devices"]]
+    # Who used what lives in allocations only, and says the same as v1's records did.
+    for section, kind in (("vgpus", "mdev"), ("vf_types", "vf")):
+        for ident, rec in v1[section].items():
+            if rec["vm"] is not None:
+                assert (kind, ident) in {(d.kind, d.id) for d in
+                                         state.allocations[rec["vm"]].devices}
+            assert "vm" not in doc[section][ident]
+    assert state.type_names == v1["type_names"] and state.unmanaged == set(v1["unmanaged"])
+
+
+def test_v1_record_naming_a_vm_without_allocation_becomes_active_allocation(
+        store: StateStore) -> None:
+    u = "6f3a1c2e-0b1d-4c5e-9f00-112233445566"
+    write_raw(store, json.dumps({"version": 1, "vgpus": {u: {
+        "parent": "0000:3b:00.0", "type_id": "nvidia-232", "pool": "p", "on_demand": False,
+        "vm": "i-2-3-VM", "created": STAMP}}, "vf_types": {"0000:41:00.4": {
+            "type_id": 594, "name": None, "pool": None, "on_demand": True, "vm": "i-2-3-VM"}},
+        "allocations": {}}).encode())
+    state = store.load()
+    alloc = state.allocations["i-2-3-VM"]
+    assert alloc.status == "active"
+    assert [(d.kind, d.id, d.on_demand) for d in alloc.devices] == [
+        ("mdev", u, False), ("vf", "0000:41:00.4", True)]
+
+
+def test_newer_state_refused_by_a_hook_with_exit_4_file_untouched(tmp_path: Path) -> None:
+    from tests.hookrun import TRANSFORMER, run
+
+    root = tmp_path / "h"
+    store = make_store(root)
+    write_raw(store, NEWER)
+    before = read_bytes(store.state_path)
+    xml = (Path(__file__).resolve().parent / "data" / "cloudstack-xml" /
+           "passthrough-1gpu.xml").read_bytes()
+    res = run([TRANSFORMER, "transform", "-"], str(root), stdin=xml)
+    assert res.returncode == 4, res.stderr
+    assert b"is version 3" in res.stderr and res.stdout == b""
+    assert read_bytes(store.state_path) == before

@@ -8,9 +8,11 @@ import click
 
 from gpulib import report
 from gpulib.cli.common import Env, emit_json, json_option
+from gpulib.errors import GpulibError
 from gpulib.lifecycle import open_store
 from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
+from gpulib.state import State, StateStore
 
 
 @click.group("device")
@@ -76,17 +78,26 @@ def status(env: Env, as_json: bool) -> None:
     """Devices, profiles, pools and allocations: who holds what."""
     from gpulib import pools
 
-    state = open_store(env.ctx, env.config).load()
+    store = open_store(env.ctx, env.config)
+    state = store.load()
+    repair = None
+    if store.corrupt_reason is not None:
+        # Never show a corrupt file as an empty state: repair it now (what
+        # the next hook would do) and say what happened.
+        state, repair = _repair(store)
     inv = discover_host(env.ctx, env.config, state=state, learn=False)
     doc: dict[str, Any] = {
         "gpus": [report.gpu_document(g) for g in inv.gpus],
-        "pools": pools.members(env.config, state),
+        "pools": pools.members(env.config, state, inv.occupancy),
         "allocations": {vm: {"status": a.status, "since": a.since, "domain_uuid": a.domain_uuid,
                              "devices": [{"kind": d.kind, "id": d.id, "on_demand": d.on_demand}
                                          for d in a.devices]}
                         for vm, a in sorted(state.allocations.items())},
         "unmanaged": sorted(state.unmanaged),
     }
+    if repair is not None:
+        doc["state_repair"] = repair
+        click.echo(f"gpulib: warning: {repair['message']}", err=True)
     if as_json:
         emit_json(doc)
         return
@@ -102,3 +113,29 @@ def status(env: Env, as_json: bool) -> None:
         click.echo(f"  {vm} ({a['status']} since {a['since']}): {devs}")
     if doc["unmanaged"]:
         click.echo("Unmanaged: " + ", ".join(doc["unmanaged"]))
+
+
+def _repair(store: StateStore) -> tuple[State, dict[str, Any]]:
+    """Move a corrupt state file aside and rebuild it; the state and what was done."""
+    reason = store.corrupt_reason
+    path = store.state_path
+    try:
+        with store.transaction() as state:
+            pass
+    except GpulibError as exc:
+        return State(), {"corrupt": reason, "moved_to": None, "rebuilt": None,
+                         "message": f"state file {path} is corrupt ({reason}) and could not be "
+                                    f"repaired: {exc.message}; showing the host without "
+                                    "gpulib's records"}
+    repair = store.last_repair
+    if repair is None:  # another gpulib process repaired it meanwhile
+        return state, {"corrupt": reason, "moved_to": None, "rebuilt": None,
+                       "message": f"state file {path} was corrupt ({reason}); another gpulib "
+                                  "process has repaired it meanwhile"}
+    return state, {"corrupt": repair.reason, "moved_to": repair.moved_to,
+                   "rebuilt": {"vgpus": sorted(repair.rebuilt.vgpus),
+                               "vf_types": sorted(repair.rebuilt.vf_types),
+                               "allocations": sorted(repair.rebuilt.allocations)},
+                   "message": f"state file {path} was corrupt ({repair.reason}): moved it to "
+                              f"{repair.moved_to} and rebuilt it from the host: "
+                              f"{repair.summary()}"}

@@ -46,7 +46,12 @@ def pool_apply(env: Env, dry_run: bool, as_json: bool) -> None:
 @click.pass_obj
 def pool_list(env: Env, as_json: bool) -> None:
     """Pools and their members."""
-    doc = pools.members(env.config, open_store(env.ctx, env.config).load())
+    from gpulib.occupancy import Occupancy
+    from gpulib.usage import running_domains
+
+    state = open_store(env.ctx, env.config).load()
+    doc = pools.members(env.config, state,
+                        Occupancy.build(env.ctx.sysfs, state, running_domains(env.ctx.sysfs)))
     if as_json:
         emit_json(doc)
         return

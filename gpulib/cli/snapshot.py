@@ -15,7 +15,10 @@ from gpulib.errors import InputError
 @click.command()
 @click.option("-o", "--output", metavar="FILE", default=None,
               help="Write the tarball here ('-' for stdout; default "
-                   "gpulib-snapshot-<hostname>-<UTC time>.tar.gz in the current directory).")
+                   "gpulib-snapshot-<hostname>-<UTC time>.tar.gz in the current directory). "
+                   "A new or regular file is replaced whole; a FIFO or character device "
+                   "(/dev/null) is written to as a shell redirect would; anything else "
+                   "(a symlink to a file, a block device) is refused.")
 @click.pass_obj
 def snapshot(env: Env, output: Optional[str]) -> None:
     """Capture what gpulib reads on this host (GPU sysfs, kernel command line,

@@ -9,10 +9,28 @@ import click
 from gpulib import mdev, nvidia
 from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.lifecycle import open_store, remove_mdevctl, write_mdevctl
+from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress
-from gpulib.runtime import allocations_view
-from gpulib.state import VfRecord, VgpuRecord
-from gpulib.usage import read_usage
+from gpulib.state import State, VfRecord, VgpuRecord
+from gpulib.sysfs import Sysfs
+from gpulib.usage import running_domains
+
+
+def _occupancy(sysfs: Sysfs, state: State) -> Occupancy:
+    return Occupancy.build(sysfs, state, running_domains(sysfs))
+
+
+def _refuse_held(sysfs: Sysfs, state: State, kind: str, ident: str, force: bool) -> None:
+    """A device a VM holds (or a node it conflicts with) is not taken without --force."""
+    hold = _occupancy(sysfs, state).holder(ident)
+    if hold is None:
+        return
+    if not force:
+        raise click.ClickException(
+            f"{kind} {ident} is held by {hold.describe()}"
+            + ("" if hold.device == ident else f" (through {hold.device})")
+            + f"; stop or release {hold.vm} first, or use --force")
+    click.echo(f"warning: taking {kind} {ident} from {hold.describe()} (--force)", err=True)
 
 
 @click.group("mdev")
@@ -52,7 +70,7 @@ def mdev_list(env: Env, as_json: bool) -> None:
     sysfs = env.ctx.sysfs
     state = open_store(env.ctx, env.config).load()
     live = mdev.live_mdevs(sysfs)
-    usage = read_usage(sysfs, allocations_view(state))
+    occ = _occupancy(sysfs, state)
     rows = []
     for uuid in sorted(set(live) | set(state.vgpus)):
         m = live.get(uuid)
@@ -61,7 +79,7 @@ def mdev_list(env: Env, as_json: bool) -> None:
                      "type_id": m.type_id if m else rec.type_id if rec else None,
                      "live": m is not None, "pool": rec.pool if rec else None,
                      "on_demand": rec.on_demand if rec else False,
-                     "vm": (rec.vm if rec else None) or usage.vm_for_mdev(uuid),
+                     "vm": occ.user("mdev", uuid),
                      "known": rec is not None})
     if as_json:
         emit_json(rows)
@@ -95,16 +113,14 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
 
 @mdev_group.command("remove")
 @click.argument("uuid")
-@click.option("--force", is_flag=True, help="Remove even if a VM allocation holds it.")
+@click.option("--force", is_flag=True, help="Remove even if a VM holds it.")
 @click.pass_obj
 def mdev_remove(env: Env, uuid: str, force: bool) -> None:
     """Remove an mdev and forget it."""
     value = mdev.check_uuid(uuid)
     with open_store(env.ctx, env.config).transaction() as state:
         rec = state.vgpus.get(value)
-        if rec is not None and rec.vm and not force:
-            raise click.ClickException(f"mdev {value} is allocated to VM {rec.vm}; "
-                                       "use --force or gpulib release first")
+        _refuse_held(env.ctx.sysfs, state, "mdev", value, force)
         removed = mdev.remove(env.ctx.sysfs, value)
         if rec is not None:
             del state.vgpus[value]
@@ -121,13 +137,14 @@ def vf_group() -> None:
 
 @vf_group.command("set-type")
 @click.argument("address")
-@click.argument("type_id")
+@click.argument("type_id", metavar="TYPE")
 @click.option("--keep/--no-keep", default=True, help="Record it so restore sets it after reboots.")
 @click.pass_obj
 def vf_set_type(env: Env, address: str, type_id: str, keep: bool) -> None:
-    """Give a VF a vGPU type (numeric id from its creatable_vgpu_types)."""
+    """Give a VF a vGPU type: the numeric id or the name (case-insensitive) as
+    its nvidia/creatable_vgpu_types lists it, e.g. 594 or "NVIDIA A10-6Q"."""
     vf = PciAddress.parse(address)
-    tid = nvidia.check_type(type_id[7:] if type_id.startswith("nvidia-") else type_id)
+    tid = nvidia.resolve_type(env.ctx.sysfs, vf, type_id)
     with open_store(env.ctx, env.config).transaction() as state:
         name = nvidia.creatable_types(env.ctx.sysfs, vf).get(tid)
         nvidia.set_type(env.ctx.sysfs, vf, tid)
@@ -139,15 +156,13 @@ def vf_set_type(env: Env, address: str, type_id: str, keep: bool) -> None:
 @vf_group.command("clear")
 @click.argument("address")
 @click.option("--retry", default=5.0, show_default=True, help="Seconds to retry while busy.")
+@click.option("--force", is_flag=True, help="Clear even if a VM holds it.")
 @click.pass_obj
-def vf_clear(env: Env, address: str, retry: float) -> None:
+def vf_clear(env: Env, address: str, retry: float, force: bool) -> None:
     """Clear a VF's vGPU type (write 0) and forget it."""
     vf = PciAddress.parse(address)
     with open_store(env.ctx, env.config).transaction() as state:
-        rec = state.vf_types.get(str(vf))
-        if rec is not None and rec.vm:
-            raise click.ClickException(f"{vf} is allocated to VM {rec.vm}; "
-                                       "use gpulib release first")
+        _refuse_held(env.ctx.sysfs, state, "VF", str(vf), force)
         nvidia.clear_type(env.ctx.sysfs, vf, retry_seconds=retry)
         state.vf_types.pop(str(vf), None)
     click.echo(f"{vf} cleared")

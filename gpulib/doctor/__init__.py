@@ -17,10 +17,13 @@ Check ids (stable: scripts and the JSON depend on them):
 * `mdev`           mdev types offered, instances left, pools name offered types
 * `hooks`          gpulib's hooks are installed and executable (libvirt's qemu.d,
                    the CloudStack agent's hook directory)
-* `libvirt`        libvirtd was (re)started after the qemu hook appeared
+* `libvirt`        libvirtd was (re)started after the qemu hook appeared (the
+                   link's ctime: packages set its mtime to their build time)
 * `config`         gpulib.conf parses without errors or unknown keys
 * `state`          the state file is readable and consistent, the lock works
 * `discovery`      the CloudStack discovery JSON is valid for the agent
+* `logging`        no hook or command lost log records since boot (a full log
+                   disk, a broken syslog: `run/gpulib/log-failures`)
 
 A check emits one `ok` result summing up what it saw, or one result per
 problem. The report's status is the worst status; the exit code is 0 when

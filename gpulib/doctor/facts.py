@@ -330,6 +330,7 @@ class Doctor:
             hooks,
             iommu,
             libvirt,
+            logfailures,
             mdev,
             nouveau,
             sriov,
@@ -348,6 +349,7 @@ class Doctor:
             ("config", config.check),
             ("state", state.check),
             ("discovery", discovery.check),
+            ("logging", logfailures.check),
         ]
 
     def run(self, only: Optional[list[str]] = None) -> Report:

@@ -53,6 +53,13 @@ def check(d: Doctor) -> list[Result]:
                                "systemctl restart libvirtd")
     if found:
         found.message += " (libvirt's qemu hook)"
+        if d.sysfs.isdir(CLOUDSTACK_AGENT_DIR):
+            # The agent starts a VM with its own XML when the transformer
+            # refuses: only `prepare begin` can stop a start that would take
+            # a device another VM holds.
+            found.message += ("; the CloudStack agent is installed and ignores a "
+                              "refusing transformer, so without this hook nothing "
+                              "stops a VM from taking a GPU another VM holds")
         problems.append(found)
     else:
         ok.append(host_path(LIBVIRT_HOOK))

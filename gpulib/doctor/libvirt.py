@@ -71,7 +71,10 @@ def check(d: Doctor) -> list[Result]:
         return [d.result(cid, WARN, hook,
                          f"{why}: libvirtd reads its hooks only when it starts, so it may "
                          "not run gpulib's hook", [RestartService("libvirtd")])]
-    appeared = st.st_mtime
+    # When the link appeared on this host: its ctime (set when it is made,
+    # renamed into place or changed). Never the mtime: dpkg and rpm give it
+    # the package's build time, long before libvirtd's start.
+    appeared = st.st_ctime
     if appeared > started + _START_SLACK:
         return [d.result(cid, FAIL, hook,
                          f"{daemon} started at {_when(started)}, before the qemu hook "

@@ -22,6 +22,37 @@ if TYPE_CHECKING:
 MAX_INPUT_BYTES = 8 * 1024 * 1024
 
 
+def installation_stamp() -> tuple[int, ...]:
+    """The ctime of the directories holding gpulib's modules: installing a new
+    version (dpkg, rpm, pip) renames files into them, which changes it."""
+    import os
+
+    base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    stamp = []
+    for directory in (base, os.path.join(base, "hooks")):
+        try:
+            stamp.append(os.stat(directory).st_ctime_ns)
+        except OSError:
+            stamp.append(0)
+    return tuple(stamp)
+
+
+# Taken when the hook starts, before it imported anything but this module.
+_STARTED_WITH = installation_stamp()
+
+
+def check_not_upgraded() -> None:
+    """With the state lock held: refuse to go on if gpulib was upgraded since
+    this hook started. Its modules would be of two versions (those loaded
+    before, the new ones it would import now). The package's maintainer
+    scripts hold the state lock across the upgrade, so this is seen here."""
+    if installation_stamp() != _STARTED_WITH:
+        from gpulib.errors import LockTimeout
+
+        raise LockTimeout("gpulib was upgraded while this hook waited for the state lock: "
+                          "nothing was done; run it again")
+
+
 class HookInputError(Exception):
     """Input refused before anything else ran (exit 2)."""
 
@@ -47,13 +78,89 @@ def error_line(program: str, message: str) -> None:
     try:
         sys.stderr.write(f"{program}: {text}\n")
         sys.stderr.flush()
-    except OSError:
-        pass
+    except (OSError, ValueError, AttributeError):
+        pass  # stderr closed (None when the caller closed fd 2): nowhere to say it
 
 
 def write_stdout(text: str) -> None:
-    sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
-    sys.stdout.buffer.flush()
+    """The hook's answer on stdout, without making the exit wait for the reader.
+
+    The CloudStack agent reads a hook's output only after the process exited:
+    an answer larger than the pipe's buffer (64 KiB) would block the write,
+    and the exit, until the agent's 30 s timeout. So on a pipe as much as fits
+    is written at once, and the rest is handed to a child process that
+    outlives this one; the hook exits at once. (What stays limited: an XML
+    passed as argv is at most 128 KiB, the kernel's limit on one argument.)
+    """
+    import os
+
+    data = text.encode("utf-8", "surrogateescape")
+    sys.stdout.flush()
+    fd = sys.stdout.fileno()
+    written = 0
+    if _is_pipe(fd):
+        written = _write_without_blocking(fd, data)
+        if written == len(data) or _hand_to_child(fd, data[written:]):
+            return
+    view = memoryview(data)[written:]
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _is_pipe(fd: int) -> bool:
+    import os
+    import stat
+
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def _write_without_blocking(fd: int, data: bytes) -> int:
+    """Write what the pipe takes now; the number of bytes written."""
+    import fcntl
+    import os
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    view = memoryview(data)
+    done = 0
+    try:
+        while done < len(data):
+            try:
+                done += os.write(fd, view[done:])
+            except BlockingIOError:
+                break
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return done
+
+
+def _hand_to_child(fd: int, rest: bytes) -> bool:
+    """Fork a child that writes `rest` to `fd` and exits; False if it cannot."""
+    import os
+
+    try:
+        pid = os.fork()
+    except OSError:
+        return False
+    if pid:
+        return True
+    # The child: nothing but the bytes, no stderr (it belongs to the XML), no
+    # Python exit handlers (logging, the lock: the parent owns those).
+    code = 0
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 2)
+        view = memoryview(rest)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        code = 1
+    os._exit(code)
 
 
 def start(program: str) -> tuple[Context, Config]:
@@ -61,8 +168,12 @@ def start(program: str) -> tuple[Context, Config]:
     from gpulib import logs
     from gpulib.config import Config
     from gpulib.context import Context
+    from gpulib.state import HOOK_LOCK_TIMEOUT_CAP
 
     ctx = Context.from_env()
+    # The agent gives a hook 30 s: no lock_timeout may make it wait longer.
+    ctx.lock_wait_cap = HOOK_LOCK_TIMEOUT_CAP
+    ctx.on_lock = check_not_upgraded
     config = Config.load(ctx.config_path)
     logs.setup(ctx, program, level=config.get("log", "level"),
                use_syslog=config.get_bool("log", "syslog"))

@@ -12,17 +12,18 @@ from typing import Optional
 from gpulib.allocator import release
 from gpulib.config import Config
 from gpulib.context import Context
-from gpulib.lifecycle import open_store, release_not_running
+from gpulib.lifecycle import boot_clock, open_store, release_not_running
 from gpulib.state import State, utc_now
-from gpulib.usage import Usage, read_usage
+from gpulib.usage import running_names
 
 log = logging.getLogger(__name__)
 
 
-def release_stale(ctx: Context, state: State, usage: Usage, config: Config,
+def release_stale(ctx: Context, state: State, running: set[str], config: Config,
                   keep: Optional[str] = None) -> None:
-    """Release pending allocations of VMs that never started (DESIGN 6.2)."""
-    release_not_running(ctx, state, usage.running,
+    """Release pending allocations of VMs that never started (DESIGN 6.2), once
+    proven dead (lifecycle.pending_is_dead); `running`: running domains' names."""
+    release_not_running(ctx, state, running,
                         destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
                         pending_only=True, keep=keep)
 
@@ -30,14 +31,15 @@ def release_stale(ctx: Context, state: State, usage: Usage, config: Config,
 def activate(ctx: Context, config: Config, vm: str) -> bool:
     """onStart: the VM runs, its allocation becomes active. False if it holds nothing."""
     with open_store(ctx, config).transaction() as state:
-        usage = read_usage(ctx.sysfs, include_defined=False)
-        release_stale(ctx, state, usage, config, keep=vm)
+        # Names only (no file is parsed): onStart never needs lxml.
+        release_stale(ctx, state, running_names(ctx.sysfs), config, keep=vm)
         alloc = state.allocations.get(vm)
         if alloc is None:
             return False
         if alloc.status != "active":
             alloc.status = "active"
             alloc.since = utc_now()
+            alloc.boot_id, alloc.uptime = boot_clock(ctx)
         return True
 
 

@@ -173,13 +173,13 @@ def _only_type_left(host: FakeHost, parent: str, keep: str) -> None:
 def _write_demo_state(host: FakeHost) -> None:
     created = "2026-01-19T07:00:00Z"
     state = {
-        "version": 1,
+        "version": 2,
         "vgpus": {u: {"parent": DEMO_T4, "type_id": "nvidia-232", "pool": "t4-desktops",
-                      "on_demand": False, "vm": None, "created": created}
+                      "on_demand": False, "created": created}
                   for u in DEMO_POOL_MDEVS},
         "vf_types": {"0000:41:00.4": {"type_id": DEMO_A10_VF_TYPE[0],
                                       "name": DEMO_A10_VF_TYPE[1], "pool": None,
-                                      "on_demand": False, "vm": None}},
+                                      "on_demand": False}},
         "type_names": {},
         "allocations": {},
         "unmanaged": [],

@@ -1,0 +1,147 @@
+"""The sysfs changes of one start: write-ahead intents, and undo in reverse order.
+
+A start (transformer, `prepare begin`) may create mdevs and give VFs a vGPU
+type before it knows it will succeed. Every such change goes through a
+Journal:
+
+1. the intent (action, device, VM, parent, type, on-demand) is appended to
+   the state and the state is written (`checkpoint`), still under the lock;
+2. the sysfs write is made, and its undo is remembered;
+3. on success the start's allocation names the device and the intents are
+   dropped in the same final state write; on any failure `rollback()` undoes
+   every change in reverse order and the exception propagates with its code.
+
+A process killed between 1 and 3 leaves intents in the state file: the next
+run (any hook, `gpulib reconcile`) settles them with `settle()`: an intent
+whose device an allocation of its VM names was completed and is dropped;
+any other is undone (a live, unheld mdev it names is removed, a VF it typed
+is cleared). So after any crash, a retry finds no orphan, and an allocation
+never names a vGPU that is not live.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Optional
+
+from gpulib import mdev, nvidia
+from gpulib.errors import GpulibError
+from gpulib.pci import PciAddress
+from gpulib.state import Intent, State
+
+if TYPE_CHECKING:
+    from gpulib.sysfs import Sysfs
+
+log = logging.getLogger(__name__)
+
+
+class Journal:
+    def __init__(self, sysfs: Sysfs, state: State, vm: str,
+                 checkpoint: Optional[Callable[[State], None]] = None) -> None:
+        self.sysfs = sysfs
+        self.state = state
+        self.vm = vm
+        self._checkpoint = checkpoint
+        self._undo: list[tuple[str, Callable[[], object]]] = []
+        self._intents: list[Intent] = []
+
+    def _intend(self, intent: Intent) -> None:
+        self.state.intents.append(intent)
+        self._intents.append(intent)
+        if self._checkpoint is not None:
+            self._checkpoint(self.state)
+
+    def create_mdev(self, parent: PciAddress, type_id: str, uuid: str,
+                    on_demand: bool) -> mdev.Mdev:
+        self._intend(Intent("create-mdev", uuid, self.vm, str(parent), type_id, on_demand))
+        made = mdev.create(self.sysfs, parent, type_id, uuid)
+        self._undo.append((f"remove mdev {made.uuid}",
+                           lambda: mdev.remove(self.sysfs, made.uuid, retry_seconds=0.5)))
+        return made
+
+    def set_vf_type(self, vf: PciAddress, type_id: int, on_demand: bool) -> None:
+        before = nvidia.current_type(self.sysfs, vf) or 0
+        self._intend(Intent("set-vf-type", str(vf), self.vm, None, str(type_id), on_demand))
+        nvidia.set_type(self.sysfs, vf, type_id)
+        if before == 0:
+            self._undo.append((f"clear the vGPU type of {vf}",
+                               lambda: nvidia.clear_type(self.sysfs, vf, retry_seconds=0.5)))
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._undo)
+
+    def rollback(self) -> bool:
+        """Undo every change, newest first; failures are logged, the rest still
+        undone. True when everything was undone (the intents are then void)."""
+        ok = True
+        while self._undo:
+            what, undo = self._undo.pop()
+            try:
+                undo()
+                log.info("%s: rolled back: %s", self.vm, what)
+            except (GpulibError, OSError) as exc:
+                ok = False
+                log.error("%s: rolling back failed: %s: %s", self.vm, what, exc)
+        return ok
+
+    def commit(self) -> None:
+        """The start succeeded: its intents are fulfilled by its allocation.
+
+        With a checkpoint function, the state (allocation recorded, intents
+        dropped) is written here, while the changes can still be undone: a
+        failing write (disk full) rolls them back like any other failure."""
+        self.state.intents = [i for i in self.state.intents
+                              if not any(i is mine for mine in self._intents)]
+        if self._undo and self._checkpoint is not None:
+            self._checkpoint(self.state)
+        self._intents.clear()
+        self._undo.clear()
+
+
+def settle(sysfs: Sysfs, state: State) -> list[str]:
+    """Complete or undo the intents of starts that died; one line per intent."""
+    if not state.intents:
+        return []
+    out = []
+    for intent in list(state.intents):
+        alloc = state.allocations.get(intent.vm)
+        if alloc is not None and any(d.id == intent.id for d in alloc.devices):
+            out.append(f"{intent.action} {intent.id} of {intent.vm}: completed")
+            state.intents.remove(intent)
+            continue
+        held = any(d.id == intent.id for a in state.allocations.values() for d in a.devices)
+        try:
+            if intent.action == "create-mdev":
+                live = mdev.read_mdev(sysfs, intent.id)
+                rec = state.vgpus.get(intent.id)
+                # A registry vGPU (pool, manual) is meant to be live: it stays.
+                if live is not None and not held and (rec is None or rec.on_demand):
+                    mdev.remove(sysfs, intent.id, retry_seconds=0.5)
+                    out.append(f"create-mdev {intent.id} of {intent.vm}: undone (removed)")
+                else:
+                    out.append(f"create-mdev {intent.id} of {intent.vm}: nothing to undo")
+                if rec is not None and rec.on_demand and not held:
+                    del state.vgpus[intent.id]
+            else:
+                vf = PciAddress.parse(intent.id)
+                current = nvidia.current_type(sysfs, vf)
+                rec_v = state.vf_types.get(intent.id)
+                if current and str(current) == intent.type_id and not held and \
+                        (rec_v is None or rec_v.on_demand):
+                    nvidia.clear_type(sysfs, vf, retry_seconds=0.5)
+                    out.append(f"set-vf-type {intent.id} of {intent.vm}: undone (cleared)")
+                else:
+                    out.append(f"set-vf-type {intent.id} of {intent.vm}: nothing to undo")
+                if rec_v is not None and rec_v.on_demand and not held:
+                    del state.vf_types[intent.id]
+        except GpulibError as exc:
+            # Kept: the next run tries again.
+            log.error("cannot settle %s %s of %s: %s", intent.action, intent.id, intent.vm,
+                      exc.message)
+            out.append(f"{intent.action} {intent.id} of {intent.vm}: FAILED: {exc.message}")
+            continue
+        state.intents.remove(intent)
+    for line in out:
+        log.warning("settled an interrupted start: %s", line)
+    return out

@@ -1,0 +1,282 @@
+"""Who holds which device, and the few questions everyone asks about it.
+
+One model, built from gpulib's state (its allocations, pending and active) and
+the status files of running domains, answers "who holds this device and why"
+for discovery (`used_by`), the CloudStack report, the allocator, the hooks,
+reconcile, pools and the CLI. Nothing else decides whether a device is free:
+so the device the report offers free is the device a start accepts.
+
+Holds (why a VM holds a device):
+* `active`  an allocation of a VM that started (onStart, `started begin`);
+* `pending` an allocation recorded by the transformer or `prepare begin`
+  whose VM has not started yet. It holds exactly like a running VM until
+  released or proven dead (`lifecycle.pending_is_dead`);
+* `running` a `<hostdev>` of a running domain's status file (a device
+  libvirt gave it whether or not gpulib knows).
+Defined but stopped domains hold nothing.
+
+Ownership is of the device tree (DESIGN section 4). The tree of a node is its
+chain of ancestors: an mdev -> its parent (a PF, or a VF) -> that VF's PF.
+Two holds conflict when one node is the other or an ancestor of it (a whole
+GPU against its VFs and the vGPUs on either, both ways), and when both are
+whole PCI functions in one IOMMU group (vfio gives a group to one VM: a
+passthrough GPU's companions). Two vGPUs on one parent, or two VFs of one PF,
+do not conflict. A VM never conflicts with itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Optional
+
+from gpulib import mdev
+from gpulib.errors import InputError
+from gpulib.pci import PciAddress
+
+if TYPE_CHECKING:
+    from gpulib.config import Config
+    from gpulib.state import State
+    from gpulib.sysfs import Sysfs
+    from gpulib.usage import DomainDevices
+
+log = logging.getLogger(__name__)
+
+ACTIVE = "active"
+PENDING = "pending"
+RUNNING = "running"
+
+
+def node_id(kind: str, ident: str) -> str:
+    """The node name of a device: an mdev's lowercase UUID, else its PCI address."""
+    if kind == "mdev":
+        return ident.lower()
+    return str(PciAddress.parse(ident))
+
+
+class Hold:
+    """One VM holding one device, and why."""
+
+    __slots__ = ("device", "vm", "why")
+
+    def __init__(self, vm: str, why: str, device: str) -> None:
+        self.vm = vm
+        self.why = why
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"Hold({self.vm!r}, {self.why}, {self.device})"
+
+    def describe(self) -> str:
+        what = {ACTIVE: "running VM", PENDING: "starting VM", RUNNING: "running VM"}[self.why]
+        return f"{what} {self.vm}" + ("" if self.why != PENDING else " (pending allocation)")
+
+
+def _is_pci(node: str) -> bool:
+    return node.count(":") == 2
+
+
+class Tree:
+    """The PF/VF/mdev relations and IOMMU groups of the nodes asked about, read lazily."""
+
+    def __init__(self, sysfs: Sysfs, mdev_parents: Optional[dict[str, str]] = None) -> None:
+        self.sysfs = sysfs
+        self.mdev_parents = dict(mdev_parents or {})
+        self._chains: dict[str, list[str]] = {}
+        self._groups: dict[str, Optional[int]] = {}
+
+    def parent(self, node: str) -> Optional[str]:
+        if not _is_pci(node):
+            parent = self.mdev_parents.get(node)
+            if parent is None:
+                # The live device's link ends in <parent>/<uuid>: one readlink,
+                # not a resolution of every component (64 running VMs' vGPUs).
+                try:
+                    target = os.readlink(self.sysfs.path(f"{mdev.MDEV_DEVICES}/{node}"))
+                except OSError:
+                    return None
+                parent = os.path.basename(os.path.dirname(target)) or None
+            return parent
+        return self.sysfs.link_name(f"sys/bus/pci/devices/{node}/physfn")
+
+    def chain(self, node: str) -> list[str]:
+        """The node, then its ancestors up to the PF."""
+        found = self._chains.get(node)
+        if found is None:
+            found = [node]
+            cur: Optional[str] = node
+            while cur is not None and len(found) < 4:
+                cur = self.parent(cur)
+                if cur is not None:
+                    found.append(cur)
+            self._chains[node] = found
+        return found
+
+    def group(self, node: str) -> Optional[int]:
+        if node not in self._groups:
+            name = self.sysfs.link_name(f"sys/bus/pci/devices/{node}/iommu_group") \
+                if _is_pci(node) else None
+            self._groups[node] = int(name) if name is not None and name.isdigit() else None
+        return self._groups[node]
+
+
+class Occupancy:
+    """Every hold on the host, indexed by node, by ancestor and by IOMMU group."""
+
+    def __init__(self, tree: Tree, holds: Iterable[Hold] = ()) -> None:
+        self.tree = tree
+        self.holds: list[Hold] = []
+        self._exact: dict[str, list[Hold]] = {}
+        self._below: dict[str, list[Hold]] = {}
+        self._group: dict[int, list[Hold]] = {}
+        for h in holds:
+            self.add(h)
+
+    @classmethod
+    def build(cls, sysfs: Sysfs, state: State, running: Iterable[DomainDevices] = ()
+              ) -> Occupancy:
+        """From gpulib's allocations and the running domains' devices."""
+        tree = Tree(sysfs, {u: r.parent for u, r in state.vgpus.items()})
+        occ = cls(tree)
+        for vm, alloc in state.allocations.items():
+            for d in alloc.devices:
+                occ.add(Hold(vm, alloc.status, node_id(d.kind, d.id)))
+        occ.add_running(running)
+        return occ
+
+    def add_running(self, running: Iterable[DomainDevices]) -> None:
+        """Every hostdev of the running domains holds its device."""
+        for dom in running:
+            for u in dom.mdevs:
+                self.add(Hold(dom.name, RUNNING, u))
+            for a in dom.pci:
+                self.add(Hold(dom.name, RUNNING, str(a)))
+
+    def add(self, hold: Hold) -> None:
+        """Record one hold (the allocator adds what it just gave)."""
+        self.holds.append(hold)
+        chain = self.tree.chain(hold.device)
+        self._exact.setdefault(hold.device, []).append(hold)
+        for ancestor in chain[1:]:
+            self._below.setdefault(ancestor, []).append(hold)
+        if _is_pci(hold.device):
+            group = self.tree.group(hold.device)
+            if group is not None:
+                self._group.setdefault(group, []).append(hold)
+
+    # -- the questions --------------------------------------------------------------
+    def conflicts(self, node: str, vm: Optional[str] = None) -> list[Hold]:
+        """Holds of VMs other than `vm` that exclude `node` (all holds when vm is None)."""
+        found: list[Hold] = []
+        for n in self.tree.chain(node):
+            found += self._exact.get(n, ())
+        found += self._below.get(node, ())
+        if _is_pci(node):
+            group = self.tree.group(node)
+            if group is not None:
+                found += self._group.get(group, ())
+        seen: set[int] = set()
+        out = []
+        for h in found:
+            if h.vm != vm and id(h) not in seen:
+                seen.add(id(h))
+                out.append(h)
+        # Running and active holds first: they name who really has it.
+        out.sort(key=lambda h: (h.why == PENDING, h.vm, h.device))
+        return out
+
+    def is_held(self, node: str, vm: Optional[str] = None) -> bool:
+        """`conflicts(node, vm)` is not empty (cheaper: the allocator asks it often)."""
+        for n in self.tree.chain(node):
+            if any(h.vm != vm for h in self._exact.get(n, ())):
+                return True
+        if any(h.vm != vm for h in self._below.get(node, ())):
+            return True
+        if _is_pci(node):
+            group = self.tree.group(node)
+            if group is not None and any(h.vm != vm for h in self._group.get(group, ())):
+                return True
+        return False
+
+    def holder(self, node: str) -> Optional[Hold]:
+        """Who keeps `node` from anyone else (None: free)."""
+        found = self.conflicts(node)
+        return found[0] if found else None
+
+    def user(self, kind: str, ident: str) -> Optional[str]:
+        """The VM name discovery reports as `used_by` (None: free for allocation)."""
+        try:
+            hold = self.holder(node_id(kind, ident))
+        except InputError:
+            return None
+        return hold.vm if hold is not None else None
+
+    def parent_conflicts(self, parent: str, vm: Optional[str] = None) -> list[Hold]:
+        """Holds that keep `vm` from a new vGPU on `parent`: the parent or one of
+        its ancestors held whole (other vGPUs on it do not conflict)."""
+        out = []
+        for n in self.tree.chain(parent):
+            out += [h for h in self._exact.get(n, ()) if h.vm != vm]
+        return out
+
+    def free_for(self, node: str, vm: str) -> bool:
+        """Whether `vm` may take `node` now."""
+        return not self.conflicts(node, vm)
+
+    def held_by(self, vm: str) -> set[str]:
+        return {h.device for h in self.holds if h.vm == vm}
+
+    def stray_mdevs(self, live: Iterable[str], known: Iterable[str]) -> list[str]:
+        """Live mdevs no registry entry names and nobody holds."""
+        known_set = set(known)
+        return sorted(u for u in live if u not in known_set and u not in self._exact)
+
+
+def refusal(occ: Occupancy, kind: str, ident: str, vm: str) -> Optional[str]:
+    """The one-line reason `vm` may not take a device, or None."""
+    node = node_id(kind, ident)
+    found = occ.conflicts(node, vm)
+    if not found:
+        return None
+    h = found[0]
+    label = "mdev" if kind == "mdev" else "PCI device"
+    if h.device == node:
+        return f"{label} {ident} is in use by {h.describe()}"
+    return f"{label} {ident} conflicts with {h.device}, in use by {h.describe()}"
+
+
+def declaring_pools(config: Config, address: PciAddress, vendor_id: int, device_id: int,
+                    types: Iterable[mdev.MdevType]) -> list[str]:
+    """The pools of gpulib.conf that select this GPU and whose type it offers on
+    its own function: its vGPU use is declared even before `pool apply` ran."""
+    out = []
+    listed = list(types)
+    for name, pool in sorted(config.pools.items()):
+        if not pool.parents.matches(address, vendor_id, device_id):
+            continue
+        if any((t.type_id == pool.type_id) if pool.type_id is not None
+               else (t.name == pool.profile) for t in listed):
+            out.append(name)
+    return out
+
+
+def whole_gpu_refusal(numvfs: int, vgpus: int, typed_vfs: int = 0,
+                      pools: Iterable[str] = ()) -> Optional[str]:
+    """Why a GPU cannot be given whole (None: it can).
+
+    A GPU whose vGPU use is declared (live or registered vGPUs, typed VFs, a
+    pool of gpulib.conf) or whose SR-IOV VFs are enabled is neither offered
+    whole (`enabled` 0 in the CloudStack report) nor accepted whole by the
+    hooks: one rule for both.
+    """
+    declared = list(pools)
+    if vgpus:
+        return f"it carries {vgpus} vGPU(s)"
+    if declared:
+        return f"pool {declared[0]} declares vGPUs on it"
+    if typed_vfs:
+        return f"{typed_vfs} of its VFs carry a vGPU type"
+    if numvfs:
+        return f"its SR-IOV VFs are enabled ({numvfs})"
+    return None
