@@ -59,6 +59,9 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
         "level": ("info", "level"),
         "syslog": ("yes", "bool"),
     },
+    "setup": {
+        "passthrough": ("", "device-list"),
+    },
 }
 POOL_KEYS = {"parents", "type", "profile", "count", "per_parent"}
 KIND_HELP = {
@@ -68,6 +71,7 @@ KIND_HELP = {
     "policy": "spread or pack",
     "level": "debug, info, warning or error",
     "match-list": "PCI addresses and vendor:device ids, separated by spaces or commas",
+    "device-list": "PCI addresses and vendor:device ids (not all), separated by spaces or commas",
 }
 
 
@@ -248,6 +252,9 @@ class Config:
             raise ConfigError(f"{where}: {value!r} is not debug/info/warning/error")
         if kind == "match-list":
             Match(value, where)
+        if kind == "device-list" and Match(value, where).all:
+            # gpulib setup takes these GPUs from the host: each must be named.
+            raise ConfigError(f"{where}: 'all' is not allowed here; name each device")
 
     def _load_pool(self, name: str, items: Mapping[str, tuple[str, str]]) -> None:
         sec = f"pool {name}"

@@ -371,6 +371,30 @@ def test_cli_exit_codes(host: FakeHost, monkeypatch: Any, capsys: Any) -> None:
     assert "2 checks: 1 ok, 0 warn, 1 fail" in out
 
 
+def test_fixes_are_the_rendered_actions(host: FakeHost) -> None:
+    """One place decides: the fix text is the actions, the JSON carries both."""
+    from gpulib.doctor.actions import KernelArgs, Reboot, RunCommand, WriteFile, render
+
+    host.load_module("nouveau")
+    os.unlink(host.p("etc/modprobe.d/blacklist-nouveau.conf"))
+    host.set_cmdline("BOOT_IMAGE=/vmlinuz root=/dev/sda1 ro")
+    host.write_file("proc/cpuinfo", "processor\t: 0\nvendor_id\t: GenuineIntel\n")
+    shutil.rmtree(host.p("sys/class/iommu"))
+    report = run(host, only=["iommu", "nouveau"])
+    nouveau = only(report, "nouveau")
+    assert nouveau.actions == [
+        WriteFile("etc/modprobe.d/blacklist-nouveau.conf",
+                  "blacklist nouveau\noptions nouveau modeset=0\n"),
+        RunCommand(("update-initramfs", "-u")), Reboot()]
+    assert nouveau.fix == render(nouveau.actions, report.distro)
+    iommu = only(report, "iommu")
+    assert iommu.actions == [KernelArgs(add=("intel_iommu=on", "iommu=pt"))]
+    doc = iommu.to_json()
+    assert doc["actions"] == [{"kind": "kernel-args", "add": ["intel_iommu=on", "iommu=pt"],
+                               "remove": []}]
+    assert doc["fix"] == report.distro.kernel_args_fix(add="intel_iommu=on iommu=pt")
+
+
 def test_cloudstack_host_without_the_qemu_hook_fails(host: FakeHost) -> None:
     # Under CloudStack the qemu hook is what stops a start the transformer refused.
     assert os.path.isdir(host.p("etc/cloudstack/agent"))

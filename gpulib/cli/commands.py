@@ -23,6 +23,7 @@ COMMANDS = {
     "snapshot": ("gpulib.cli.snapshot", "snapshot"),
     "attach": ("gpulib.cli.attach", "attach_cmd"),
     "detach": ("gpulib.cli.attach", "detach_cmd"),
+    "setup": ("gpulib.cli.setup", "setup"),
 }
 
 

@@ -1,0 +1,81 @@
+"""`driver-binding`: passthrough GPUs on vfio-pci (or no driver), vGPU GPUs on their
+vendor driver; `vfio-pci.ids=`/`pci-stub.ids=` on the command line are shown."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gpulib.doctor.actions import Reboot
+from gpulib.doctor.core import FAIL, HOST_DISPLAY_DRIVERS, OK, WARN, Result, is_free_for_vfio
+
+if TYPE_CHECKING:
+    from gpulib.doctor.facts import Doctor
+
+
+def check(d: Doctor) -> list[Result]:
+    cid = "driver-binding"
+    tokens, stub = d.stub_ids()
+    on_cmdline = (f"the kernel command line has {' '.join(tokens)}" if tokens else
+                  "no vfio-pci.ids= or pci-stub.ids= on the kernel command line")
+    problems: list[Result] = []
+    passthrough = vgpu = 0
+    for gpu in d.inventory.gpus:
+        drv = gpu.fn.driver
+        ids = (gpu.fn.vendor_id, gpu.fn.device_id)
+        if d.is_vgpu_gpu(gpu):
+            vgpu += 1
+            if drv is None:
+                problems.append(Result(
+                    cid, WARN, str(gpu.address),
+                    f"{d.label(gpu)} offers vGPU ({gpu.mode}) but has no driver",
+                    "load the vendor's vGPU host driver (NVIDIA vGPU manager, AMD gim)"))
+            elif ids in stub and not is_free_for_vfio(drv):
+                problems.append(Result(
+                    cid, WARN, str(gpu.address),
+                    f"vGPU GPU {d.label(gpu)} on {drv} matches "
+                    f"{ids[0]:04x}:{ids[1]:04x} in {' '.join(tokens)}: at the next boot "
+                    "vfio-pci or pci-stub may claim it and its vGPUs disappear",
+                    d.distro.kernel_args_fix(remove=' '.join(tokens)) +
+                    "\n(keep the passthrough GPUs away from the host per device instead: "
+                    "driverctl set-override <address> vfio-pci)"))
+            continue
+        passthrough += 1
+        if is_free_for_vfio(drv):
+            continue
+        group_ids = ",".join(d.group_ids(gpu))
+        applied = d.vfio_pending({ids})
+        if applied:
+            problems.append(d.result(
+                cid, WARN, str(gpu.address),
+                f"{d.label(gpu)} is offered for passthrough and still on {drv}; gpulib setup "
+                f"configured vfio-pci for it at {applied}: a reboot is pending",
+                [Reboot()], pending="reboot"))
+            continue
+        if drv in HOST_DISPLAY_DRIVERS:
+            if ids in stub:
+                msg = (f"{d.label(gpu)} is offered for passthrough but bound to the host "
+                       f"driver {drv}, although {on_cmdline}: {drv} claimed it first")
+                fix = (d.rebind_fix(gpu.address) +
+                       f"\nor load vfio-pci first at boot: echo 'softdep {drv} pre: "
+                       f"vfio-pci' > /etc/modprobe.d/gpulib-vfio.conf && "
+                       f"{d.distro.initramfs_update()} && reboot")
+            else:
+                msg = (f"{d.label(gpu)} is offered for passthrough but bound to the host "
+                       f"driver {drv}; {on_cmdline}")
+                fix = (d.rebind_fix(gpu.address) +
+                       "\nor keep it from the host from boot on: " +
+                       d.distro.kernel_args_fix(add=f"vfio-pci.ids={group_ids}"))
+            fix += ("\n(or, if the host needs this GPU, exclude it: [discovery] exclude = "
+                    f"{gpu.address} in /etc/gpulib/gpulib.conf)")
+            problems.append(Result(cid, FAIL, str(gpu.address), msg, fix))
+        else:
+            problems.append(Result(
+                cid, WARN, str(gpu.address),
+                f"{d.label(gpu)} is offered for passthrough but bound to {drv}, not "
+                "vfio-pci: starting a VM with it takes it from that driver",
+                d.rebind_fix(gpu.address)))
+    if problems:
+        return problems
+    msg = (f"{passthrough} passthrough GPU(s) on vfio-pci or free, {vgpu} vGPU GPU(s) on "
+           f"their vendor driver; {on_cmdline}")
+    return [Result(cid, OK, "GPUs", msg)]

@@ -1,0 +1,273 @@
+"""What every doctor check shares: ids, statuses, results, the distribution, the report."""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from gpulib import cloudstack
+from gpulib.context import CLOUDSTACK_AGENT_DIR, MODPROBE_DIR, Context
+from gpulib.doctor.actions import Action
+
+log = logging.getLogger(__name__)
+
+OK = "ok"
+WARN = "warn"
+FAIL = "fail"
+_RANK = {OK: 0, WARN: 1, FAIL: 2}
+EXIT_CODES = {OK: 0, FAIL: 1, WARN: 2}
+SCHEMA = 1
+
+CHECK_IDS = ("iommu", "nouveau", "driver-binding", "iommu-group", "sriov", "mdev", "hooks",
+             "libvirt", "config", "state", "discovery", "logging")
+
+AMD_VENDOR = 0x1002
+# Drivers that make a GPU the host's: a passthrough GPU must not be on one.
+HOST_DISPLAY_DRIVERS = frozenset({"nvidia", "nouveau", "amdgpu", "radeon", "i915", "xe"})
+# The libvirt qemu hook (DESIGN 2.3) and the executables the package installs.
+LIBVIRT_HOOKS_DIR = "etc/libvirt/hooks/qemu.d"
+LIBVIRT_HOOK = LIBVIRT_HOOKS_DIR + "/50-gpulib"
+QEMU_HOOK_EXECUTABLE = "gpulib-qemu-hook"
+AGENT_HOOK_EXECUTABLES = {
+    cloudstack.TRANSFORMER_HOOK: "libvirt-vm-xml-transformer",
+    cloudstack.STATE_CHANGE_HOOK: "libvirt-vm-state-change",
+}
+AGENT_PROPERTIES = CLOUDSTACK_AGENT_DIR + "/agent.properties"
+MODPROBE_DIRS = (MODPROBE_DIR, "run/modprobe.d", "usr/lib/modprobe.d", "lib/modprobe.d")
+# (daemon, pid file): libvirtd's default pid file, then the modular qemu daemon's.
+LIBVIRT_DAEMONS = (("libvirtd", "run/libvirtd.pid"), ("virtqemud", "run/virtqemud.pid"))
+PROC_STAT = "proc/stat"
+PROC_CPUINFO = "proc/cpuinfo"
+DEFAULT_GRUB = "etc/default/grub"
+BOOT_ID = "proc/sys/kernel/random/boot_id"
+# gpulib setup's record of what it applied and in which boot (DESIGN 3: var/lib/gpulib).
+SETUP_JOURNAL = "var/lib/gpulib/setup.json"
+OS_RELEASE = "etc/os-release"
+
+
+def host_path(rel: str) -> str:
+    """A root-relative path as the host sees it (`/proc/cmdline`)."""
+    return "/" + rel.lstrip("/")
+
+
+def is_vfio_driver(driver: Optional[str]) -> bool:
+    """vfio-pci or a vendor's vfio-pci variant driver."""
+    return bool(driver) and (driver == "vfio-pci" or str(driver).endswith(("-vfio-pci",
+                                                                          "_vfio_pci")))
+
+
+def is_free_for_vfio(driver: Optional[str]) -> bool:
+    """No driver, vfio-pci, or pci-stub (held away from the host)."""
+    return driver is None or driver == "pci-stub" or is_vfio_driver(driver)
+
+
+def agent_hooks_dir(ctx: Context) -> str:
+    """`agent.hooks.basedir` from agent.properties (root-relative), else the default."""
+    text = ctx.sysfs.read(AGENT_PROPERTIES) or ""
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "agent.hooks.basedir" and value.strip():
+            rel = posixpath.normpath(value.strip().lstrip("/"))
+            if rel != ".." and not rel.startswith("../"):
+                return rel
+    return cloudstack.AGENT_HOOKS_DIR
+
+
+# -- results ---------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """One finding of one check."""
+
+    check: str
+    status: str
+    subject: str
+    message: str
+    fix: Optional[str] = None
+    details: Optional[list[dict[str, Any]]] = None
+    # What the fix text says, as data (gpulib setup applies these).
+    actions: list[Action] = field(default_factory=list)
+    # "reboot" when the fix is made and only waits for the next boot.
+    pending: Optional[str] = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"id": self.check, "status": self.status,
+                               "subject": self.subject, "message": self.message,
+                               "fix": self.fix}
+        if self.details is not None:
+            doc["details"] = self.details
+        if self.actions:
+            doc["actions"] = [a.to_json() for a in self.actions]
+        if self.pending:
+            doc["pending"] = self.pending
+        return doc
+
+
+def worst(statuses: list[str]) -> str:
+    return max(statuses, key=lambda s: _RANK[s], default=OK)
+
+
+@dataclass
+class Distro:
+    """The distribution from `etc/os-release`, for the commands in fixes."""
+
+    id: str = ""
+    id_like: list[str] = field(default_factory=list)
+    name: str = ""
+
+    @classmethod
+    def read(cls, ctx: Context) -> Distro:
+        text = ctx.sysfs.read(OS_RELEASE) or ctx.sysfs.read("usr/lib/os-release") or ""
+        values: dict[str, str] = {}
+        for line in text.splitlines():
+            key, sep, value = line.strip().partition("=")
+            if sep and key and not key.startswith("#"):
+                value = value.strip()
+                if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                    value = value[1:-1]
+                values[key] = value
+        return cls(values.get("ID", "").lower(), values.get("ID_LIKE", "").lower().split(),
+                   values.get("PRETTY_NAME", values.get("NAME", "")))
+
+    @property
+    def family(self) -> str:
+        """debian, rhel, suse or unknown."""
+        ids = [self.id, *self.id_like]
+        if any(i in ("debian", "ubuntu") for i in ids):
+            return "debian"
+        if any(i in ("rhel", "fedora", "centos", "rocky", "almalinux", "ol") for i in ids):
+            return "rhel"
+        if any("suse" in i for i in ids):
+            return "suse"
+        return "unknown"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id or None, "id_like": self.id_like, "name": self.name or None,
+                "family": self.family}
+
+    # -- commands for fixes -------------------------------------------------------------
+    def kernel_args_fix(self, add: str = "", remove: str = "") -> str:
+        """How to change the kernel command line for good, on this distribution."""
+        if remove and add:
+            edit = f'replace "{remove}" with "{add}" in GRUB_CMDLINE_LINUX'
+        elif remove:
+            edit = f'remove "{remove}" from GRUB_CMDLINE_LINUX'
+        else:
+            edit = f'add "{add}" to GRUB_CMDLINE_LINUX'
+        edit += " in /etc/default/grub"
+        family = self.family
+        if family == "debian":
+            return f"{edit}, then: update-grub && reboot"
+        if family == "rhel":
+            args = (f' --remove-args="{remove}"' if remove else "") + \
+                (f' --args="{add}"' if add else "")
+            return (f"grubby --update-kernel=ALL{args} && reboot\n"
+                    f"(or {edit}, then: grub2-mkconfig -o /boot/grub2/grub.cfg && reboot)")
+        if family == "suse":
+            return f"{edit}, then: grub2-mkconfig -o /boot/grub2/grub.cfg && reboot"
+        return (f"{edit}, then: update-grub (Debian/Ubuntu) or "
+                "grub2-mkconfig -o /boot/grub2/grub.cfg (RHEL/Fedora/SUSE), and reboot")
+
+    def _by_family(self, debian: str, rhel: str, either: str) -> str:
+        if self.family == "debian":
+            return debian
+        if self.family in ("rhel", "suse"):
+            return rhel
+        return either
+
+    def grub_update(self) -> str:
+        return self._by_family("update-grub", "grub2-mkconfig -o /boot/grub2/grub.cfg",
+                               "update-grub or grub2-mkconfig -o /boot/grub2/grub.cfg")
+
+    # -- commands for gpulib setup (argv, run without a shell) --------------------------
+    @property
+    def grub_key(self) -> str:
+        """The /etc/default/grub variable setup edits: Debian's is for normal boots only."""
+        return "GRUB_CMDLINE_LINUX_DEFAULT" if self.family == "debian" else "GRUB_CMDLINE_LINUX"
+
+    def boot_config_commands(self, add: tuple[str, ...] = (),
+                             remove: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+        """What makes an edited /etc/default/grub reach the boot entries ([] if unknown)."""
+        if self.family == "debian":
+            return [("update-grub",)]
+        if self.family == "rhel":
+            # BLS entries keep their own options: grubby edits every installed kernel's,
+            # /etc/default/grub is for kernels installed later.
+            argv = ["grubby", "--update-kernel=ALL"]
+            if add:
+                argv.append(f"--args={' '.join(add)}")
+            if remove:
+                argv.append(f"--remove-args={' '.join(remove)}")
+            return [tuple(argv)]
+        if self.family == "suse":
+            return [("grub2-mkconfig", "-o", "/boot/grub2/grub.cfg")]
+        return []
+
+    def initramfs_argv(self) -> Optional[tuple[str, ...]]:
+        if self.family == "debian":
+            return ("update-initramfs", "-u")
+        if self.family in ("rhel", "suse"):
+            return ("dracut", "-f")
+        return None
+
+    def initramfs_update(self) -> str:
+        return self._by_family("update-initramfs -u", "dracut -f",
+                               "update-initramfs -u (Debian/Ubuntu) or dracut -f "
+                               "(RHEL/Fedora/SUSE)")
+
+
+class Report:
+    def __init__(self, results: list[Result], distro: Distro) -> None:
+        self.results = results
+        self.distro = distro
+
+    @property
+    def status(self) -> str:
+        return worst([r.status for r in self.results])
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+    def summary(self) -> dict[str, str]:
+        """The worst status of every check id, in check order."""
+        out: dict[str, str] = {}
+        for r in self.results:
+            out[r.check] = worst([out.get(r.check, OK), r.status])
+        return out
+
+    def results_for(self, check: str) -> list[Result]:
+        return [r for r in self.results if r.check == check]
+
+    def to_json(self) -> dict[str, Any]:
+        counts = {s: sum(1 for r in self.results if r.status == s) for s in (OK, WARN, FAIL)}
+        return {
+            "schema": SCHEMA,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "distribution": self.distro.to_json(),
+            "summary": self.summary(),
+            "counts": counts,
+            "checks": [r.to_json() for r in self.results],
+        }
+
+    def text(self) -> str:
+        lines = []
+        if self.distro.name or self.distro.id:
+            lines.append(f"gpulib doctor on {self.distro.name or self.distro.id}")
+        width = max((len(r.check) for r in self.results), default=8)
+        for r in self.results:
+            label = r.status.upper() if r.status != OK else "ok"
+            lines.append(f"{label:<5} {r.check:<{width}}  {r.subject}: {r.message}")
+            if r.fix:
+                fix_lines = r.fix.splitlines()
+                pad = " " * (6 + width + 2)
+                lines.append(f"{pad}fix: {fix_lines[0]}")
+                lines.extend(f"{pad}     {line}" for line in fix_lines[1:])
+        checks = list(self.summary().values())
+        lines.append(f"{len(checks)} checks: {checks.count(OK)} ok, {checks.count(WARN)} warn, "
+                     f"{checks.count(FAIL)} fail")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,374 @@
+"""The facts every check reads, each read once, and the loop that runs the checks.
+
+The doctor never writes: discovery runs without learning names, the state
+file is read without the lock, and the lock is only tried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from typing import Callable, Optional
+
+from gpulib import bootconfig
+from gpulib.bootconfig import DEFAULT_GRUB
+from gpulib.config import Config
+from gpulib.context import PROC_CMDLINE, STATE_DIR, STATE_FILE, Context
+from gpulib.discovery import BRIDGE_BASE_CLASS, Gpu, Inventory
+from gpulib.doctor.actions import Action, render
+from gpulib.doctor.core import (
+    AMD_VENDOR,
+    BOOT_ID,
+    FAIL,
+    PROC_CPUINFO,
+    PROC_STAT,
+    SETUP_JOURNAL,
+    Distro,
+    Report,
+    Result,
+    host_path,
+)
+from gpulib.errors import GpulibError
+from gpulib.nvidia import NVIDIA_VENDOR
+from gpulib.pci import PciAddress, PciFunction
+from gpulib.runtime import discover_host
+from gpulib.state import CorruptStateError, State, StateVersionError
+from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
+
+log = logging.getLogger(__name__)
+
+class _Collect(logging.Handler):
+    """Collects the warnings a module logs while the doctor calls it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+class Doctor:
+    """Runs the checks against the host below `ctx`'s root; never writes."""
+
+    def __init__(self, ctx: Context, config: Optional[Config] = None,
+                 lock_timeout: float = 2.0, clock_ticks: Optional[int] = None) -> None:
+        self.ctx = ctx
+        self.sysfs = ctx.sysfs
+        self.lock_timeout = lock_timeout
+        self.clock_ticks = clock_ticks
+        self.distro = Distro.read(ctx)
+        self._config = config
+        self._config_error: Optional[str] = None
+        self._config_warnings: list[str] = []
+        self._config_loaded = config is not None
+        self._state: Optional[State] = None
+        self._state_error: Optional[tuple[str, str, str]] = None  # (status, message, fix)
+        self._state_loaded = False
+        self._inventory: Optional[Inventory] = None
+        self._cmdline: Optional[list[str]] = None
+        self._configured: Optional[list[str]] = None
+        self._journal: Optional[dict[str, object]] = None
+
+    # -- facts, read once -----------------------------------------------------------
+    @property
+    def config(self) -> Config:
+        if not self._config_loaded:
+            self._config_loaded = True
+            collect = _Collect()
+            config_log = logging.getLogger("gpulib.config")
+            level = config_log.level
+            config_log.addHandler(collect)
+            config_log.setLevel(min(level or logging.WARNING, logging.WARNING))
+            try:
+                # Lenient: the other checks run with what can be read; the
+                # problems are the `config` check's finding.
+                self._config = Config.load(self.ctx.config_path, lenient=True)
+                if self._config.problems:
+                    self._config_error = "; ".join(self._config.problems)
+            finally:
+                config_log.removeHandler(collect)
+                config_log.setLevel(level)
+            self._config_warnings = collect.messages
+        assert self._config is not None
+        return self._config
+
+    @property
+    def state(self) -> State:
+        """The state file's content (empty when missing or unusable)."""
+        if not self._state_loaded:
+            self._state_loaded = True
+            self._state = self._load_state()
+        return self._state or State()
+
+    def _load_state(self) -> Optional[State]:
+        raw = read_file(self.ctx.state_path, DOCUMENT_MAX)
+        if isinstance(raw, ReadFailure):
+            if raw.missing:
+                return None
+            self._state_error = (
+                FAIL, f"cannot read the state file: {raw.reason}",
+                f"run gpulib doctor as root; check the permissions: ls -ld {host_path(STATE_DIR)} "
+                f"{host_path(STATE_FILE)}")
+            return None
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+            return State.from_json(doc)
+        except StateVersionError as exc:
+            self._state_error = (FAIL, exc.message,
+                                 "upgrade gpulib to the version that wrote the state file")
+        except CorruptStateError as exc:
+            self._state_error = (
+                FAIL, f"the state file is corrupt: {exc.message}",
+                "gpulib reconcile (moves the corrupt file aside and rebuilds it from sysfs "
+                "and libvirt's files)")
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self._state_error = (
+                FAIL, f"the state file is not JSON: {reason}",
+                "gpulib reconcile (moves the corrupt file aside and rebuilds it from sysfs "
+                "and libvirt's files)")
+        return None
+
+    @property
+    def inventory(self) -> Inventory:
+        if self._inventory is None:
+            self._inventory = discover_host(self.ctx, self.config, state=self.state,
+                                            learn=False)
+        return self._inventory
+
+    @property
+    def cmdline(self) -> list[str]:
+        if self._cmdline is None:
+            self._cmdline = (self.sysfs.read(PROC_CMDLINE) or "").split()
+        return self._cmdline
+
+    def params(self, name: str) -> list[str]:
+        """Every value of `name=` on the kernel command line."""
+        prefix = name + "="
+        return [t[len(prefix):] for t in self.cmdline if t.startswith(prefix)]
+
+    def cpu_vendor(self) -> Optional[str]:
+        """intel, amd or None, from proc/cpuinfo, else from the IOMMU units' names."""
+        text = self.sysfs.read(PROC_CPUINFO) or ""
+        m = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
+        if m:
+            if m.group(1) == "GenuineIntel":
+                return "intel"
+            if m.group(1) in ("AuthenticAMD", "HygonGenuine"):
+                return "amd"
+        units = self.sysfs.listdir("sys/class/iommu")
+        if any(u.startswith("dmar") for u in units):
+            return "intel"
+        if any(u.startswith("ivhd") for u in units):
+            return "amd"
+        return None
+
+    def stub_ids(self) -> tuple[list[str], set[tuple[int, int]]]:
+        """`vfio-pci.ids=`/`pci-stub.ids=` tokens on the command line and their ids."""
+        tokens: list[str] = []
+        ids: set[tuple[int, int]] = set()
+        for name in ("vfio-pci.ids", "vfio_pci.ids", "pci-stub.ids", "pci_stub.ids"):
+            for value in self.params(name):
+                tokens.append(f"{name}={value}")
+                for item in value.split(","):
+                    parts = item.strip().split(":")
+                    if len(parts) >= 2:
+                        try:
+                            ids.add((int(parts[0], 16), int(parts[1], 16)))
+                        except ValueError:
+                            continue
+        return tokens, ids
+
+    def stat_in_root(self, rel: str, follow: bool = True) -> Optional[os.stat_result]:
+        """lstat/stat of a root-relative path; symlinks are followed inside the root."""
+        path = self.ctx.sysfs.resolve_in_root(rel) if follow else rel.lstrip("/")
+        if path is None:
+            return None
+        try:
+            return os.lstat(self.ctx.path(path))
+        except OSError:
+            return None
+
+    def group_peers(self, gpu: Gpu) -> list[PciFunction]:
+        """The other endpoints of a GPU's IOMMU group (bridges stay with the host)."""
+        out = []
+        for member in gpu.group_members:
+            if member == gpu.address:
+                continue
+            fn = PciFunction.read_ids(self.sysfs, member)
+            if fn.class_code >> 8 != BRIDGE_BASE_CLASS:
+                out.append(fn)
+        return out
+
+    def group_ids(self, gpu: Gpu) -> list[str]:
+        """vendor:device of the GPU and the other endpoints of its IOMMU group."""
+        out = [f"{gpu.fn.vendor_id:04x}:{gpu.fn.device_id:04x}"]
+        for fn in self.group_peers(gpu):
+            key = f"{fn.vendor_id:04x}:{fn.device_id:04x}"
+            if key not in out:
+                out.append(key)
+        return out
+
+    def is_vgpu_gpu(self, gpu: Gpu) -> bool:
+        """The GPU is (or is meant to be) shared as vGPU, not passed through whole."""
+        return gpu.mode != "passthrough" or self.needs_vfs(gpu)
+
+    def needs_vfs(self, gpu: Gpu) -> bool:
+        """On its vendor's vGPU driver, SR-IOV capable, but no VFs and no mdev types."""
+        if gpu.sriov_totalvfs <= 0 or gpu.sriov_numvfs > 0 or gpu.mdev_parent:
+            return False
+        fn = gpu.fn
+        return (fn.vendor_id == NVIDIA_VENDOR and fn.driver == "nvidia") or \
+            (fn.vendor_id == AMD_VENDOR and fn.driver == "gim")
+
+    def passthrough_gpus(self) -> list[Gpu]:
+        return [g for g in self.inventory.gpus if not self.is_vgpu_gpu(g)]
+
+    @staticmethod
+    def label(gpu: Gpu) -> str:
+        return f"{gpu.address} ({gpu.device_name or gpu.fn.class_name})"
+
+    def rebind_fix(self, address: PciAddress) -> str:
+        dev = f"/sys/bus/pci/devices/{address}"
+        return (f"driverctl set-override {address} vfio-pci\n"
+                f"(without driverctl: echo vfio-pci > {dev}/driver_override && "
+                f"echo {address} > {dev}/driver/unbind && "
+                f"echo {address} > /sys/bus/pci/drivers_probe)")
+
+    # -- running ------------------------------------------------------------------------
+    # -- what gpulib setup changed, and whether the host booted since -------------------
+    @property
+    def configured_args(self) -> list[str]:
+        """The kernel arguments /etc/default/grub gives (what the next boot gets)."""
+        if self._configured is None:
+            text = self.sysfs.read(DEFAULT_GRUB) or ""
+            try:
+                self._configured = bootconfig.configured_args(text)
+            except GpulibError:
+                self._configured = [t for t in text.split() if "=" in t]
+        return self._configured
+
+    def boot_id(self) -> Optional[str]:
+        text = self.sysfs.read(BOOT_ID)
+        return text.strip() if text else None
+
+    def btime(self) -> Optional[int]:
+        for line in (self.sysfs.read(PROC_STAT) or "").splitlines():
+            if line.startswith("btime "):
+                value = line.split()[1]
+                return int(value) if value.isdigit() else None
+        return None
+
+    @property
+    def journal(self) -> dict[str, object]:
+        """gpulib setup's record of its last apply ({} when none or unreadable)."""
+        if self._journal is None:
+            self._journal = {}
+            text = self.sysfs.read(SETUP_JOURNAL)
+            if text:
+                try:
+                    doc = json.loads(text)
+                except ValueError:
+                    doc = None
+                if isinstance(doc, dict):
+                    self._journal = doc
+        return self._journal
+
+    def setup_pending(self, check: str) -> Optional[str]:
+        """When gpulib setup applied `check`'s fix during this boot: its time, else None."""
+        j = self.journal
+        pending = j.get("pending_reboot")
+        if not isinstance(pending, list) or check not in pending:
+            return None
+        applied = j.get("applied_at")
+        current = self.boot_id()
+        if current and isinstance(j.get("boot_id"), str):
+            same_boot = j.get("boot_id") == current
+        else:
+            btime = self.btime()
+            same_boot = btime is not None and isinstance(applied, (int, float)) and \
+                applied >= btime
+        if not same_boot:
+            return None
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(applied))) \
+            if isinstance(applied, (int, float)) else "an earlier run"
+
+    def vfio_pending(self, ids: set[tuple[int, int]]) -> Optional[str]:
+        """gpulib setup configured vfio-pci for these ids in this boot: when, else None."""
+        configured: set[tuple[int, int]] = set()
+        for arg in self.configured_args:
+            name, _, value = arg.partition("=")
+            if name in ("vfio-pci.ids", "vfio_pci.ids"):
+                for item in value.split(","):
+                    parts = item.split(":")
+                    try:
+                        configured.add((int(parts[0], 16), int(parts[1], 16)))
+                    except (IndexError, ValueError):
+                        continue
+        if not ids <= configured:
+            return None
+        return self.setup_pending("driver-binding")
+
+    def result(self, check: str, status: str, subject: str, message: str,
+               actions: list[Action], pending: Optional[str] = None) -> Result:
+        """A finding whose fix text is its actions, rendered for this distribution."""
+        return Result(check, status, subject, message, render(actions, self.distro) or None,
+                      actions=actions, pending=pending)
+
+    # -- running ------------------------------------------------------------------------
+    def checks(self) -> list[tuple[str, Callable[[Doctor], list[Result]]]]:
+        from gpulib.doctor import (
+            binding,
+            config,
+            discovery,
+            groups,
+            hooks,
+            iommu,
+            libvirt,
+            logfailures,
+            mdev,
+            nouveau,
+            sriov,
+            state,
+        )
+
+        return [
+            ("iommu", iommu.check),
+            ("nouveau", nouveau.check),
+            ("driver-binding", binding.check),
+            ("iommu-group", groups.check),
+            ("sriov", sriov.check),
+            ("mdev", mdev.check),
+            ("hooks", hooks.check),
+            ("libvirt", libvirt.check),
+            ("config", config.check),
+            ("state", state.check),
+            ("discovery", discovery.check),
+            ("logging", logfailures.check),
+        ]
+
+    def run(self, only: Optional[list[str]] = None) -> Report:
+        results: list[Result] = []
+        for check_id, check in self.checks():
+            if only and check_id not in only:
+                continue
+            try:
+                found = check(self)
+            except Exception as exc:  # one broken check must not hide the others
+                log.exception("doctor check %s failed", check_id)
+                reason = " ".join(str(exc).split()) or type(exc).__name__
+                found = [Result(check_id, FAIL, "gpulib", f"the check could not run: {reason}",
+                                "report this as a gpulib bug, with the tarball of "
+                                "`gpulib snapshot` attached")]
+            results.extend(found)
+        return Report(results, self.distro)
+
+
+def run(ctx: Context, config: Optional[Config] = None, lock_timeout: float = 2.0,
+        only: Optional[list[str]] = None) -> Report:
+    """Run every check (or `only` these ids) against the host below ctx's root."""
+    return Doctor(ctx, config, lock_timeout=lock_timeout).run(only)
