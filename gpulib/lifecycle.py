@@ -52,7 +52,8 @@ def rebuild_state(ctx: Context) -> State:
     # the others (an on-demand vGPU, libvirt's transient one), so it leaves them.
     state.extra[DEFINITIONS_MARKER] = "mdevctl"
     defs = mdevctl.read_definitions(ctx)
-    for uuid, m in mdev.live_mdevs(sysfs).items():
+    live = mdev.live_mdevs(sysfs)
+    for uuid, m in live.items():
         known = defs.get(uuid)
         if known is not None and (known.parent, known.type_id) == (str(m.parent), m.type_id):
             state.vgpus[uuid] = VgpuRecord(known.parent, known.type_id)
@@ -61,7 +62,15 @@ def rebuild_state(ctx: Context) -> State:
             current = nvidia.current_type(sysfs, address) or 0
             if current:
                 state.vf_types[str(address)] = VfRecord(current)
-    for dom in running_domains(sysfs):
+    running = running_domains(sysfs)
+    for dom in running:
+        # A live vGPU a running VM uses is kept whatever made it: forgetting
+        # it would let its VM's next start fail after the VM's own stop.
+        for u in dom.mdevs:
+            used = live.get(u)
+            if used is not None and u not in state.vgpus:
+                state.vgpus[u] = VgpuRecord(str(used.parent), used.type_id)
+    for dom in running:
         devices = [Device("mdev", u) for u in dom.mdevs if u in state.vgpus]
         devices += [Device("vf" if str(a) in state.vf_types else "pci", str(a)) for a in dom.pci]
         if devices:
