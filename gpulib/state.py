@@ -9,9 +9,10 @@ devices, and the devices the operator took away from gpulib.
 Rules this module keeps:
 
 * Every change happens inside `StateStore.transaction()`, under one OS lock
-  (`filelock.FileLock` on `state.lock`: flock(2), so a process that dies
-  releases it), waited for with a timeout well inside the CloudStack agent's
-  30 s hook timeout. Expiry raises `LockTimeout` (exit code 3).
+  (flock(2) on `state.lock`, the lock filelock and flock(1) take too, so a
+  process that dies releases it), waited for with a timeout well inside the
+  CloudStack agent's 30 s hook timeout. Expiry raises `LockTimeout` (exit
+  code 3).
 * Writes are atomic: a temp file in the same directory (`.state.json.<pid>.
   <random>.tmp`), written, flushed, fsynced, renamed over the file with
   os.replace, then the directory is fsynced. A reader therefore sees the old
@@ -26,8 +27,9 @@ Rules this module keeps:
 * The output is deterministic (sorted keys, ASCII, indent 1): the same
   state always gives the same bytes, and diffs stay readable.
 
-This module imports filelock only when it takes the lock, so read-only users
-(`gpulib discover`, `gpulib status`) do not pay for it.
+The lock is taken with fcntl directly: the filelock package costs a hook
+more to import (tens of milliseconds in recent releases) than the whole
+locked section takes, on every VM start.
 """
 
 from __future__ import annotations
@@ -580,14 +582,88 @@ def dumps(state: State) -> str:
 # The file and its lock.
 
 
-def _takes_mode(filelock: Any) -> bool:
-    """Whether filelock takes `mode` (we want 0o600): releases since 3.10 chmod their file
-    to `mode` (0644 by default) on every acquire; older ones (Debian 12's 3.9,
-    EL9's) have no such argument, and a failed constructor call leaves an object
-    whose destructor complains on stderr, so ask the signature first."""
-    import inspect
+class _LockWaitExpired(Exception):
+    """Raised by the SIGALRM handler that ends a blocking wait for the lock."""
 
-    return "mode" in inspect.signature(filelock.FileLock.__init__).parameters
+
+def _expire(signum: int, frame: Any) -> None:
+    raise _LockWaitExpired()
+
+
+def _may_use_alarm(signal: Any) -> bool:
+    """Whether the wait may block in flock(2) with SIGALRM as its timeout: only
+    Python's main thread runs signal handlers, and a timer or SIGALRM handler
+    someone else set (a test runner's timeout, say) must be left alone."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        return signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and \
+            signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None)
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _flock_wait(fd: int, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for an exclusive flock on `fd`; False on expiry.
+
+    A blocking flock(2) is woken by the kernel as soon as the holder lets go,
+    costs nothing while it waits, and queues dozens of starts in a boot storm
+    without their polling taking CPU from the one holding the lock. Its timeout
+    is SIGALRM; where that cannot be used, short polls do the same.
+    """
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        pass
+    if timeout <= 0:
+        return False
+    import signal
+
+    if _may_use_alarm(signal):
+        previous = signal.signal(signal.SIGALRM, _expire)
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _LockWaitExpired:
+            # The timer may also fire right after flock succeeded: closing the
+            # descriptor (the caller does) releases that lock again.
+            return False
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+        return True
+    deadline = time.monotonic() + timeout
+    pause = 0.002
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
+
+
+class _Lock:
+    """The state lock: flock(2) on an open descriptor of the lock file, released
+    by closing it (or by the kernel when the process dies)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _reason(e: OSError) -> str:
@@ -788,27 +864,25 @@ class StateStore:
                              f"rebuilding it failed: {e}") from e
         return state
 
-    def _acquire(self) -> Any:
-        import filelock
-
+    def _acquire(self) -> _Lock:
         self._ensure_dirs()
-        if not os.path.lexists(self.lock_path):
-            try:
-                os.close(os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-            except OSError as e:
-                raise StateError(f"cannot create state lock {self.lock_path}: "
-                                 f"{_reason(e)}") from None
-        lock = (filelock.FileLock(self.lock_path, timeout=self.timeout, mode=0o600)
-                if _takes_mode(filelock) else
-                filelock.FileLock(self.lock_path, timeout=self.timeout))
         try:
-            lock.acquire()
-        except filelock.Timeout:
-            raise LockTimeout(f"state lock busy: {self.lock_path} held by another gpulib "
-                              f"process for {self.timeout:g} s") from None
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise StateError(f"cannot take state lock {self.lock_path}: {_reason(e)}") from None
-        return lock
+        try:
+            got = _flock_wait(fd, self.timeout)
+        except OSError as e:
+            os.close(fd)
+            raise StateError(f"cannot take state lock {self.lock_path}: {_reason(e)}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if not got:
+            os.close(fd)
+            raise LockTimeout(f"state lock busy: {self.lock_path} held by another gpulib "
+                              f"process for {self.timeout:g} s")
+        return _Lock(fd)
 
     @contextmanager
     def transaction(self) -> Iterator[State]:
