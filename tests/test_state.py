@@ -36,6 +36,7 @@ from gpulib.state import (
     VfRecord,
     VgpuRecord,
     dumps,
+    render_json,
     validate_uuid,
     validate_vm_name,
 )
@@ -230,6 +231,96 @@ def test_json_round_trip_property(s: State) -> None:
     back = State.from_json(json.loads(text))
     assert back == s
     assert dumps(back) == text
+
+
+json_scalars = (st.none() | st.booleans() | st.integers() | st.text()
+                | st.floats(allow_nan=False, allow_infinity=False))
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=25)
+
+
+@HYPOTHESIS
+@given(json_values)
+def test_the_state_text_is_what_json_dumps_gives(doc: Any) -> None:
+    assert render_json(doc) == json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=True,
+                                          allow_nan=False) + "\n"
+
+
+def test_the_state_text_refuses_what_json_dumps_refuses() -> None:
+    assert render_json({1: [2]}) == json.dumps({1: [2]}, sort_keys=True, indent=1) + "\n"
+    with pytest.raises(ValueError):
+        render_json({"a": float("nan")})
+    with pytest.raises(TypeError):
+        render_json({"a": object()})
+
+
+def field(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """A record field: mostly a valid value, sometimes anything a hand edit leaves."""
+    return valid | valid | st.none() | st.booleans() | st.integers(-1, 2) | \
+        st.floats() | st.text(max_size=4) | st.sampled_from([".", "..", "a/b", "A" * 36])
+
+
+def record_of(fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """A dict with some of `fields` (each maybe missing), or something else."""
+    return st.fixed_dictionaries({}, optional={k: field(v) for k, v in fields.items()}) | \
+        st.sampled_from([None, [], "x"])
+
+
+uuids_text = st.uuids().map(str)
+vm_texts = st.sampled_from(["i-2-10-VM", "vm", "v\u00e9", "v m", "\x7fvm", "v\u2028"])
+pci_texts = st.sampled_from(["0000:41:00.5", "10000:01:00.0", "0000:41:00.8", "41:00.5"])
+device_records = record_of({"kind": st.sampled_from(["mdev", "vf", "pci"]),
+                            "id": uuids_text | pci_texts, "on_demand": st.booleans()})
+allocation_records = record_of({
+    "vm": vm_texts, "domain_uuid": uuids_text | st.none(),
+    "status": st.sampled_from(["pending", "active"]), "since": st.just(STAMP),
+    "boot_id": st.text(max_size=3) | st.none(), "uptime": st.floats() | st.none(),
+    "devices": st.lists(device_records, max_size=3)})
+vgpu_records = record_of({"parent": pci_texts, "type_id": st.just("nvidia-558"),
+                          "pool": st.none() | st.text(max_size=3), "on_demand": st.booleans(),
+                          "created": st.just(STAMP)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(vgpu_records, allocation_records, vm_texts, device_records)
+def test_the_quick_parse_accepts_only_what_the_checked_parse_accepts(
+        vgpu: Any, alloc: Any, key: str, device: Any) -> None:
+    """The common shape is parsed without the per-field checks; whatever that
+    accepts, the checked parser accepts too and reads the same record."""
+    from gpulib import state as mod
+
+    quick = mod._vgpu_fast(vgpu)
+    if quick is not None:
+        assert mod._vgpu_from_json(vgpu, "v") == quick
+    quick_a = mod._allocation_fast(alloc, key)
+    if quick_a is not None:
+        assert mod._allocation_from_json(alloc, "a", key) == quick_a
+    quick_d = mod._device_fast(device)
+    if quick_d is not None:
+        assert mod._device_from_json(device, "d") == quick_d
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=8) | st.text(alphabet=st.characters(max_codepoint=0xA0), max_size=300))
+def test_the_quick_vm_name_check_accepts_only_good_names(name: str) -> None:
+    from gpulib import state as mod
+
+    if mod._plain_vm_name(name):
+        assert mod._checked_vm_name(name) == name
+
+
+def test_bad_records_in_a_state_file_are_still_named(store: StateStore) -> None:
+    doc = json.loads(dumps(sample_state()))
+    doc["allocations"]["i-2-10-VM"]["devices"][0]["on_demand"] = 1
+    with pytest.raises(CorruptStateError, match=r"allocations\['i-2-10-VM'\]\['devices'\]\[0\]"):
+        State.from_json(doc)
+    doc = json.loads(dumps(sample_state()))
+    uuid_key = "6f3a1c2e-0b1d-4c5e-9f00-112233445566"
+    doc["vgpus"][uuid_key.upper()] = doc["vgpus"].pop(uuid_key)
+    with pytest.raises(CorruptStateError, match="not a canonical UUID"):
+        State.from_json(doc)
 
 
 def test_output_is_deterministic(tmp_path: Path) -> None:
