@@ -971,9 +971,24 @@ def derive_uuid(domain_uuid: str, index: int) -> str:
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"vGPU index must be a whole number >= 0, not {index!r}")
     canonical = _canonical_uuid(domain_uuid, "domain UUID")
-    import uuid  # only on-demand vGPUs need it
+    return _uuid5(DERIVED_UUID_NAMESPACE, f"{canonical}/{index}")
 
-    return str(uuid.uuid5(uuid.UUID(DERIVED_UUID_NAMESPACE), f"{canonical}/{index}"))
+
+def _uuid5(namespace: str, name: str) -> str:
+    """str(uuid.uuid5(UUID(namespace), name)) (RFC 4122 section 4.3), without
+    the uuid and hashlib modules: a start computes these with the state lock
+    held, and importing those (OpenSSL's libcrypto with them) costs more there
+    than everything else it does."""
+    try:
+        from _sha1 import sha1  # CPython's own SHA-1, a small built-in module
+    except ImportError:  # a build without it
+        from hashlib import sha1
+    digest = bytearray(sha1(bytes.fromhex(namespace.replace("-", ""))
+                            + name.encode("utf-8")).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    h = digest.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 __all__ = [

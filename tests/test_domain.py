@@ -624,6 +624,12 @@ def test_derive_uuid() -> None:
         derive_uuid(dom_uuid, True)
 
 
+@given(st.uuids(), st.integers(0, 10**6))
+def test_derived_uuids_are_rfc_4122_version_5(dom_uuid: uuid.UUID, index: int) -> None:
+    namespace = uuid.UUID(DERIVED_UUID_NAMESPACE)
+    assert derive_uuid(str(dom_uuid), index) == str(uuid.uuid5(namespace, f"{dom_uuid}/{index}"))
+
+
 # --------------------------------------------------------------------------
 # numa
 
