@@ -77,6 +77,11 @@ def _is_pci(node: str) -> bool:
     return node.count(":") == 2
 
 
+def _is_mdev(node: str) -> bool:
+    """A vGPU's node: an 8-4-4-4-12 UUID (node_id lowercases it)."""
+    return len(node) == 36 and node.count("-") == 4
+
+
 class Tree:
     """The PF/VF/mdev relations and IOMMU groups of the nodes asked about, read lazily."""
 
@@ -101,16 +106,15 @@ class Tree:
         return self.sysfs.link_name(f"sys/bus/pci/devices/{node}/physfn")
 
     def chain(self, node: str) -> list[str]:
-        """The node, then its ancestors up to the PF."""
+        """The node, then its ancestors up to the PF (at most three)."""
         found = self._chains.get(node)
         if found is None:
-            found = [node]
-            cur: Optional[str] = node
-            while cur is not None and len(found) < 4:
-                cur = self.parent(cur)
-                if cur is not None:
-                    found.append(cur)
-            self._chains[node] = found
+            # Placed first, so a link loop in a broken tree ends here.
+            found = self._chains[node] = [node]
+            parent = self.parent(node)
+            if parent is not None:
+                # The parent's chain is shared: 64 vGPUs on one GPU read its links once.
+                found.extend(self.chain(parent)[:3])
         return found
 
     def group(self, node: str) -> Optional[int]:
@@ -128,8 +132,12 @@ class Occupancy:
         self.tree = tree
         self.holds: list[Hold] = []
         self._exact: dict[str, list[Hold]] = {}
+        # By ancestor and by IOMMU group: built when first asked (`_indexed`).
+        # Questions about a vGPU need neither, and building them reads the
+        # links of every held device (a start asks about one or two).
         self._below: dict[str, list[Hold]] = {}
         self._group: dict[int, list[Hold]] = {}
+        self._unindexed: list[Hold] = []
         for h in holds:
             self.add(h)
 
@@ -156,14 +164,23 @@ class Occupancy:
     def add(self, hold: Hold) -> None:
         """Record one hold (the allocator adds what it just gave)."""
         self.holds.append(hold)
-        chain = self.tree.chain(hold.device)
         self._exact.setdefault(hold.device, []).append(hold)
-        for ancestor in chain[1:]:
-            self._below.setdefault(ancestor, []).append(hold)
-        if _is_pci(hold.device):
-            group = self.tree.group(hold.device)
-            if group is not None:
-                self._group.setdefault(group, []).append(hold)
+        self._unindexed.append(hold)
+
+    def _indexed(self, node: str) -> bool:
+        """Whether `node` may have holds below it or in its IOMMU group (a PCI
+        function, or any parent that is not a vGPU); if so, index every hold."""
+        if not _is_pci(node) and _is_mdev(node):
+            return False  # nothing is below a vGPU, and it has no IOMMU group
+        pending, self._unindexed = self._unindexed, []
+        for hold in pending:
+            for ancestor in self.tree.chain(hold.device)[1:]:
+                self._below.setdefault(ancestor, []).append(hold)
+            if _is_pci(hold.device):
+                group = self.tree.group(hold.device)
+                if group is not None:
+                    self._group.setdefault(group, []).append(hold)
+        return True
 
     # -- the questions --------------------------------------------------------------
     def conflicts(self, node: str, vm: Optional[str] = None) -> list[Hold]:
@@ -171,7 +188,8 @@ class Occupancy:
         found: list[Hold] = []
         for n in self.tree.chain(node):
             found += self._exact.get(n, ())
-        found += self._below.get(node, ())
+        if self._indexed(node):
+            found += self._below.get(node, ())
         if _is_pci(node):
             group = self.tree.group(node)
             if group is not None:
@@ -191,7 +209,7 @@ class Occupancy:
         for n in self.tree.chain(node):
             if any(h.vm != vm for h in self._exact.get(n, ())):
                 return True
-        if any(h.vm != vm for h in self._below.get(node, ())):
+        if self._indexed(node) and any(h.vm != vm for h in self._below.get(node, ())):
             return True
         if _is_pci(node):
             group = self.tree.group(node)
