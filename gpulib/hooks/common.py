@@ -183,6 +183,22 @@ def start(program: str) -> tuple[Context, Config]:
 def run_guarded(program: str, body: Callable[[], int], unexpected_code: int = 1,
                 error_code_override: Optional[int] = None) -> int:
     """Run body(); map gpulib errors to one stderr line and their exit code."""
+    import gc
+
+    # A hook lives for a fraction of a second: the cyclic collector's passes
+    # over every object (imports, parsed XML and state) cost it milliseconds,
+    # some of them with the state lock held, to free what the exit frees.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _run_guarded(program, body, unexpected_code, error_code_override)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run_guarded(program: str, body: Callable[[], int], unexpected_code: int,
+                 error_code_override: Optional[int]) -> int:
     import logging
 
     from gpulib.errors import GpulibError
