@@ -30,7 +30,6 @@ import errno
 import json
 import os
 import posixpath
-import shutil
 from typing import Optional, Union
 
 from gpulib.sysfs import KernelWrite, ReadFailure, Sysfs
@@ -67,6 +66,8 @@ def inject(root: str, rel: str, kind: str) -> None:
     if kind == "block":
         path = os.path.join(root, rel)
         if os.path.isdir(path) and not os.path.islink(path):
+            import shutil  # here: the simulated hooks import this module on every run
+
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.unlink(path)
