@@ -77,8 +77,7 @@ _VM_NAME_MAX = 255
 _PCI_RE = lazy(r"(?:[0-9a-f]{4}|[1-9a-f][0-9a-f]{4,7}):[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
 _MODEL_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{4}")
 _TYPE_NUMBER_RE = lazy(r"[0-9]+")
-_VM_NAME_BAD = lazy(r"[\x00-\x1f\x7f/]")
-_CANONICAL_UUID_RE = lazy(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_LOWER_HEX = "0123456789abcdef"
 
 
 class StateVersionError(StateError):
@@ -104,8 +103,9 @@ def _plain_vm_name(name: Any) -> bool:
     """The common case, decided at once: ASCII text of 1..255 characters with no
     '/' and no control character, not '.' or '..' (validate_vm_name accepts
     it; anything else goes through its checks, which name the problem)."""
+    # (For ASCII, printable means no C0 control character and no DEL.)
     return type(name) is str and 0 < len(name) <= _VM_NAME_MAX and name.isascii() \
-        and _VM_NAME_BAD.search(name) is None and name != "." and name != ".."
+        and name.isprintable() and "/" not in name and name != "." and name != ".."
 
 
 def validate_vm_name(name: str) -> str:
@@ -346,12 +346,20 @@ def _is_component(text: Any) -> bool:
         and text != "." and text != ".."
 
 
+# No regular expressions here: compiling one costs more than parsing a whole
+# state, and the first use would often be with the lock held.
 def _is_uuid(text: Any) -> bool:
-    return type(text) is str and _CANONICAL_UUID_RE.fullmatch(text) is not None
+    """A canonical (lowercase 8-4-4-4-12) UUID."""
+    return type(text) is str and len(text) == 36 and text[8] == "-" and text[13] == "-" \
+        and text[18] == "-" and text[23] == "-" and text.count("-") == 4 \
+        and not text.replace("-", "").strip(_LOWER_HEX)
 
 
 def _is_pci(text: Any) -> bool:
-    return type(text) is str and _PCI_RE.fullmatch(text) is not None
+    """`dddd:bb:ss.f` in lowercase hex, slot <= 0x1f (longer domains: _as_pci)."""
+    return type(text) is str and len(text) == 12 and text[4] == ":" and text[7] == ":" \
+        and text[10] == "." and text[8] in "01" and text[11] in "01234567" \
+        and not (text[:4] + text[5:7] + text[9]).strip(_LOWER_HEX)
 
 
 def _vgpu_fast(d: Any) -> Optional[VgpuRecord]:
@@ -1048,6 +1056,7 @@ class StateStore:
         try:
             lock = self._acquire()
             held_since = time.monotonic()
+            cpu_since = time.process_time()
             synced = True
             niceness = _hurry()
             try:
@@ -1057,7 +1066,8 @@ class StateStore:
                 state, before = self._load_locked()
                 yield state
                 try:
-                    after = dumps(state)
+                    doc = state.to_json()
+                    after = render_json(doc)
                     # What is written is checked (a final checkpoint was already);
                     # the file as it was found needs no second look.
                     if after != self._last_written and after != before:
@@ -1068,8 +1078,10 @@ class StateStore:
                 if after == self._last_written:
                     after = before  # already on disk (StateStore.checkpoint)
                 elif after != before and self._before_is_raw and not self._checkpointed \
-                        and State.from_json(self._raw_doc) == state:
-                    after = before  # the same state in another layout: leave the file
+                        and doc == self._raw_doc:
+                    # The same state in another layout: leave the file. (The file's
+                    # document passed from_json, so equal documents are equal states.)
+                    after = before
                 if after != before:
                     # The rename is visible at once; its directory fsync (durability
                     # across a power cut) need not keep other starts waiting.
@@ -1079,7 +1091,9 @@ class StateStore:
                 lock.release()
                 _relax(niceness)
                 # What scripts/bench reads to report the lock's hold time per start.
-                log.debug("state lock held %.2f ms", (time.monotonic() - held_since) * 1000)
+                log.debug("state lock held %.2f ms (%.2f ms of CPU)",
+                          (time.monotonic() - held_since) * 1000,
+                          (time.process_time() - cpu_since) * 1000)
             if not synced:
                 try:
                     atomicfile.fsync_dir(os.path.dirname(self.state_path))

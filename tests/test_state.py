@@ -311,6 +311,30 @@ def test_the_quick_vm_name_check_accepts_only_good_names(name: str) -> None:
         assert mod._checked_vm_name(name) == name
 
 
+near_ids = st.text(alphabet="0123456789abcdefAF-:. g\n", min_size=10, max_size=38) | \
+    uuids_text | pci_texts | uuids_text.map(str.upper) | \
+    uuids_text.map(lambda u: u[:8] + u[9:] + "-")
+
+
+@settings(max_examples=500, deadline=None)
+@given(near_ids)
+def test_the_quick_id_checks_accept_only_what_the_checked_ones_accept(text: str) -> None:
+    from gpulib import state as mod
+
+    if mod._is_uuid(text):
+        assert validate_uuid(text) == text
+    if mod._is_pci(text):
+        assert mod._PCI_RE.fullmatch(text)
+
+
+def test_the_quick_id_checks_take_the_common_forms() -> None:
+    from gpulib import state as mod
+
+    assert mod._is_uuid("6f3a1c2e-0b1d-4c5e-9f00-112233445566")
+    assert not mod._is_uuid("6F3A1C2E-0B1D-4C5E-9F00-112233445566")
+    assert mod._is_pci("0000:41:1f.7") and not mod._is_pci("0000:41:20.0")
+
+
 def test_bad_records_in_a_state_file_are_still_named(store: StateStore) -> None:
     doc = json.loads(dumps(sample_state()))
     doc["allocations"]["i-2-10-VM"]["devices"][0]["on_demand"] = 1
@@ -321,6 +345,21 @@ def test_bad_records_in_a_state_file_are_still_named(store: StateStore) -> None:
     doc["vgpus"][uuid_key.upper()] = doc["vgpus"].pop(uuid_key)
     with pytest.raises(CorruptStateError, match="not a canonical UUID"):
         State.from_json(doc)
+
+
+def test_a_file_in_another_layout_is_left_until_the_state_changes(store: StateStore) -> None:
+    os.makedirs(os.path.dirname(store.state_path))
+    compact = json.dumps(sample_state().to_json()).encode()
+    with open(store.state_path, "wb") as fh:
+        fh.write(compact)
+    with store.transaction() as s:
+        assert s == sample_state()
+    assert read_bytes(store.state_path) == compact
+    with store.transaction() as s:
+        s.unmanaged.add("0000:05:00.0")
+    text = read_bytes(store.state_path)
+    assert text is not None and text != compact
+    assert text.decode() == dumps(store.load())
 
 
 def test_output_is_deterministic(tmp_path: Path) -> None:
