@@ -2,5 +2,5 @@
 
 Each module has a `main(argv) -> int`; the executables in `hooks/` only call
 it. Nothing here imports click, and a domain without GPU devices is answered
-before lxml, filelock or the rest of gpulib are imported.
+before lxml or the rest of gpulib are imported.
 """

@@ -132,6 +132,8 @@ class Preparer:
         # lock from the state and those files (the occupancy model), never from
         # this early read; the host's topology and types do not change meanwhile.
         running_domains(self.sysfs, save_cache=True)
+        if request is not None:
+            self._derived_uuids(request)  # loads their hash module now, not under the lock
         if request is not None and (self.edit_xml or any(
                 mdev.read_mdev(self.sysfs, u) is None for u in uuids)):
             early = self.store.load()
