@@ -892,6 +892,9 @@ class StateStore:
         # and whether a checkpoint has replaced them since.
         self._raw_before: Optional[bytes] = None
         self._raw_doc: Any = None  # the parsed document of the last file read
+        # The document of the state as the transaction loaded it (when the file's
+        # own text stands for it): equal at the end means unchanged.
+        self._loaded_doc: Optional[dict[str, Any]] = None
         self._last_written: Optional[str] = None  # the last checkpoint's text
         self._before_is_raw = False
         self._checkpointed = False
@@ -1078,9 +1081,10 @@ class StateStore:
                 if after == self._last_written:
                     after = before  # already on disk (StateStore.checkpoint)
                 elif after != before and self._before_is_raw and not self._checkpointed \
-                        and doc == self._raw_doc:
-                    # The same state in another layout: leave the file. (The file's
-                    # document passed from_json, so equal documents are equal states.)
+                        and doc == self._loaded_doc:
+                    # The same state in another layout (or without fields that have
+                    # their defaults): leave the file. Documents of two states are
+                    # equal when the states are, and far cheaper to compare.
                     after = before
                 if after != before:
                     # The rename is visible at once; its directory fsync (durability
@@ -1171,6 +1175,7 @@ class StateStore:
         except UnicodeDecodeError:
             return state, dumps(state)
         self._before_is_raw = True
+        self._loaded_doc = state.to_json()
         return state, text
 
 

@@ -355,6 +355,18 @@ def test_a_file_in_another_layout_is_left_until_the_state_changes(store: StateSt
     with store.transaction() as s:
         assert s == sample_state()
     assert read_bytes(store.state_path) == compact
+    # Nor is one that leaves out fields at their defaults.
+    sparse = json.loads(compact)
+    del sparse["intents"]
+    for record in sparse["vgpus"].values():
+        if record["pool"] is None:
+            del record["pool"]
+    sparse_text = json.dumps(sparse).encode()
+    with open(store.state_path, "wb") as fh:
+        fh.write(sparse_text)
+    with store.transaction() as s:
+        assert s == sample_state()
+    assert read_bytes(store.state_path) == sparse_text
     with store.transaction() as s:
         s.unmanaged.add("0000:05:00.0")
     text = read_bytes(store.state_path)
