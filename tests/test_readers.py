@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpulib import usage
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.errors import ConfigError, DeviceError
@@ -30,7 +31,8 @@ from gpulib.runtime import discover_host
 from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, add_sriov_gpu, build_demo, models
-from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, Sysfs, read_file
+from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, Sysfs, read_file, read_file_unless
+from gpulib.usage import running_domains
 from tests import hookrun
 from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, as_agent, hook_env
 
@@ -181,6 +183,43 @@ def test_links_outside_sys_are_followed_inside_the_root(tmp_path: Path) -> None:
     assert isinstance(got, ReadFailure) and got.missing
 
 
+def test_read_file_unless_skips_what_the_caller_holds(tmp_path: Path) -> None:
+    path = tmp_path / "f.xml"
+    path.write_bytes(b"<domain/>")
+    got = read_file_unless(str(path), lambda st: False)
+    assert not isinstance(got, ReadFailure) and got[1] == b"<domain/>"
+    st = got[0]
+    same = read_file_unless(str(path), lambda s: (s.st_ino, s.st_size) == (st.st_ino, st.st_size))
+    assert not isinstance(same, ReadFailure) and same[1] is None
+    os.mkfifo(tmp_path / "fifo.xml")
+    # a FIFO is refused even by a caller that would take any file as known
+    fifo = read_file_unless(str(tmp_path / "fifo.xml"), lambda s: True)
+    assert isinstance(fifo, ReadFailure) and "FIFO" in fifo.reason
+    big = read_file_unless(str(path), lambda s: False, limit=4)
+    assert isinstance(big, ReadFailure) and "larger than" in big.reason
+
+
+def test_unreadable_status_files_cost_only_their_domain(host: str) -> None:
+    """A FIFO, a directory and an oversized file in place of status files:
+    those domains hold nothing known, the others are still read (twice: the
+    second time from the cache), and nothing waits."""
+    qemu = Path(host, "run/libvirt/qemu")
+    sysfs = Context.for_root(host).sysfs
+    before = {d.name: d for d in running_domains(sysfs)}
+    held = {n for n, d in before.items() if d.pci or d.mdevs}
+    assert held
+    os.mkfifo(qemu / "i-9-1-VM.xml")
+    (qemu / "i-9-2-VM.xml").mkdir()
+    (qemu / "i-9-3-VM.xml").write_bytes(b"<domstatus>" + b" " * (usage.MAX_STATUS_BYTES + 1))
+    for _ in range(2):
+        after = {d.name: d for d in running_domains(Context.for_root(host).sysfs)}
+        assert set(after) == set(before) | {"i-9-1-VM", "i-9-2-VM", "i-9-3-VM"}
+        for name in ("i-9-1-VM", "i-9-2-VM", "i-9-3-VM"):
+            assert after[name].pci == [] and after[name].mdevs == []
+        for name in held:
+            assert (after[name].pci, after[name].mdevs) == (before[name].pci, before[name].mdevs)
+
+
 @pytest.mark.parametrize("content", ["0x" + "1" * 9000, "0x1ffff", "garbage", "-1"])
 def test_ids_are_shape_checked(tmp_path: Path, content: str) -> None:
     (tmp_path / "sys").mkdir()
@@ -224,6 +263,7 @@ FIFO_CASES = [
     ("usr/share/misc/pci.ids", set()),
     (f"run/udev/data/+pci:{RTX}", set()),
     ("run/libvirt/qemu/i-4-20-VM.xml", set()),
+    ("run/gpulib/domains.json", set()),
     ("etc/gpulib/gpulib.conf", set()),
     ("proc/cmdline", set()),
     ("etc/os-release", set()),
