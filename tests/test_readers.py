@@ -264,6 +264,7 @@ FIFO_CASES = [
     (f"run/udev/data/+pci:{RTX}", set()),
     ("run/libvirt/qemu/i-4-20-VM.xml", set()),
     ("run/gpulib/domains.json", set()),
+    ("run/gpulib/log-failures", set()),
     ("etc/gpulib/gpulib.conf", set()),
     ("proc/cmdline", set()),
     ("etc/os-release", set()),
