@@ -90,15 +90,11 @@ class ReadFailure:
         return f"{self.path}: {self.reason}"
 
 
-def _opened(path: str, follow: bool) -> Union[int, ReadFailure]:
-    """A non-blocking read descriptor of `path`, or why it cannot be opened."""
-    try:
-        return os.open(path, _OPEN_FLAGS if follow else _OPEN_FLAGS | os.O_NOFOLLOW)
-    except OSError as exc:
-        code = exc.errno or errno.EIO
-        if code == errno.ELOOP and not follow:
-            return ReadFailure(path, code, "a symlink where a file belongs")
-        return ReadFailure(path, code, os.strerror(code))
+def _failure(path: str, exc: OSError, follow: bool = True) -> ReadFailure:
+    code = exc.errno or errno.EIO
+    if code == errno.ELOOP and not follow:
+        return ReadFailure(path, code, "a symlink where a file belongs")
+    return ReadFailure(path, code, os.strerror(code))
 
 
 def _content(fd: int, st: os.stat_result, path: str, limit: int) -> Union[bytes, ReadFailure]:
@@ -128,14 +124,15 @@ def read_file(path: str, limit: int = TEXT_MAX, follow: bool = True) -> Union[by
     Never blocks on a FIFO, never reads more than `limit` bytes, never raises
     OSError. `follow=False` refuses a symlink as the last component.
     """
-    fd = _opened(path, follow)
-    if isinstance(fd, ReadFailure):
-        return fd
+    # Inline, not shared with read_file_unless: discovery makes thousands of these calls.
+    try:
+        fd = os.open(path, _OPEN_FLAGS if follow else _OPEN_FLAGS | os.O_NOFOLLOW)
+    except OSError as exc:
+        return _failure(path, exc, follow)
     try:
         return _content(fd, os.fstat(fd), path, limit)
     except OSError as exc:
-        code = exc.errno or errno.EIO
-        return ReadFailure(path, code, os.strerror(code))
+        return _failure(path, exc)
     finally:
         os.close(fd)
 
@@ -151,9 +148,10 @@ def read_file_unless(path: str, known: AlreadyRead, limit: int = TEXT_MAX, follo
     file opened, and its content, or None when `known(status)` says the caller
     has it already. The status is the open file's own (fstat), so a file
     replaced by rename meanwhile is never taken for the one cached."""
-    fd = _opened(path, follow)
-    if isinstance(fd, ReadFailure):
-        return fd
+    try:
+        fd = os.open(path, _OPEN_FLAGS if follow else _OPEN_FLAGS | os.O_NOFOLLOW)
+    except OSError as exc:
+        return _failure(path, exc, follow)
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and known(st):
@@ -161,8 +159,7 @@ def read_file_unless(path: str, known: AlreadyRead, limit: int = TEXT_MAX, follo
         data = _content(fd, st, path, limit)
         return data if isinstance(data, ReadFailure) else (st, data)
     except OSError as exc:
-        code = exc.errno or errno.EIO
-        return ReadFailure(path, code, os.strerror(code))
+        return _failure(path, exc)
     finally:
         os.close(fd)
 
