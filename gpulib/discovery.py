@@ -272,7 +272,11 @@ class Discovery:
         # Raises only when sys/bus/pci/devices exists but cannot be listed:
         # an empty report would tell the agent that every GPU failed.
         addresses = list_addresses(sysfs)
+        # The VFs read under their GPU: never GPUs themselves, so not read again.
+        read_vfs: set[PciAddress] = set()
         for address in addresses:
+            if address in read_vfs:
+                continue
             mark = len(sysfs.failures)
             # One device's fault never costs the others: whatever goes wrong
             # with this function (an odd file, a bug on odd input) stays here.
@@ -291,6 +295,7 @@ class Discovery:
                 if note not in gpu.errors:
                     gpu.errors.append(note)
             gpus.append(gpu)
+            read_vfs.update(vf.address for vf in gpu.vfs)
         # A VF is never also a GPU, even when its own `physfn` is unreadable.
         vfs = {vf.address for g in gpus for vf in g.vfs}
         for g in gpus:

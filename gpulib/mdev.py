@@ -105,16 +105,21 @@ class Description:
 class MdevType:
     """One directory under a parent's mdev_supported_types."""
 
+    __slots__ = ("_description", "_description_text", "_device_api", "_name", "_name_read",
+                 "_same_as", "_sysfs", "failures", "parent", "rel", "type_id")
+
     def __init__(self, sysfs: Sysfs, parent: PciAddress, type_id: str,
-                 same_as: Optional[MdevType] = None) -> None:
+                 same_as: Optional[MdevType] = None, rel: Optional[str] = None) -> None:
         """`same_as`: the same type on a sibling parent (another VF of the same
-        GPU), whose name and description this one shares: one driver and one
-        card print them alike, and a large host has thousands of such files."""
+        GPU), whose name, description and device API this one shares: one
+        driver and one card print them alike, and a large host has thousands
+        of such files. `rel`: the type's directory, when the caller has it."""
         self._sysfs = sysfs
         self.parent = parent
         self.type_id = type_id
-        self.rel = f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{type_id}"
+        self.rel = rel or f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{type_id}"
         self._same_as = same_as
+        self._device_api: Optional[str] = None
         self._name: Optional[str] = None
         self._name_read = False
         self._description: Optional[Description] = None
@@ -200,7 +205,11 @@ class MdevType:
 
     @property
     def device_api(self) -> Optional[str]:
-        return self._sysfs.read(self.rel + "/device_api")
+        if self._same_as is not None:
+            return self._same_as.device_api
+        if self._device_api is None:
+            self._device_api = self._sysfs.read(self.rel + "/device_api")
+        return self._device_api
 
     def live_uuids(self) -> list[str]:
         return sorted(self._sysfs.listdir(self.rel + "/devices"))
@@ -237,15 +246,18 @@ def list_types(sysfs: Sysfs, parent: PciAddress,
                siblings: Optional[dict[str, MdevType]] = None) -> list[MdevType]:
     """A parent's types. `siblings` (type id -> type on another VF of the same
     GPU) lets them share names and descriptions; it is filled as it goes."""
-    names = sysfs.listdir(f"{PCI_DEVICES}{parent}/{TYPES_DIR}")
+    base = f"{PCI_DEVICES}{parent}/{TYPES_DIR}/"
+    names = sysfs.listdir(base[:-1])
     out = []
     for n in sorted(names):
-        if not _TYPE_ID_RE.match(n) or ".." in n:
-            sysfs.failed(f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{n}", "not a type id")
+        sibling = siblings.get(n) if siblings is not None else None
+        # A sibling's id was checked already (16 VFs x 24 types on a large host).
+        if sibling is None and (not _TYPE_ID_RE.match(n) or ".." in n):
+            sysfs.failed(base + n, "not a type id")
             continue
-        t = MdevType(sysfs, parent, n, same_as=siblings.get(n) if siblings is not None else None)
-        if siblings is not None:
-            siblings.setdefault(n, t)
+        t = MdevType(sysfs, parent, n, same_as=sibling, rel=base + n)
+        if siblings is not None and sibling is None:
+            siblings[n] = t
         out.append(t)
     return out
 
@@ -275,13 +287,23 @@ def read_mdev(sysfs: Sysfs, uuid: str) -> Optional[Mdev]:
     if not _UUID_RE.match(uuid):
         return None  # a stray entry: only UUIDs name mdevs
     rel = f"{MDEV_DEVICES}/{uuid}"
-    if not sysfs.exists(rel):
-        return None
+    # <parent dir>/<uuid>: the parent is the directory holding the device.
+    # The bus entry is a link whose own target names it ("../../../devices/
+    # pci0000:10/0000:10:01.0/0000:11:00.4/<uuid>"): one readlink, not a
+    # resolution of every component (a large host has hundreds of vGPUs).
     try:
-        # <parent dir>/<uuid>: the parent is the directory holding the device.
-        real = sysfs.resolve(rel)
-        parent = PciAddress.parse(real.rstrip("/").split("/")[-2])
-    except (ValueError, InputError):
+        target: Optional[str] = os.readlink(sysfs.path(rel))
+    except FileNotFoundError:
+        return None
+    except OSError:
+        target = None  # not a link (or unreadable): resolved the long way
+    try:
+        if target is None or not target.endswith("/" + uuid):
+            if not sysfs.exists(rel):
+                return None
+            target = sysfs.resolve(rel)
+        parent = PciAddress.parse(target.rstrip("/").split("/")[-2])
+    except (ValueError, InputError, IndexError):
         return None
     type_id = sysfs.link_name(rel + "/mdev_type")
     if not type_id:
