@@ -86,6 +86,17 @@ def _write(obj: Any, depth: int, out: list[str]) -> None:
             text = _encoder(depth + 1)(list(obj))
             out.append("[" + inner + text[1:-1] + "\n" + "  " * depth + "]")
             return
+        if all(type(v) is dict and v and _flat(v.values()) for v in obj):
+            # Dicts of scalars (a GPU's types, vGPUs, VFs) in one C call, their
+            # items separated at depth + 2. Where one dict ends and the next
+            # begins ("},<newline><indent>{": encoded text never holds a raw
+            # newline, so nowhere else) go the line breaks of depth + 1.
+            outer = "\n" + "  " * (depth + 1)
+            inner = outer + "  "
+            text = _encoder(depth + 2)(list(obj))
+            body = text[2:-2].replace("}," + inner + "{", outer + "}," + outer + "{" + inner)
+            out.append("[" + outer + "{" + inner + body + outer + "}\n" + "  " * depth + "]")
+            return
         sep = "[" + inner
         for value in obj:
             out.append(sep)

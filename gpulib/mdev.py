@@ -105,8 +105,9 @@ class Description:
 class MdevType:
     """One directory under a parent's mdev_supported_types."""
 
-    __slots__ = ("_description", "_description_text", "_device_api", "_name", "_name_read",
-                 "_same_as", "_sysfs", "failures", "parent", "rel", "type_id")
+    __slots__ = ("_description", "_description_read", "_description_text", "_device_api",
+                 "_name", "_name_read", "_same_as", "_sysfs", "failures", "parent", "rel",
+                 "type_id")
 
     def __init__(self, sysfs: Sysfs, parent: PciAddress, type_id: str,
                  same_as: Optional[MdevType] = None, rel: Optional[str] = None) -> None:
@@ -122,7 +123,10 @@ class MdevType:
         self._device_api: Optional[str] = None
         self._name: Optional[str] = None
         self._name_read = False
+        # The text is read by `load` (or when first asked for); the numbers
+        # are parsed from it when first asked for (a report needs few of them).
         self._description: Optional[Description] = None
+        self._description_read = False
         self._description_text: Optional[str] = None
         # What `load` could not read (paths and reasons).
         self.failures: list[str] = []
@@ -152,7 +156,8 @@ class MdevType:
                     self._sysfs.failed(self.rel + "/name", data.reason)
             else:
                 self._name = _one_line(data.decode("utf-8", "replace")) or None
-        if self._description is None:
+        if not self._description_read:
+            self._description_read = True
             data = self._sysfs.read_result(self.rel + "/description")
             if isinstance(data, ReadFailure):
                 if not data.missing:
@@ -161,7 +166,6 @@ class MdevType:
                 self._description_text = None
             else:
                 self._description_text = data.decode("utf-8", "replace").strip()
-            self._description = Description(self._description_text)
         return failures
 
     @property
@@ -191,13 +195,17 @@ class MdevType:
         return self._description
 
     def _load_description(self) -> None:
-        if self._description is None and self._same_as is not None:
+        if self._description is not None:
+            return
+        if self._same_as is not None:
             self._same_as._load_description()
             self._description_text = self._same_as._description_text
             self._description = self._same_as._description
-        if self._description is None:
+            return
+        if not self._description_read:
+            self._description_read = True
             self._description_text = self._sysfs.read(self.rel + "/description")
-            self._description = Description(self._description_text)
+        self._description = Description(self._description_text)
 
     @property
     def available_instances(self) -> Optional[int]:
@@ -218,7 +226,9 @@ class MdevType:
 def _one_line(text: str) -> str:
     """The first line of `text`, without control characters, at most NAME_MAX long."""
     line = text.strip().split("\n", 1)[0]
-    return "".join(c for c in line if c.isprintable())[:NAME_MAX].strip()
+    if not line.isprintable():
+        line = "".join(c for c in line if c.isprintable())
+    return line[:NAME_MAX].strip()
 
 
 class Mdev:
