@@ -252,6 +252,11 @@ def is_parent(sysfs: Sysfs, address: PciAddress) -> bool:
     return sysfs.isdir(f"{PCI_DEVICES}{address}/{TYPES_DIR}")
 
 
+def valid_type_id(name: str) -> bool:
+    """`name` can be a type id (a directory name to use in paths: no '/', no '..')."""
+    return bool(_TYPE_ID_RE.match(name)) and ".." not in name
+
+
 def list_types(sysfs: Sysfs, parent: PciAddress,
                siblings: Optional[dict[str, MdevType]] = None) -> list[MdevType]:
     """A parent's types. `siblings` (type id -> type on another VF of the same
@@ -262,7 +267,7 @@ def list_types(sysfs: Sysfs, parent: PciAddress,
     for n in sorted(names):
         sibling = siblings.get(n) if siblings is not None else None
         # A sibling's id was checked already (16 VFs x 24 types on a large host).
-        if sibling is None and (not _TYPE_ID_RE.match(n) or ".." in n):
+        if sibling is None and not valid_type_id(n):
             sysfs.failed(base + n, "not a type id")
             continue
         t = MdevType(sysfs, parent, n, same_as=sibling, rel=base + n)
