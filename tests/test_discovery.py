@@ -398,3 +398,57 @@ def test_discover_errors_are_one_line_with_and_without_click(tmp_path: Path) -> 
         assert proc.stderr.decode().splitlines() == [
             f"gpulib: error: cannot list the PCI devices in {host.root}/sys/bus/pci/devices: "
             "Input/output error"]
+
+
+# -- a VF's mdev types ---------------------------------------------------------------------
+
+def vf_sriov_host(root: str) -> FakeHost:
+    """One GPU whose three VFs offer two mdev types each, two vGPUs live."""
+    return build_random_host(root, [(3, True, 2, 0x030200)])
+
+
+def test_each_vf_offers_its_own_types(tmp_path: Path) -> None:
+    host = vf_sriov_host(str(tmp_path))
+    # what each VF's files say, different per VF where a VF has its own value
+    for i, vf in enumerate(("0000:10:00.4", "0000:10:00.5", "0000:10:00.6")):
+        host.write_file(f"sys/bus/pci/devices/{vf}/mdev_supported_types/nvidia-2/"
+                        "available_instances", f"{i}\n")
+    [g] = discover(Sysfs(host.root)).gpus
+    assert len(g.vfs) == 3 and len(g.vgpus) == 2
+    for v in g.vgpus:
+        [owner] = [vf for vf in g.vfs if vf.address == v.parent]
+        # the vGPU's type is the very object its VF lists
+        assert any(t is v.mdev_type for t in owner.mdev_types)
+    for i, vf in enumerate(g.vfs):
+        assert [t.type_id for t in vf.mdev_types] == ["nvidia-1", "nvidia-2"]
+        for t in vf.mdev_types:
+            assert t.parent == vf.address
+            assert t.rel == f"sys/bus/pci/devices/{vf.address}/mdev_supported_types/{t.type_id}"
+            assert t.profile_name == {"nvidia-1": "GRID X-1Q", "nvidia-2": "GRID X-2Q"}[t.type_id]
+            assert t.description.framebuffer_mb == int(t.type_id[-1]) * 1024
+        assert vf.mdev_types[1].available_instances == i
+    native = report.document(discover(Sysfs(host.root)))
+    [doc] = native["gpus"]
+    expected = []
+    for vf in ("0000:10:00.4", "0000:10:00.5", "0000:10:00.6"):
+        for tid in ("nvidia-1", "nvidia-2"):
+            count = Path(host.root, "sys/bus/pci/devices", vf, "mdev_supported_types", tid,
+                         "available_instances").read_text()
+            expected.append((vf, tid, "GRID X-" + tid[-1] + "Q", int(count)))
+    assert [(t["parent"], t["type_id"], t["name"], t["available_instances"])
+            for t in doc["mdev_types"]] == expected
+
+
+def test_a_type_unreadable_where_first_listed_is_offered_by_no_vf(tmp_path: Path) -> None:
+    host = vf_sriov_host(str(tmp_path))
+    name = Path(host.root, "sys/bus/pci/devices/0000:10:00.4/mdev_supported_types/nvidia-1/name")
+    name.unlink()
+    name.mkdir()
+    [g] = discover(Sysfs(host.root)).gpus
+    assert [[t.type_id for t in vf.mdev_types] for vf in g.vfs] == [["nvidia-2"]] * 3
+    assert [e for e in g.errors if "nvidia-1" in e] == [f"{name.relative_to(host.root)}: "
+                                                        "a directory, not a file"]
+    # its live vGPU there stays listed, named by the type id
+    assert len(g.vgpus) == 2
+    [there] = [v for v in g.vgpus if str(v.parent) == "0000:10:00.4"]
+    assert there.mdev_type.type_id == "nvidia-1" and there.mdev_type.profile_name == "nvidia-1"
