@@ -3,8 +3,8 @@
 Every subcommand lives in its own module of this package; nothing outside the
 CLI imports it, and the hook paths never import click. Nor does the agent's
 `gpulib discover --format cloudstack`: its plain forms are served by
-`gpulib.cli.inventory` before click is loaded (the group is in
-`gpulib.cli.commands`).
+`gpulib.cli.inventory` before click is loaded (the group, `gpulib.cli.cli`, is
+in `gpulib.cli.commands` and loaded when asked for).
 
 Exit codes: see gpulib.errors (0 ok, 1 failed, 2 bad input, 3 busy, 4 state).
 """
@@ -12,7 +12,7 @@ Exit codes: see gpulib.errors (0 ok, 1 failed, 2 bad input, 3 busy, 4 state).
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -26,3 +26,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from gpulib.cli.common import run_main
 
     return run_main(cli, args)
+
+
+def __getattr__(name: str) -> Any:
+    # `gpulib.cli.cli`, the click group, without loading click on import.
+    if name == "cli":
+        from gpulib.cli.commands import cli
+
+        return cli
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
