@@ -8,7 +8,8 @@ with an `mdev_type` link and a `remove` file.
 Outside discovery, reading is lazy per type: a large host has thousands of
 type directories and most callers need only the few types that have live
 devices. Discovery reads each listed type's `name` and `description` at once
-(`MdevType.load`), inside its per-device guard.
+(`MdevType.load`), inside its per-device guard: once per GPU, on the VF that
+lists the type first (the same type on the other VFs shares them, `same_as`).
 """
 
 from __future__ import annotations
