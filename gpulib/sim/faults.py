@@ -66,7 +66,9 @@ def inject(root: str, rel: str, kind: str) -> None:
     if kind == "block":
         path = os.path.join(root, rel)
         if os.path.isdir(path) and not os.path.islink(path):
-            import shutil  # here: the simulated hooks import this module on every run
+            # Imported here: every simulated run loads this module, only
+            # injecting a fault needs shutil (and the compressors it loads).
+            import shutil
 
             shutil.rmtree(path)
         elif os.path.lexists(path):
