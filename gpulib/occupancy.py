@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev
 from gpulib.errors import InputError
-from gpulib.pci import PciAddress
+from gpulib.pci import PciAddress, physical_function
 
 if TYPE_CHECKING:
     from gpulib.config import Config
@@ -98,7 +98,12 @@ class Tree:
                     return None
                 parent = os.path.basename(os.path.dirname(target)) or None
             return parent
-        return self.sysfs.link_name(f"sys/bus/pci/devices/{node}/physfn")
+        try:
+            address = PciAddress.parse(node)
+        except InputError:
+            return None
+        pf = physical_function(self.sysfs, address)
+        return str(pf) if pf is not None else None
 
     def chain(self, node: str) -> list[str]:
         """The node, then its ancestors up to the PF."""

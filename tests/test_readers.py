@@ -575,6 +575,20 @@ def test_vf_with_looping_physfn_is_not_a_gpu(host: str, baseline: set[str]) -> N
     assert "41:00.5" in [v["vf_pci_address"] for v in a10["vf_instances"]]
 
 
+@pytest.mark.parametrize("running,asked", [(A10, "0000:41:00.5"), ("0000:41:00.5", A10)])
+def test_vf_with_looping_physfn_still_conflicts_with_its_pf(host: str, running: str,
+                                                            asked: str) -> None:
+    """The VF's PF is found from the PF's `virtfnN` links: a running VM holding
+    one of the two makes a start naming the other refused."""
+    physfn = os.path.join(host, DEV, "0000:41:00.5", "physfn")
+    os.unlink(physfn)
+    os.symlink("physfn", physfn)
+    FakeHost(host).add_running_domain("i-7-70-VM", "7d1e0c52-55a5-4a37-9a1c-3b0d6f1f7a70",
+                                      pci=(running,), domain_id=70)
+    proc = transformer_finishes(host, pci=(asked,))
+    assert proc.returncode != 0 and b"i-7-70-VM" in proc.stdout, proc.stdout
+
+
 def test_unreadable_group_peer_class_is_a_clear_transformer_error(host: str) -> None:
     faults.inject(host, f"{DEV}/0000:3b:00.1/class", "eio")
     proc = transformer_finishes(host, pci=(RTX,))

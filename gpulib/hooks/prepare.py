@@ -40,7 +40,7 @@ from gpulib.allocator import (
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
 from gpulib.domain import Domain, DomainXmlError, GpuRequest, PciHostdev, derive_uuid
-from gpulib.errors import DeviceError, InputError
+from gpulib.errors import DeviceError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, follow_definitions, open_store
@@ -52,6 +52,7 @@ from gpulib.pci import (
     iommu_group_members,
     libvirt_uint,
     list_addresses,
+    physical_function,
 )
 from gpulib.state import Device, State, validate_vm_name
 from gpulib.sysfs import ReadFailure
@@ -212,8 +213,8 @@ class Preparer:
         """An unmanaged device (or a VF or vGPU of an unmanaged GPU) is left alone."""
         if str(address) in state.unmanaged:
             return True
-        physfn = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn")
-        return physfn is not None and physfn in state.unmanaged
+        physfn = physical_function(self.sysfs, address)
+        return physfn is not None and str(physfn) in state.unmanaged
 
     def _is_gpu_fn(self, address: PciAddress) -> bool:
         """Whether discovery counts this function as a GPU (its include/exclude too)."""
@@ -229,12 +230,10 @@ class Preparer:
 
     def _is_gpulibs(self, address: PciAddress) -> bool:
         """A GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group."""
-        physfn = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn")
+        # A VF whose own `physfn` loops is still found by its PF's `virtfnN` links.
+        physfn = physical_function(self.sysfs, address)
         if physfn is not None:
-            try:
-                return self._is_gpu_fn(PciAddress.parse(physfn))
-            except InputError:
-                return False
+            return self._is_gpu_fn(physfn)
         if self._is_gpu_fn(address):
             return True
         group = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/iommu_group")
