@@ -475,6 +475,24 @@ def test_agent421_rendering_never_hands_over_the_device_it_misreads_as(
     assert tree_contents(host.root) == before
 
 
+def test_qemu_hook_refuses_a_421_rendering_libvirt_would_misread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Without the transformer's repair libvirt would give the VM the NIC at
+    0000:0f:01.0: `prepare begin` stops that start."""
+    host = wide_domain_host(str(tmp_path / "h"), nic_at_mangled=True)
+    before = tree_contents(host.root)
+    monkeypatch.setenv("GPULIB_ROOT", host.root)
+    monkeypatch.setenv("GPULIB_SIMULATE", "1")
+    monkeypatch.setattr("sys.stdin", _Stdin(pci_xml(VM, VM_UUID, agent421_source(MI300X))))
+    capfd.readouterr()
+    assert qemu.main(["gpulib-qemu-hook", VM, "prepare", "begin", "-"]) == 2
+    err = capfd.readouterr().err
+    assert f"names {NIC_AT_MANGLED}, not the GPU {MI300X}" in err
+    assert "CloudStack 4.21 agent bug" in err
+    assert tree_contents(host.root) == before
+
+
 # -- IOMMU groups: what goes along with a passthrough GPU --------------------------------------
 
 def test_group_peers_go_along_but_bridges_and_other_gpus_do_not(

@@ -262,24 +262,42 @@ class Preparer:
     def _address(self, h: PciHostdev) -> PciAddress:
         """The host address; CloudStack 4.21's mangled PCI domain repaired when exactly
         one GPU function of this host matches, refused naming the agent bug otherwise."""
-        try:
+        mangled = h.agent421_mangled()
+        if mangled is None:
             return h.address
+        # The rendering may still read as a valid address (000f:01:00.0 as
+        # 0000:0f:01.0), maybe of another device: that one counts only if it
+        # is a GPU itself, and then the XML is ambiguous.
+        try:
+            literal: Optional[PciAddress] = h.address
         except DomainXmlError:
-            mangled = h.agent421_mangled()
-            if mangled is None:
-                raise
+            literal = None
         domain, bus, function = mangled
         matches = [a for a in list_addresses(self.sysfs)
                    if (a.domain, a.bus, a.function) == (domain, bus, function)
                    and self._is_gpu_fn(a)]
+        if literal is not None:
+            if not matches:
+                return literal  # a bus written long, nothing to repair
+            if literal not in matches and self._is_gpu_fn(literal):
+                matches.append(literal)
         src = h.element.find("source/address")
         written = " ".join(f"{k}='{src.get(k)}'" for k in ("domain", "bus", "slot", "function"))
         if len(matches) != 1:
+            also = f" (and {literal} as written)" if literal in matches else ""
             raise DomainXmlError(
                 f"PCI hostdev <address {written}> is not an address: {AGENT_421_BUG}; "
                 f"{len(matches)} GPU functions of this host match {domain:04x}:{bus:02x}:??."
-                f"{function}, so it cannot be repaired (upgrade the agent)")
+                f"{function}{also}, so it cannot be repaired (upgrade the agent)")
         fixed = matches[0]
+        if fixed == literal:
+            return fixed
+        if literal is not None and not self.edit_xml:
+            # libvirt would give the VM the device the XML reads as.
+            raise DomainXmlError(
+                f"PCI hostdev <address {written}> names {literal}, not the GPU {fixed}: "
+                f"{AGENT_421_BUG} (start it through the CloudStack transformer hook, or "
+                "upgrade the agent)")
         if self.edit_xml:
             for name, value in fixed.libvirt().items():
                 src.set(name, value)
