@@ -521,6 +521,26 @@ def test_group_peers_go_along_but_bridges_and_other_gpus_do_not(
     assert code == 1 and f"in use by starting VM {OTHER}" in err
 
 
+def test_attach_and_detach_keep_the_gpus_of_a_shared_group_apart(tmp_path: Path) -> None:
+    """Plain libvirt (`gpulib attach/detach`): the same rule as the agent's start."""
+    from gpulib.attach import Wanted, plan_attach, plan_detach
+    from gpulib.config import Config
+
+    host = shared_group_host(str(tmp_path / "h"))
+    ctx, config = Context.for_root(host.root, simulate=True), Config()
+    xml = FakeHost.domain_xml(VM, VM_UUID)
+    xml = plan_attach(ctx, config, xml, Wanted(gpu=MI210_A)).after
+    assert source_addresses(xml) == [PciAddress.parse(MI210_A)]
+    xml = plan_attach(ctx, config, xml, Wanted(gpu=RTX)).after
+    xml = plan_attach(ctx, config, xml, Wanted(gpu=MI210_B)).after
+    assert source_addresses(xml) == [PciAddress.parse(a)
+                                     for a in (MI210_A, RTX, RTX_AUDIO, MI210_B)]
+    # Detaching one MI210 leaves the other; detaching the GeForce takes its audio.
+    xml = plan_detach(ctx, config, xml, [MI210_A]).after
+    xml = plan_detach(ctx, config, xml, [RTX]).after
+    assert source_addresses(xml) == [PciAddress.parse(MI210_B)]
+
+
 # -- mdev types without a name ------------------------------------------------------------------
 
 def test_a_pool_takes_the_profile_the_report_shows_for_a_nameless_type(

@@ -436,6 +436,11 @@ class Preparer:
             klass = self._peer_class(h.address, member)
             if klass >> 16 == BRIDGE_BASE_CLASS:
                 continue  # bridges stay with the host; only endpoints go along
+            if self._is_gpu_fn(member):
+                # Another GPU of a shared group is a device of its own that the
+                # agent tracks and may give to no one else while this VM runs
+                # (the occupancy's group index), not a companion to hand over.
+                continue
             if occ is not None:
                 self._refuse(occ, "pci", str(member))
             peers.append(member)
