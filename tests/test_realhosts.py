@@ -28,7 +28,7 @@ from gpulib.pci import PciAddress, virtfn_links
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, add_sriov_gpu, models
-from tests.hosts import install_hooks, start_libvirtd, tree_contents
+from tests.hosts import a10_host, install_hooks, start_libvirtd, tree_contents
 from tests.test_discovery import check_agent_document
 
 VM = "i-8-1-VM"
@@ -54,15 +54,17 @@ A10 = "0000:3b:00.0"
 A100 = "0000:5e:00.0"
 T4 = "0000:b0:00.0"
 V620 = "0000:c1:00.0"
+A100_VGPU = "5e0a1000-0000-4000-8000-00000000000b"
 
 
 def odd_vf_host(root: str) -> FakeHost:
     """VFs as real hosts number them.
 
     * an A10 whose 16 vendor-specific VFs start at function 4 and run over two
-      slot boundaries (3b:00.4 .. 3b:02.3, virtfn10..15 past virtfn9);
+      slot boundaries (3b:00.4 .. 3b:02.3, virtfn10..15 past virtfn9); the
+      last four carry a vGPU type;
     * an A100 with VF offset 0x100 and stride 2: its VFs are on the next bus,
-      every other function, each an mdev parent;
+      every other function, each an mdev parent, the last with a live vGPU;
     * a T4 with `sriov_totalvfs` 16 and no VF enabled (the vGPU manager never
       creates T4 VFs);
     * a V620 whose `virtfnN` links have a gap and are not in address order.
@@ -73,13 +75,22 @@ def odd_vf_host(root: str) -> FakeHost:
     add_model(host, m["a10"], A10, 0, parent="0000:3a:00.0")
     host.set_sriov_capability(A10, 32, m["a10"]["vf_device"], offset=4)
     types = {int(k): v for k, v in m["a10"]["nvidia_vf_types"].items()}
-    for vf in host.enable_sriov(A10, 16, vf_driver="nvidia"):
-        host.add_nvidia_vf_types(vf, types)
+    host.enable_sriov(A10, 16, vf_driver="nvidia")
     host.add_bridge("0000:5d:00.0", numa_node=0, iommu_group=host.new_iommu_group())
     add_model(host, m["a100"], A100, 0, parent="0000:5d:00.0")
     host.set_sriov_capability(A100, 16, m["a100"]["vf_device"], offset=0x100, stride=2)
-    for vf in host.enable_sriov(A100, 12, vf_driver="nvidia"):
+    a100_vfs = host.enable_sriov(A100, 12, vf_driver="nvidia")
+    for vf in a100_vfs:
         host.populate_mdev_parent(vf, m["a100"]["vf_mdev_types"])
+    # A live vGPU on the 12th VF, on the next bus.
+    host.add_mdev(A100_VGPU, a100_vfs[11], "nvidia-470")
+    # The A10's last four VFs (virtfn12..15: 3b:02.0 .. 3b:02.3) carry A10-4Q,
+    # which leaves the others only that type.
+    vfs = [vf for _, vf in sorted(_kernel_vfs(host, A10).items())]
+    for vf in vfs[12:]:
+        host.add_nvidia_vf_types(vf, {}, current=593)
+    for vf in vfs[:12]:
+        host.add_nvidia_vf_types(vf, {593: types[593]})
     host.add_bridge("0000:af:00.0", numa_node=1, iommu_group=host.new_iommu_group())
     add_model(host, m["t4"], T4, 1, parent="0000:af:00.0", driver="vfio-pci")
     host.set_sriov_capability(T4, 16, 0, offset=4)
@@ -363,11 +374,11 @@ def test_reports_of_every_real_host_keep_the_contract(real_host: FakeHost,
 def test_doctor_accepts_a_split_gpu_that_offers_nothing_yet(tmp_path: Path) -> None:
     """An A10 whose vendor VFs are enabled but untyped offers no instance and is
     not offered whole either (`enabled` 0): that report is right, not a bug."""
-    host = odd_vf_host(str(tmp_path / "h"))
+    host = a10_host(str(tmp_path))
     install_hooks(host)
     start_libvirtd(host)
     doc = cloudstack_doc(host.root)
-    a10 = next(g for g in doc["gpus"] if g["pci_address"] == "3b:00.0")
+    a10 = next(g for g in doc["gpus"] if g["pci_address"] == "41:00.0")
     assert a10["vf_instances"] == [] and a10["full_passthrough"]["enabled"] == 0
     report = dr.run(Context.for_root(host.root))
     assert [r.to_json() for r in report.results_for("discovery") if r.status != "ok"] == []
@@ -375,7 +386,7 @@ def test_doctor_accepts_a_split_gpu_that_offers_nothing_yet(tmp_path: Path) -> N
     from gpulib.doctor.discovery import agent_document_problems
 
     a10["full_passthrough"]["enabled"] = 1
-    assert [s for s, _ in agent_document_problems(doc)] == ["3b:00.0"]
+    assert [s for s, _ in agent_document_problems(doc)] == ["41:00.0"]
 
 
 # -- the agent starts what the report offers -------------------------------------------------
