@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tarfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -363,6 +364,16 @@ def test_reports_of_every_real_host_keep_the_contract(real_host: FakeHost,
         assert n["errors"] == []
     code, out = gpulib(root, ["status", "--json"], monkeypatch, capsys)
     assert code == 0 and json.loads(out)
+    # Replayed from its snapshot, the host reads the same.
+    tarball = str(Path(root).parent / "snapshot.tar.gz")
+    code, out = gpulib(root, ["snapshot", "-o", tarball], monkeypatch, capsys)
+    assert code == 0, out
+    replay = Path(root).parent / "replay"
+    replay.mkdir()
+    with tarfile.open(tarball) as tar:
+        tar.extractall(replay)
+    code, out = gpulib(str(replay), ["discover", "--format", "json"], monkeypatch, capsys)
+    assert code == 0 and json.loads(out) == native
     # A correct report is not a doctor failure, whatever the host's layout.
     install_hooks(real_host)
     start_libvirtd(real_host)
