@@ -397,7 +397,8 @@ class PciHostdev(_XmlNode):
         That agent split `0001:d6:00.0` on ':' and wrote
         `domain='0x0000' bus='0x0001' slot='0xd6' function='0x0'`: the bus
         attribute carries the domain's four (or more: `10000`) hex digits,
-        which no agent writes for a bus. The slot may then be above 0x1f (no
+        which no agent writes for a bus (a domain 0000 is never rendered so:
+        the agent gets `bb:ss.f` for it). The slot may then be above 0x1f (no
         real address), or not: `000f:01:00.0` becomes bus='0x000f'
         slot='0x01', which reads as the valid 0000:0f:01.0. The slot itself is
         lost; whoever knows the host's functions may repair the address when
@@ -414,7 +415,7 @@ class PciHostdev(_XmlNode):
             return None
         digits = bus[2:] if bus[:2].lower() == "0x" else ""
         if d != 0 or not 4 <= len(digits) <= 8 or not 0 <= s <= 0xFF or not 0 <= f <= 7 \
-                or not 0 <= b <= MAX_DOMAIN:
+                or not 0 < b <= MAX_DOMAIN:
             return None
         return b, s, f
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lxml import etree
 
 from gpulib import cli, cloudstack
@@ -325,6 +327,37 @@ def test_vfs_are_found_under_their_pf_at_the_kernels_addresses(tmp_path: Path) -
     t4 = next(g for g in doc["gpus"] if g["pci_address"] == "b0:00.0")
     assert (t4["sriov_totalvfs"], t4["sriov_numvfs"], t4["full_passthrough"]["enabled"]) == \
         (16, 0, 1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(offset=st.integers(1, 0x180), stride=st.integers(1, 3), numvfs=st.integers(1, 20),
+       on_root_bus=st.booleans(), order=st.randoms(use_true_random=False))
+def test_any_vf_numbering_is_read_as_the_links_say(tmp_path_factory: pytest.TempPathFactory,
+                                                   offset: int, stride: int, numvfs: int,
+                                                   on_root_bus: bool, order: Any) -> None:
+    """Whatever the routing-ID arithmetic and the virtfnN links (gaps, out of
+    address order, above 9), discovery lists exactly the linked VFs under
+    their PF in index order, the report offers each at its own address, and
+    the PF is neither a GPU twice nor offered whole."""
+    m = models()["v620"]
+    host = _base(str(tmp_path_factory.mktemp("vfs") / "h"))
+    parent = None if on_root_bus else "0000:20:01.0"
+    if parent:
+        host.add_bridge(parent, numa_node=0, iommu_group=host.new_iommu_group())
+    add_model(host, m, "0000:21:00.0", 0, parent=parent)
+    host.set_sriov_capability("0000:21:00.0", 32, m["vf_device"], offset=offset, stride=stride)
+    vfs = host.enable_sriov("0000:21:00.0", numvfs, vf_driver="vfio-pci")
+    indices = order.sample(range(2 * numvfs), numvfs)
+    order.shuffle(vfs)
+    links = dict(zip(indices, vfs))
+    host.renumber_vfs("0000:21:00.0", links)
+    inv = discover_host(Context.for_root(host.root), learn=False)
+    assert [str(g.address) for g in inv.gpus] == ["0000:21:00.0"]
+    assert [(vf.index, str(vf.address)) for vf in inv.gpus[0].vfs] == sorted(links.items())
+    [g] = cloudstack.render(inv)["gpus"]
+    assert [vf["libvirt_address"] for vf in g["vf_instances"]] == [
+        PciAddress.parse(links[i]).libvirt() for i in sorted(links)]
+    assert g["full_passthrough"]["enabled"] == 0 and g["sriov_numvfs"] == numvfs
 
 
 def test_vfs_past_the_root_bus_sit_beside_their_pf(tmp_path: Path) -> None:
