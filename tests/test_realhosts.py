@@ -576,6 +576,31 @@ def test_group_peers_go_along_but_bridges_and_other_gpus_do_not(
     assert code == 1 and f"in use by starting VM {OTHER}" in err
 
 
+def test_sibling_vfs_of_one_group_are_not_handed_over_with_a_vf(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A multi-function MxGPU card without ACS: the PF and its VFs (functions
+    1-4 of its slot) in one IOMMU group. A VF given to a VM takes no sibling
+    VF along; the siblings are kept from other VMs while it runs."""
+    host = odd_vf_host(str(tmp_path / "h"))
+    group = int(os.path.basename(os.readlink(os.path.join(host.device_dir(V620),
+                                                           "iommu_group"))))
+    vfs = [vf for _, vf in sorted(_kernel_vfs(host, V620).items())]
+    for vf in vfs:
+        host.set_iommu_group(vf, group)
+    code, out, err = transform(host.root, pci_xml(VM, VM_UUID, PciAddress.parse(vfs[0]).libvirt(),
+                                                  "no"), monkeypatch, capfd)
+    assert (code, err) == (0, "")
+    assert source_addresses(out) == [PciAddress.parse(vfs[0])]
+    doc = cloudstack_doc(host.root)
+    v620 = next(g for g in doc["gpus"] if g["pci_address"] == "c1:00.0")
+    assert {vf["used_by_vm"] for vf in v620["vf_instances"]} == {VM}
+    code, out, err = transform(host.root, pci_xml(OTHER, OTHER_UUID,
+                                                  PciAddress.parse(vfs[1]).libvirt(), "no"),
+                               monkeypatch, capfd)
+    assert code == 1 and f"in use by starting VM {VM}" in err
+
+
 def test_attach_and_detach_keep_the_gpus_of_a_shared_group_apart(tmp_path: Path) -> None:
     """Plain libvirt (`gpulib attach/detach`): the same rule as the agent's start."""
     from gpulib.attach import Wanted, plan_attach, plan_detach

@@ -227,16 +227,22 @@ class Preparer:
             self._gpu_cache[address] = found
         return found
 
-    def _is_gpulibs(self, address: PciAddress) -> bool:
-        """A GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group."""
+    def _is_listed(self, address: PciAddress) -> bool:
+        """A GPU or a GPU's VF: a device discovery reports in its own right."""
         physfn = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn")
         if physfn is not None:
             try:
                 return self._is_gpu_fn(PciAddress.parse(physfn))
             except InputError:
                 return False
-        if self._is_gpu_fn(address):
+        return self._is_gpu_fn(address)
+
+    def _is_gpulibs(self, address: PciAddress) -> bool:
+        """A GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group."""
+        if self._is_listed(address):
             return True
+        if self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn") is not None:
+            return False
         group = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/iommu_group")
         if group is None or not group.isdigit():
             return False
@@ -436,10 +442,11 @@ class Preparer:
             klass = self._peer_class(h.address, member)
             if klass >> 16 == BRIDGE_BASE_CLASS:
                 continue  # bridges stay with the host; only endpoints go along
-            if self._is_gpu_fn(member):
-                # Another GPU of a shared group is a device of its own that the
-                # agent tracks and may give to no one else while this VM runs
-                # (the occupancy's group index), not a companion to hand over.
+            if self._is_listed(member):
+                # Another GPU (or a GPU's VF) of a shared group is a device of
+                # its own that the agent tracks and may give to no one else
+                # while this VM runs (the occupancy's group index), not a
+                # companion to hand over.
                 continue
             if occ is not None:
                 self._refuse(occ, "pci", str(member))

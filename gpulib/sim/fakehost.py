@@ -182,6 +182,12 @@ class FakeHost:
     def set_iommu_group(self, address: Addr, group: int) -> None:
         a = _addr(address)
         d = self.device_dir(a)
+        old = os.path.join(d, "iommu_group")
+        if os.path.lexists(old):
+            # Moved: the old group no longer lists it.
+            back = os.path.join(os.path.realpath(old), "devices", str(a))
+            if os.path.lexists(back):
+                os.unlink(back)
         g = self.p(f"sys/kernel/iommu_groups/{group}")
         os.makedirs(os.path.join(g, "devices"), exist_ok=True)
         _write(os.path.join(g, "type"), "DMA\n")
