@@ -58,6 +58,7 @@ from gpulib.mdev import check_uuid, live_mdevs
 from gpulib.occupancy import refusal
 from gpulib.pci import PciAddress
 from gpulib.state import State
+from gpulib.sysfs import DOCUMENT_MAX
 
 if TYPE_CHECKING:
     from gpulib.discovery import Gpu, Inventory
@@ -185,7 +186,7 @@ def _defined_users(ctx: Context, vm: str) -> dict[PciAddress, list[str]]:
         if not name.endswith(".xml"):
             continue
         try:
-            data = ctx.sysfs.read_bytes(f"{DEFINED_DOMAINS}/{name}")
+            data = ctx.sysfs.read_bytes(f"{DEFINED_DOMAINS}/{name}", DOCUMENT_MAX)
             if data is None or b"<hostdev" not in data:
                 continue
             dom = parse_domain(data)
