@@ -261,7 +261,7 @@ def declaring_pools(config: Config, address: PciAddress, vendor_id: int, device_
         if not pool.parents.matches(address, vendor_id, device_id):
             continue
         if any((t.type_id == pool.type_id) if pool.type_id is not None
-               else (t.name == pool.profile) for t in listed):
+               else pool.profile in (t.name, t.type_id) for t in listed):
             out.append(name)
     return out
 
