@@ -492,7 +492,9 @@ def plan_detach(ctx: Context, config: Config, xml: str, targets: list[str]) -> C
         _remove(change, h, derived, removed)
         if gpu_group is not None:
             for other in dom.pci_hostdevs():
-                if other.address in gpu_group and _is_endpoint(ctx, other.address):
+                # Another GPU of the group was attached in its own right: it stays.
+                if other.address in gpu_group and _is_endpoint(ctx, other.address) \
+                        and not _is_gpu_function(inv, other.address):
                     _remove(change, other, derived, removed, why)
     if removed and request is not None:
         _renumber(change, request, derived, removed)

@@ -21,7 +21,7 @@ from lxml import etree
 
 from gpulib.errors import InputError
 from gpulib.lazyre import lazy
-from gpulib.pci import PciAddress
+from gpulib.pci import MAX_DOMAIN, PciAddress
 from gpulib.xmlns import GPULIB_NS  # defined without lxml, for the hooks' fast path
 
 log = logging.getLogger(__name__)
@@ -396,9 +396,13 @@ class PciHostdev(_XmlNode):
 
         That agent split `0001:d6:00.0` on ':' and wrote
         `domain='0x0000' bus='0x0001' slot='0xd6' function='0x0'`: the bus
-        attribute carries four hex digits and the slot is above 0x1f, which no
-        real address has. The slot itself is lost; whoever knows the host's
-        functions may repair the address when exactly one matches.
+        attribute carries the domain's four (or more: `10000`) hex digits,
+        which no agent writes for a bus (a domain 0000 is never rendered so:
+        the agent gets `bb:ss.f` for it). The slot may then be above 0x1f (no
+        real address), or not: `000f:01:00.0` becomes bus='0x000f'
+        slot='0x01', which reads as the valid 0000:0f:01.0. The slot itself is
+        lost; whoever knows the host's functions may repair the address when
+        exactly one matches.
         """
         addr = self.element.find("source/address")
         if addr is None:
@@ -410,8 +414,8 @@ class PciHostdev(_XmlNode):
         except ValueError:
             return None
         digits = bus[2:] if bus[:2].lower() == "0x" else ""
-        if d != 0 or len(digits) != 4 or not 0x1F < s <= 0xFF or not 0 <= f <= 7 \
-                or not 0 < b <= 0xFFFF:
+        if d != 0 or not 4 <= len(digits) <= 8 or not 0 <= s <= 0xFF or not 0 <= f <= 7 \
+                or not 0 < b <= MAX_DOMAIN:
             return None
         return b, s, f
 

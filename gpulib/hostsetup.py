@@ -56,6 +56,7 @@ from gpulib.doctor.actions import (
 )
 from gpulib.errors import GpulibError, InputError, LockTimeout
 from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction
+from gpulib.sysfs import ReadFailure, Sysfs
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,21 @@ _VENDOR_DEVICE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\Z")
 
 class SetupError(GpulibError):
     """A step of the plan failed while applying it."""
+
+
+def _current_text(sysfs: Sysfs, rel: str) -> Optional[str]:
+    """The text of a file setup may edit, None when there is none.
+
+    SetupError when it is there but cannot be read (a FIFO, a directory, a
+    file too large): setup never plans over what it cannot read, and never
+    waits on it while applying (the reading layer's rules).
+    """
+    got = sysfs.read_result(rel)
+    if isinstance(got, ReadFailure):
+        if got.missing:
+            return None
+        raise SetupError(f"cannot read {host_path(rel)}: {got.reason}")
+    return got.decode("utf-8", "replace")
 
 
 @dataclass
@@ -310,8 +326,11 @@ class Planner:
             self.plan.add_todo(action.text.replace("\n", " "))
 
     def _write(self, check: str, why: str, action: WriteFile) -> None:
-        old = self.doctor.sysfs.read_bytes(action.path)
-        old_text = old.decode("utf-8", "replace") if old is not None else None
+        try:
+            old_text = _current_text(self.doctor.sysfs, action.path)
+        except SetupError as exc:
+            self.plan.refusals.append(Refusal(host_path(action.path), exc.message))
+            return
         if old_text == action.content:
             return
         self.files[action.path] = Step(check, _short(why), path=action.path, old=old_text,
@@ -331,8 +350,12 @@ class Planner:
         if not self.add and not self.remove:
             return
         distro = self.doctor.distro
-        raw = self.doctor.sysfs.read_bytes(bootconfig.DEFAULT_GRUB)
-        text = raw.decode("utf-8", "replace") if raw is not None else ""
+        try:
+            old = _current_text(self.doctor.sysfs, bootconfig.DEFAULT_GRUB)
+        except SetupError as exc:
+            self.plan.refusals.append(Refusal(host_path(bootconfig.DEFAULT_GRUB), exc.message))
+            return
+        text = old if old is not None else ""
         try:
             configured = bootconfig.configured_args(text)
             add = [a for a in self.add if a not in configured]
@@ -357,7 +380,7 @@ class Planner:
                 [f"+{a}" for a in add] + [f"-{r}" for r in remove])
             self.files[bootconfig.DEFAULT_GRUB] = Step(
                 checks[0], why, path=bootconfig.DEFAULT_GRUB,
-                old=text if raw is not None else None, new=new, also=checks[1:])
+                old=old, new=new, also=checks[1:])
         elif running and distro.family != "rhel":
             self.plan.notes.append(f"{' '.join(running)} is on the running kernel command line "
                                    f"but not in {host_path(bootconfig.DEFAULT_GRUB)}: look in "
@@ -553,10 +576,10 @@ def _apply(ctx: Context, plan: Plan, reboot_for: list[str], now: Optional[float]
                     raise SetupError(f"{host_path(step.path)} is a symbolic link: edit its "
                                      "target by hand")
                 try:
-                    with open(path, "rb") as fh:
-                        now_text: Optional[str] = fh.read().decode("utf-8", "replace")
-                except FileNotFoundError:
-                    now_text = None
+                    now_text = _current_text(ctx.sysfs, step.path)
+                except SetupError:
+                    step.done = "cannot read"
+                    raise
                 if now_text != step.old:
                     # someone edited it while the plan waited for the operator's yes
                     step.done = "changed since the plan"

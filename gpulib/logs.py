@@ -8,14 +8,16 @@ is used, so nothing reaches the real host's syslog.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import sys
 import time
 from typing import Optional
 
 from gpulib.context import LOG_DIR, Context
-from gpulib.sysfs import ReadFailure
+from gpulib.sysfs import ReadFailure, file_kind
 
 LOG_FAILURES_FILE = "run/gpulib/log-failures"
 # The note file stays small whatever happens: a line per failing process.
@@ -73,10 +75,13 @@ class FailureNote:
         line = f"{stamp} {self.program}[{os.getpid()}] {' '.join(reason.split())}\n"
         try:
             os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+            # Non-blocking, regular files only: a FIFO here must not hang
+            # the process whose log is already failing.
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-                         | os.O_NOFOLLOW, 0o644)
+                         | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
             try:
-                if os.fstat(fd).st_size < _FAILURES_MAX_BYTES:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_size < _FAILURES_MAX_BYTES:
                     os.write(fd, line.encode("utf-8", "replace"))
             finally:
                 os.close(fd)
@@ -102,7 +107,22 @@ class LazyFileHandler(logging.FileHandler):
 
     def _open(self):  # type: ignore[no-untyped-def]
         os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
-        return super()._open()
+        # Non-blocking: opening a FIFO for writing waits for a reader forever,
+        # and whatever logs (a hook, restore) would hang with it. Only a
+        # regular file or a character device (/dev/null) is written to;
+        # anything else is a lost record (OSError, handled by emit).
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+                     | os.O_CLOEXEC | os.O_NOCTTY, 0o644)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+                raise OSError(errno.EINVAL, f"{file_kind(mode)}, not a log file",
+                              self.baseFilename)
+            os.set_blocking(fd, True)
+            return open(fd, "a", encoding=self.encoding, errors=self.errors)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 from typing import Any, Optional
 
 from gpulib import atomicfile
@@ -38,6 +37,7 @@ from gpulib.errors import InputError
 from gpulib.lazyre import lazy
 from gpulib.mdev import check_type_id, check_uuid
 from gpulib.pci import PciAddress
+from gpulib.sysfs import ReadFailure, read_file
 
 log = logging.getLogger(__name__)
 
@@ -158,24 +158,6 @@ def _parent_dirs(base: str) -> list[str]:
     return sorted(out)
 
 
-def _read_file(path: str) -> Optional[bytes]:
-    """A regular file's bytes (no links followed out of the tree, no FIFOs), or None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC |
-                     getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_SIZE:
-            return None
-        return os.read(fd, _MAX_SIZE + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def read_definitions(ctx: Context) -> dict[str, Definition]:
     """Every definition on the host by UUID, read now.
 
@@ -197,8 +179,12 @@ def read_definitions(ctx: Context) -> dict[str, Definition]:
                 continue  # editor backups (~, .swp), temp files, notes
             if uuid != name:
                 continue  # mdevctl names files by the lowercase UUID
-            raw = _read_file(os.path.join(directory, name))
-            found = parse(uuid, parent, raw) if raw is not None else None
+            # By the reading layer's rules, the name itself never followed.
+            raw = read_file(os.path.join(directory, name), _MAX_SIZE, follow=False)
+            if isinstance(raw, ReadFailure):
+                log.debug("%s: skipped", raw)
+                continue
+            found = parse(uuid, parent, raw)
             if found is None:
                 log.debug("%s/%s is not an mdevctl definition: skipped", directory, name)
                 continue
@@ -260,8 +246,8 @@ def udev_autostart(ctx: Context) -> bool:
         path = ctx.sysfs.path(rel)
         if os.path.islink(path) and os.readlink(path) == "/dev/null":
             return False
-        raw = _read_file(path)
-        if raw is None:
+        raw = read_file(path, _MAX_SIZE, follow=False)
+        if isinstance(raw, ReadFailure):
             continue
         m = _RULE_COMMAND.search(raw.decode("utf-8", "replace"))
         if m is None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev
 from gpulib.errors import InputError
-from gpulib.pci import PciAddress
+from gpulib.pci import PciAddress, physical_function
 
 if TYPE_CHECKING:
     from gpulib.config import Config
@@ -103,7 +103,12 @@ class Tree:
                     return None
                 parent = os.path.basename(os.path.dirname(target)) or None
             return parent
-        return self.sysfs.link_name(f"sys/bus/pci/devices/{node}/physfn")
+        try:
+            address = PciAddress.parse(node)
+        except InputError:
+            return None
+        pf = physical_function(self.sysfs, address)
+        return str(pf) if pf is not None else None
 
     def chain(self, node: str) -> list[str]:
         """The node, then its ancestors up to the PF (at most three)."""
@@ -274,7 +279,7 @@ def declaring_pools(config: Config, address: PciAddress, vendor_id: int, device_
         if not pool.parents.matches(address, vendor_id, device_id):
             continue
         if any((t.type_id == pool.type_id) if pool.type_id is not None
-               else (t.name == pool.profile) for t in listed):
+               else pool.profile in (t.name, t.type_id) for t in listed):
             out.append(name)
     return out
 

@@ -340,6 +340,27 @@ def virtfn_links(sysfs: Sysfs, pf: PciAddress) -> list[tuple[int, PciAddress]]:
     return out
 
 
+def physical_function(sysfs: Sysfs, vf: PciAddress) -> Optional[PciAddress]:
+    """The PF of a VF, None for anything else.
+
+    From the VF's `physfn` link; when that link names no PF (a loop, a bad
+    target), from the PF whose `virtfnN` links name the VF, the way discovery
+    finds a PF's VFs: a VF whose own link is broken still has its PF.
+    """
+    rel = PCI_DEVICES + str(vf)
+    found = _physfn(sysfs, rel)
+    if found is not None or not sysfs.exists(rel + "/physfn"):
+        return found
+    try:
+        candidates = list_addresses(sysfs)
+    except DeviceError:
+        return None
+    for pf in candidates:
+        if pf != vf and any(a == vf for _, a in virtfn_links(sysfs, pf)):
+            return pf
+    return None
+
+
 def iommu_group_members(sysfs: Sysfs, group: int) -> list[PciAddress]:
     """The PCI functions of an IOMMU group."""
     return _addresses_in(sysfs, f"sys/kernel/iommu_groups/{group}/devices")

@@ -33,7 +33,9 @@ def _gpu_matches(pool: PoolConfig, gpu: Gpu) -> bool:
 def _type_matches(pool: PoolConfig, t: mdev.MdevType) -> bool:
     if pool.type_id is not None:
         return t.type_id == pool.type_id
-    return t.name == pool.profile
+    # As a request for a profile matches (VgpuRequest.matches_mdev): a type
+    # without a `name` file is reported with its id as the profile.
+    return t.name == pool.profile or t.type_id == pool.profile
 
 
 def _vendor_matches(pool: PoolConfig, type_id: int, name: Optional[str]) -> bool:

@@ -56,7 +56,8 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _MISSING = (errno.ENOENT, errno.ENOTDIR)
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for a message ("a FIFO")."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -101,7 +102,7 @@ def _content(fd: int, st: os.stat_result, path: str, limit: int) -> Union[bytes,
     """What the open file `fd` (status `st`) holds, by the module's rules.
     Raises OSError from the read."""
     if not stat.S_ISREG(st.st_mode):
-        return ReadFailure(path, errno.EINVAL, f"{_kind(st.st_mode)}, not a file")
+        return ReadFailure(path, errno.EINVAL, f"{file_kind(st.st_mode)}, not a file")
     # sysfs and /proc report sizes of 4096 or 0: the bound is checked on
     # what is read, and st_size only refuses early what is plainly too big.
     if st.st_size > limit:

@@ -9,6 +9,7 @@ ends with a clear exit (0, or non-zero with one `gpulib: error:` line).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from gpulib import usage
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.errors import ConfigError, DeviceError
+from gpulib.logs import LOG_FAILURES_FILE, FailureNote, LazyFileHandler
 from gpulib.pci import PciAddress, list_addresses
 from gpulib.runtime import discover_host
 from gpulib.sim import faults
@@ -215,6 +217,44 @@ def test_unreadable_status_files_cost_only_their_domain(host: str) -> None:
             assert (after[name].pci, after[name].mdevs) == (before[name].pci, before[name].mdevs)
 
 
+def test_a_fifo_as_the_log_file_is_never_written(tmp_path: Path) -> None:
+    """A FIFO that some process reads, in place of the log file or of the
+    note of lost records: nothing is written into it; the record is lost and
+    noted (never on stderr). Without a reader, no open waits for one (the
+    commands' case below, under a time limit)."""
+    fifo = tmp_path / "gpulib.log"
+    os.mkfifo(fifo)
+    # opened first, non-blocking: the writer's open never waits, even if it blocks
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        note = FailureNote(str(tmp_path / "note"), "gpulib")
+        handler = LazyFileHandler(str(fifo), note)
+        record = logging.makeLogRecord({"msg": "restored"})
+        handler.emit(record)
+        handler.emit(record)
+        handler.close()
+        assert os.read(reader, 4096) == b""   # end of file: nothing written, no writer left
+        assert note.count == 2
+        [line] = (tmp_path / "note").read_text().splitlines()
+        assert "gpulib[" in line and "a FIFO, not a log file" in line
+        FailureNote(str(fifo), "gpulib")(None)
+        assert os.read(reader, 4096) == b""
+    finally:
+        os.close(reader)
+
+
+def test_a_fifo_as_the_log_file_is_noted_for_doctor(host: str) -> None:
+    log_file = Path(host, "var/log/gpulib/gpulib.log")
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(log_file)
+    proc = gpulib(host, "restore")
+    assert proc.stderr == b""
+    [note] = Path(host, LOG_FAILURES_FILE).read_text().splitlines()
+    assert "gpulib[" in note and "gpulib.log" in note
+    [result] = doctor_check(doctor_finishes(host), "logging")
+    assert result["status"] == "warn"
+
+
 @pytest.mark.parametrize("content", ["0x" + "1" * 9000, "0x1ffff", "garbage", "-1"])
 def test_ids_are_shape_checked(tmp_path: Path, content: str) -> None:
     (tmp_path / "sys").mkdir()
@@ -260,6 +300,7 @@ FIFO_CASES = [
     ("run/libvirt/qemu/i-4-20-VM.xml", set()),
     ("run/gpulib/domains.json", set()),
     ("run/gpulib/log-failures", set()),
+    ("var/log/gpulib/gpulib.log", set()),
     ("etc/gpulib/gpulib.conf", set()),
     ("proc/cmdline", set()),
     ("etc/os-release", set()),
@@ -532,6 +573,20 @@ def test_vf_with_looping_physfn_is_not_a_gpu(host: str, baseline: set[str]) -> N
     assert {g["pci_address"] for g in doc["gpus"]} == baseline
     a10 = next(g for g in doc["gpus"] if g["pci_address"] == lspci(A10))
     assert "41:00.5" in [v["vf_pci_address"] for v in a10["vf_instances"]]
+
+
+@pytest.mark.parametrize("running,asked", [(A10, "0000:41:00.5"), ("0000:41:00.5", A10)])
+def test_vf_with_looping_physfn_still_conflicts_with_its_pf(host: str, running: str,
+                                                            asked: str) -> None:
+    """The VF's PF is found from the PF's `virtfnN` links: a running VM holding
+    one of the two makes a start naming the other refused."""
+    physfn = os.path.join(host, DEV, "0000:41:00.5", "physfn")
+    os.unlink(physfn)
+    os.symlink("physfn", physfn)
+    FakeHost(host).add_running_domain("i-7-70-VM", "7d1e0c52-55a5-4a37-9a1c-3b0d6f1f7a70",
+                                      pci=(running,), domain_id=70)
+    proc = transformer_finishes(host, pci=(asked,))
+    assert proc.returncode != 0 and b"i-7-70-VM" in proc.stdout, proc.stdout
 
 
 def test_unreadable_group_peer_class_is_a_clear_transformer_error(host: str) -> None:

@@ -7,6 +7,9 @@ import glob
 import json
 import os
 import shutil
+import signal
+import stat
+import subprocess
 from typing import Any, Optional
 
 import pytest
@@ -15,6 +18,7 @@ from gpulib import cli, hostsetup
 from gpulib import doctor as dr
 from gpulib.context import Context
 from gpulib.sim.fakehost import FakeHost
+from tests.hookrun import BIN, hook_env
 from tests.hosts import healthy_host, tree_contents, tree_state
 from tests.setuphosts import (
     BTIME,
@@ -452,6 +456,56 @@ def test_a_file_changed_after_planning_is_not_overwritten(tmp_path: Any) -> None
         hostsetup.apply(ctx, plan, reboot_for)
     assert read(host, "etc/default/grub") == DEBIAN_GRUB + "GRUB_TIMEOUT=10\n"
     assert not glob.glob(host.p("etc/default/grub.gpulib-*"))
+
+
+class Waited(Exception):
+    """An apply waited on a file: the test fails instead of hanging the suite."""
+
+
+def _waited(signum: int, frame: Any) -> None:
+    raise Waited()
+
+
+def test_a_fifo_in_place_of_a_planned_file_is_never_waited_on(tmp_path: Any) -> None:
+    """/etc/default/grub replaced by a FIFO between the plan and the apply:
+    the apply stops with the file named and leaves it as it is."""
+    host = unprepared_host(str(tmp_path / "h"), "debian12")
+    ctx = Context.for_root(host.root)
+    plan, reboot_for = hostsetup.make_plan(ctx, only=["iommu"])
+    os.unlink(host.p("etc/default/grub"))
+    os.mkfifo(host.p("etc/default/grub"))
+    # A hang guard only (a FIFO nobody writes blocks forever), not a speed limit.
+    previous = signal.signal(signal.SIGALRM, _waited)
+    signal.alarm(30)
+    try:
+        with pytest.raises(hostsetup.SetupError,
+                           match="cannot read /etc/default/grub: a FIFO, not a file"):
+            hostsetup.apply(ctx, plan, reboot_for)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert [s.done for s in plan.steps] == ["cannot read", ""]  # update-grub never reached
+    assert stat.S_ISFIFO(os.lstat(host.p("etc/default/grub")).st_mode)
+    assert not glob.glob(host.p("etc/default/grub.gpulib-*"))
+    assert not os.path.exists(host.p(dr.SETUP_JOURNAL))
+
+
+def test_a_file_that_cannot_be_read_is_refused_not_planned(tmp_path: Any) -> None:
+    """A FIFO where the nouveau blacklist goes: not taken for an absent file
+    (a plan to create it, an apply that waits on it) but refused, by name;
+    the other edits are applied. The command runs under a time limit."""
+    host = unprepared_host(str(tmp_path / "h"), "debian12")
+    os.makedirs(host.p("etc/modprobe.d"), exist_ok=True)
+    os.mkfifo(host.p(BLACKLIST))
+    proc = subprocess.run([str(BIN / "gpulib"), "setup", "--apply", "--yes", "--json"],
+                          capture_output=True, stdin=subprocess.DEVNULL, timeout=60,
+                          env=hook_env(host.root, simulate=False))
+    assert proc.returncode == 1, proc.stderr
+    done = json.loads(proc.stdout)
+    assert done["refused"] == [{"device": "/" + BLACKLIST,
+                                "why": f"cannot read /{BLACKLIST}: a FIFO, not a file"}]
+    assert [s["path"] for s in done["steps"] if s["kind"] == "edit"] == ["/etc/default/grub"]
+    assert stat.S_ISFIFO(os.lstat(host.p(BLACKLIST)).st_mode)
 
 
 def test_iommu_switched_off_is_removed_wherever_it_is(tmp_path: Any, monkeypatch: Any,

@@ -70,9 +70,12 @@ def agent_document_problems(doc: Any) -> list[tuple[str, str]]:
             if type(enabled) is not int or enabled not in (0, 1):
                 problems.append(f"full_passthrough.enabled must be the number 0 or 1 "
                                 f"(the agent reads it with getAsInt), not {enabled!r}")
-            elif enabled != (1 if not vgpus and not vfs else 0):
-                problems.append("full_passthrough.enabled must be 1 exactly when the GPU has "
-                                "no vGPU and no VF instances")
+            elif enabled == 1 and (vgpus or vfs or g.get("sriov_numvfs")):
+                # Only one way round: a GPU whose VFs are enabled but offer
+                # nothing yet (untyped vendor VFs, mdev-parent VFs without
+                # vGPUs) or whose pool is not created yet is split, not whole.
+                problems.append("full_passthrough.enabled must be 0 when the GPU has vGPU "
+                                "or VF instances or enabled SR-IOV VFs")
             problems.append(_address_problem(fp.get("libvirt_address"), "full_passthrough"))
             if fp.get("used_by_vm") is not None and not isinstance(fp.get("used_by_vm"), str):
                 problems.append("full_passthrough.used_by_vm must be a string or null")

@@ -40,7 +40,7 @@ from gpulib.allocator import (
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
 from gpulib.domain import Domain, DomainXmlError, GpuRequest, PciHostdev, derive_uuid
-from gpulib.errors import DeviceError, InputError
+from gpulib.errors import DeviceError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, follow_definitions, open_store
@@ -52,6 +52,7 @@ from gpulib.pci import (
     iommu_group_members,
     libvirt_uint,
     list_addresses,
+    physical_function,
 )
 from gpulib.state import Device, State, validate_vm_name
 from gpulib.sysfs import ReadFailure
@@ -214,8 +215,8 @@ class Preparer:
         """An unmanaged device (or a VF or vGPU of an unmanaged GPU) is left alone."""
         if str(address) in state.unmanaged:
             return True
-        physfn = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn")
-        return physfn is not None and physfn in state.unmanaged
+        physfn = physical_function(self.sysfs, address)
+        return physfn is not None and str(physfn) in state.unmanaged
 
     def _is_gpu_fn(self, address: PciAddress) -> bool:
         """Whether discovery counts this function as a GPU (its include/exclude too)."""
@@ -229,16 +230,20 @@ class Preparer:
             self._gpu_cache[address] = found
         return found
 
+    def _is_listed(self, address: PciAddress) -> bool:
+        """A GPU or a GPU's VF: a device discovery reports in its own right."""
+        # A VF whose own `physfn` loops is still found by its PF's `virtfnN` links.
+        physfn = physical_function(self.sysfs, address)
+        if physfn is not None:
+            return self._is_gpu_fn(physfn)
+        return self._is_gpu_fn(address)
+
     def _is_gpulibs(self, address: PciAddress) -> bool:
         """A GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group."""
-        physfn = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn")
-        if physfn is not None:
-            try:
-                return self._is_gpu_fn(PciAddress.parse(physfn))
-            except InputError:
-                return False
-        if self._is_gpu_fn(address):
+        if self._is_listed(address):
             return True
+        if self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn") is not None:
+            return False
         group = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/iommu_group")
         if group is None or not group.isdigit():
             return False
@@ -264,24 +269,42 @@ class Preparer:
     def _address(self, h: PciHostdev) -> PciAddress:
         """The host address; CloudStack 4.21's mangled PCI domain repaired when exactly
         one GPU function of this host matches, refused naming the agent bug otherwise."""
-        try:
+        mangled = h.agent421_mangled()
+        if mangled is None:
             return h.address
+        # The rendering may still read as a valid address (000f:01:00.0 as
+        # 0000:0f:01.0), maybe of another device: that one counts only if it
+        # is a GPU itself, and then the XML is ambiguous.
+        try:
+            literal: Optional[PciAddress] = h.address
         except DomainXmlError:
-            mangled = h.agent421_mangled()
-            if mangled is None:
-                raise
+            literal = None
         domain, bus, function = mangled
         matches = [a for a in list_addresses(self.sysfs)
                    if (a.domain, a.bus, a.function) == (domain, bus, function)
                    and self._is_gpu_fn(a)]
+        if literal is not None:
+            if not matches:
+                return literal  # a bus written long, nothing to repair
+            if literal not in matches and self._is_gpu_fn(literal):
+                matches.append(literal)
         src = h.element.find("source/address")
         written = " ".join(f"{k}='{src.get(k)}'" for k in ("domain", "bus", "slot", "function"))
         if len(matches) != 1:
+            also = f" (and {literal} as written)" if literal in matches else ""
             raise DomainXmlError(
                 f"PCI hostdev <address {written}> is not an address: {AGENT_421_BUG}; "
                 f"{len(matches)} GPU functions of this host match {domain:04x}:{bus:02x}:??."
-                f"{function}, so it cannot be repaired (upgrade the agent)")
+                f"{function}{also}, so it cannot be repaired (upgrade the agent)")
         fixed = matches[0]
+        if fixed == literal:
+            return fixed
+        if literal is not None and not self.edit_xml:
+            # libvirt would give the VM the device the XML reads as.
+            raise DomainXmlError(
+                f"PCI hostdev <address {written}> names {literal}, not the GPU {fixed}: "
+                f"{AGENT_421_BUG} (start it through the CloudStack transformer hook, or "
+                "upgrade the agent)")
         if self.edit_xml:
             for name, value in fixed.libvirt().items():
                 src.set(name, value)
@@ -420,6 +443,12 @@ class Preparer:
             klass = self._peer_class(h.address, member)
             if klass >> 16 == BRIDGE_BASE_CLASS:
                 continue  # bridges stay with the host; only endpoints go along
+            if self._is_listed(member):
+                # Another GPU (or a GPU's VF) of a shared group is a device of
+                # its own that the agent tracks and may give to no one else
+                # while this VM runs (the occupancy's group index), not a
+                # companion to hand over.
+                continue
             if occ is not None:
                 self._refuse(occ, "pci", str(member))
             peers.append(member)

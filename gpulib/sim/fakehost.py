@@ -115,13 +115,18 @@ class FakeHost:
                      numa_node: int = -1, parent: Optional[Addr] = None,
                      subsystem: tuple[int, int] = (0, 0), revision: int = 0xA1,
                      vendor_name: Optional[str] = None,
-                     device_name: Optional[str] = None) -> str:
-        """Add a PCI function (below a bridge `parent`, or the host bridge)."""
+                     device_name: Optional[str] = None,
+                     host_bridge: Optional[str] = None) -> str:
+        """Add a PCI function (below a bridge `parent`, or the host bridge).
+
+        `host_bridge` (e.g. `pci0000:3b`): the root bus directory when it is not
+        the function's own bus, as for a VF the kernel put on a bus of its own
+        below a PF on the root bus."""
         a = _addr(address)
         if parent is not None:
             base = self.device_dir(parent)
         else:
-            base = self.p(f"sys/devices/pci{a.domain:04x}:{a.bus:02x}")
+            base = self.p(f"sys/devices/{host_bridge or f'pci{a.domain:04x}:{a.bus:02x}'}")
         d = os.path.join(base, str(a))
         os.makedirs(d, exist_ok=True)
         attrs = {
@@ -177,6 +182,12 @@ class FakeHost:
     def set_iommu_group(self, address: Addr, group: int) -> None:
         a = _addr(address)
         d = self.device_dir(a)
+        old = os.path.join(d, "iommu_group")
+        if os.path.lexists(old):
+            # Moved: the old group no longer lists it.
+            back = os.path.join(os.path.realpath(old), "devices", str(a))
+            if os.path.lexists(back):
+                os.unlink(back)
         g = self.p(f"sys/kernel/iommu_groups/{group}")
         os.makedirs(os.path.join(g, "devices"), exist_ok=True)
         _write(os.path.join(g, "type"), "DMA\n")
@@ -221,21 +232,33 @@ class FakeHost:
         vf_device = int(read("sriov_vf_device"), 16)
         subsystem = (int(read("subsystem_vendor"), 16), int(read("subsystem_device"), 16))
         parent_dir = os.path.dirname(d)
+        # VFs sit beside their PF, below the same bridge, whatever bus their
+        # routing IDs fall on (the kernel adds a virtual bus for those past the
+        # PF's own).
+        on_root = os.path.basename(parent_dir).startswith("pci")
         out = []
         for i in range(numvfs):
             va = self.vf_address(a, i)
-            vd = os.path.join(parent_dir, str(va))
-            os.makedirs(vd, exist_ok=True)
             self.add_function(va, vendor, vf_device, klass, driver=vf_driver,
                               iommu_group=self.new_iommu_group(), numa_node=numa,
-                              parent=None if os.path.basename(parent_dir).startswith("pci")
-                              else os.path.basename(parent_dir),
+                              parent=None if on_root else os.path.basename(parent_dir),
+                              host_bridge=os.path.basename(parent_dir) if on_root else None,
                               subsystem=(subsystem[0], 0))
             relative_symlink(d, os.path.join(self.device_dir(va), "physfn"))
             relative_symlink(self.device_dir(va), os.path.join(d, f"virtfn{i}"))
             out.append(str(va))
         _write(os.path.join(d, "sriov_numvfs"), f"{numvfs}\n")
         return out
+
+    def renumber_vfs(self, pf: Addr, links: dict[int, Addr]) -> None:
+        """Replace the PF's `virtfnN` links by `links` (index -> VF address): the
+        numbering some hosts show, with gaps or out of address order."""
+        d = self.device_dir(pf)
+        for name in os.listdir(d):
+            if name.startswith("virtfn"):
+                os.unlink(os.path.join(d, name))
+        for index, vf in links.items():
+            relative_symlink(self.device_dir(vf), os.path.join(d, f"virtfn{index}"))
 
     # -- mdev ---------------------------------------------------------------------
     def populate_mdev_parent(self, parent: Addr, types: list[dict[str, object]]) -> None:
