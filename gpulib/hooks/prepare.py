@@ -30,16 +30,17 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev, nvidia
-from gpulib.allocator import (
-    Allocator,
-    PassthroughRequest,
-    VgpuRequest,
-    record,
-    release,
-)
+from gpulib.allocator import Allocator, gpu_matches, record, release
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
-from gpulib.domain import Domain, DomainXmlError, GpuRequest, PciHostdev, derive_uuid
+from gpulib.domain import (
+    Domain,
+    DomainXmlError,
+    GpuRequest,
+    PciHostdev,
+    VgpuRequest,
+    derive_uuid,
+)
 from gpulib.errors import DeviceError, InputError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
@@ -478,8 +479,7 @@ class Preparer:
         k = 0
         for v in request.vgpus:
             for _ in range(v.count):
-                out[derive_uuid(self.domain_uuid, k)] = VgpuRequest(v.profile, v.type_id, 1,
-                                                                     v.numa)
+                out[derive_uuid(self.domain_uuid, k)] = v._replace(count=1)
                 k += 1
         return out
 
@@ -505,9 +505,8 @@ class Preparer:
 
             inventory = pool_inventory(self.ctx, state, occ)
         allocator = Allocator(self.sysfs, state, inventory, occupancy=occ)
-        enough = all(len(allocator.pool_candidates(
-            VgpuRequest(v.profile, v.type_id, v.count, v.numa), self.vm)) >= v.count
-            for v in request.vgpus)
+        enough = all(len(allocator.pool_candidates(v, self.vm)) >= v.count
+                     for v in request.vgpus)
         return inventory if enough else None
 
     def _create_derived(self, state: State, occ: Occupancy, journal: Journal, uuid: str,
@@ -521,6 +520,7 @@ class Preparer:
                            request: GpuRequest, named: list[Device]) -> list[Device]:
         have = {d.id for d in named}
         previous = state.allocations.get(self.vm)
+        again: list[Device] = []
         if previous is not None and previous.domain_uuid == self.domain_uuid:
             # Asked again for the same VM (a retried start): give what it holds.
             again = [d for d in previous.devices if d.id not in have]
@@ -534,15 +534,19 @@ class Preparer:
                 if rec_v is not None and \
                         not nvidia.current_type(self.sysfs, PciAddress.parse(d.id)):
                     journal.set_vf_type(PciAddress.parse(d.id), rec_v.type_id, rec_v.on_demand)
-            if again:
-                return again + self._insert(again, occ)
+        kept = again + self._insert(again, occ) if again else []
+        # What the XML names (and the VM already holds) counts against the request:
+        # the transformer run on its own output allocates nothing more.
+        missing = self._unmet(state, occ, request, named + again)
+        if not missing.items:
+            return kept
         if self.domain_uuid is None:
             raise DeviceError(f"domain {self.vm} has no <uuid>: gpulib derives vGPU UUIDs "
                               "from it")
         nodes = self.dom.numa_nodes()
         light = None
         if self._host is None:
-            light = self._pools_suffice(state, occ, request, self._light)
+            light = self._pools_suffice(state, occ, missing, self._light)
         inventory = light if light is not None else self._inventory(state, occ)
         allocator = Allocator(self.sysfs, state, inventory,
                               policy=self.config.get("allocator", "policy"),
@@ -551,6 +555,7 @@ class Preparer:
         devices: list[Device] = []
         k = 0
         duuid = self.domain_uuid
+        have |= {d.id for d in again}
 
         def next_uuid() -> str:
             nonlocal k
@@ -561,13 +566,66 @@ class Preparer:
                     return u
 
         # A failure rolls back through the start's journal (Preparer.run).
-        for v in request.vgpus:
-            devices += allocator.allocate_vgpus(
-                self.vm, VgpuRequest(v.profile, v.type_id, v.count, v.numa), next_uuid)
-        for p in request.passthrough:
-            devices += allocator.allocate_passthrough(
-                self.vm, PassthroughRequest(p.model, p.count, p.numa))
-        return devices + self._insert(devices, occ)
+        for v in missing.vgpus:
+            devices += allocator.allocate_vgpus(self.vm, v, next_uuid)
+        for p in missing.passthrough:
+            devices += allocator.allocate_passthrough(self.vm, p)
+        return kept + devices + self._insert(devices, occ)
+
+    def _unmet(self, state: State, occ: Occupancy, request: GpuRequest,
+               held: list[Device]) -> GpuRequest:
+        """What of `request` the devices this VM holds do not serve yet.
+
+        A derived UUID serves the item its index falls in; any other held vGPU
+        or VF serves the first item of its type with room left, a whole GPU the
+        first passthrough item of its model. Group peers serve nothing.
+        """
+        left = [item.count for item in request.items]
+        index: dict[str, int] = {}
+        if self.domain_uuid is not None:
+            k = 0
+            for i, item in enumerate(request.items):
+                if isinstance(item, VgpuRequest):
+                    for _ in range(item.count):
+                        index[derive_uuid(self.domain_uuid, k)] = i
+                        k += 1
+        inventory: Optional[Inventory] = None
+        for d in held:
+            fits: list[int] = []
+            if d.id in index:
+                fits = [index[d.id]]
+            elif d.kind == "mdev":
+                m = mdev.read_mdev(self.sysfs, d.id)
+                rec = state.vgpus.get(d.id)
+                source = (m.parent, m.type_id) if m is not None else \
+                    (PciAddress.parse(rec.parent), rec.type_id) if rec is not None else None
+                if source is not None:
+                    t = mdev.MdevType(self.sysfs, source[0], source[1])
+                    fits = [i for i, item in enumerate(request.items)
+                            if isinstance(item, VgpuRequest) and
+                            item.matches_type(t.type_id, t.name)]
+            elif d.kind == "vf":
+                rec_v = state.vf_types.get(d.id)
+                tid = rec_v.type_id if rec_v is not None else \
+                    nvidia.current_type(self.sysfs, PciAddress.parse(d.id))
+                name = rec_v.name if rec_v is not None else None
+                fits = [i for i, item in enumerate(request.items)
+                        if isinstance(item, VgpuRequest) and tid and
+                        item.matches_vendor(tid, name)]
+            elif request.passthrough and self._is_gpu(d.id):
+                if inventory is None:
+                    inventory = self._inventory(state, occ)
+                owner = inventory.owner_of(PciAddress.parse(d.id))
+                if owner is not None and owner[1] is None:
+                    fits = [i for i, item in enumerate(request.items)
+                            if not isinstance(item, VgpuRequest) and
+                            gpu_matches(item, owner[0])]
+            for i in fits:
+                if left[i] > 0:
+                    left[i] -= 1
+                    break
+        return GpuRequest(tuple(item._replace(count=n)
+                                for item, n in zip(request.items, left) if n > 0))
 
     def _insert(self, devices: list[Device], occ: Occupancy) -> list[Device]:
         """Put devices into the XML; returns the group peers added beside GPUs."""
