@@ -54,7 +54,7 @@ from gpulib.pci import (
     libvirt_uint,
     list_addresses,
 )
-from gpulib.state import Device, State, validate_vm_name
+from gpulib.state import Device, State, VgpuRecord, utc_now, validate_vm_name
 from gpulib.sysfs import ReadFailure
 from gpulib.usage import DomainDevices, running_domains
 
@@ -151,7 +151,9 @@ class Preparer:
                 self._host = discover_host(self.ctx, self.config, state=early, learn=False)
         with self.store.transaction() as state:
             running = running_domains(self.sysfs)
-            settle(self.sysfs, state)
+            # This VM's own intents (a killed start of it) are left to its journal:
+            # what the retry makes again is adopted in place, the rest settled.
+            settle(self.sysfs, state, keep=self.vm)
             release_stale(self.ctx, state, {d.name for d in running}, self.config, keep=self.vm)
             alloc = state.allocations.get(self.vm)
             if alloc is not None and alloc.domain_uuid not in (None, self.domain_uuid):
@@ -160,7 +162,9 @@ class Preparer:
                 release(self.sysfs, state, self.vm, retry_seconds=0.5)
                 alloc = None
             occ = Occupancy.build(self.sysfs, state, running)
-            journal = Journal(self.sysfs, state, self.vm, checkpoint=self.store.checkpoint)
+            vm = self.vm
+            journal = Journal(self.sysfs, state, vm, checkpoint=self.store.checkpoint,
+                              held_by_other=lambda device: occ.is_held(device, vm))
             try:
                 devices = self._named_devices(state, occ, journal, uuids, addresses, request,
                                               running)
@@ -380,6 +384,15 @@ class Preparer:
                                     step.on_demand, step.attrs)
                 log.info("recreated mdev %s (%s on %s) for %s", step.uuid, type_id, parent,
                          self.vm)
+            else:
+                orphan = journal.adopt_mdev(step.uuid)
+                if orphan is not None:
+                    # Made by a killed start of this VM: on demand as it was then.
+                    step.on_demand = orphan.on_demand
+                    if orphan.on_demand and step.uuid not in state.vgpus and \
+                            orphan.parent is not None and orphan.type_id is not None:
+                        state.vgpus[step.uuid] = VgpuRecord(orphan.parent, orphan.type_id,
+                                                            None, True, utc_now())
             devices.append(Device("mdev", step.uuid, on_demand=step.on_demand))
         for h, addr in pci_steps:
             devices += self._pci_device(state, occ, journal, h, addr)
@@ -534,6 +547,8 @@ class Preparer:
                 if rec_v is not None and \
                         not nvidia.current_type(self.sysfs, PciAddress.parse(d.id)):
                     journal.set_vf_type(PciAddress.parse(d.id), rec_v.type_id, rec_v.on_demand)
+        again += self._adopt_requested(state, occ, journal, request,
+                                       have | {d.id for d in again})
         kept = again + self._insert(again, occ) if again else []
         # What the XML names (and the VM already holds) counts against the request:
         # the transformer run on its own output allocates nothing more.
@@ -571,6 +586,39 @@ class Preparer:
         for p in missing.passthrough:
             devices += allocator.allocate_passthrough(self.vm, p)
         return kept + devices + self._insert(devices, occ)
+
+    def _adopt_requested(self, state: State, occ: Occupancy, journal: Journal,
+                         request: GpuRequest, have: set[str]) -> list[Device]:
+        """The vGPUs a killed start of this VM created for its request, still live
+        and of the type their place in the request asks for: taken over in place
+        (not removed and created again)."""
+        if self.domain_uuid is None or not any(i.vm == self.vm for i in state.intents):
+            return []
+        from gpulib.occupancy import PENDING, Hold
+
+        out = []
+        k = 0
+        for item in request.vgpus:
+            for _ in range(item.count):
+                uuid = derive_uuid(self.domain_uuid, k)
+                k += 1
+                if uuid in have or journal.orphan("create-mdev", uuid) is None:
+                    continue
+                live = mdev.read_mdev(self.sysfs, uuid)
+                if live is None:
+                    continue
+                t = mdev.MdevType(self.sysfs, live.parent, live.type_id)
+                if not item.matches_type(t.type_id, t.name):
+                    continue
+                orphan = journal.adopt_mdev(uuid)
+                if orphan is None:
+                    continue
+                if orphan.on_demand and uuid not in state.vgpus:
+                    state.vgpus[uuid] = VgpuRecord(str(live.parent), live.type_id, None, True,
+                                                   utc_now())
+                occ.add(Hold(self.vm, PENDING, uuid))
+                out.append(Device("mdev", uuid, on_demand=orphan.on_demand))
+        return out
 
     def _unmet(self, state: State, occ: Occupancy, request: GpuRequest,
                held: list[Device]) -> GpuRequest:
