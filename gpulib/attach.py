@@ -58,6 +58,7 @@ from gpulib.mdev import live_mdevs
 from gpulib.occupancy import refusal
 from gpulib.pci import PciAddress
 from gpulib.state import State
+from gpulib.sysfs import DOCUMENT_MAX
 from gpulib.validate import check_uuid, check_vm_name
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ def _defined_users(ctx: Context, vm: str) -> dict[PciAddress, list[str]]:
         if not name.endswith(".xml"):
             continue
         try:
-            data = ctx.sysfs.read_bytes(f"{DEFINED_DOMAINS}/{name}")
+            data = ctx.sysfs.read_bytes(f"{DEFINED_DOMAINS}/{name}", DOCUMENT_MAX)
             if data is None or b"<hostdev" not in data:
                 continue
             dom = parse_domain(data)

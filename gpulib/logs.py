@@ -15,6 +15,7 @@ import time
 from typing import Optional
 
 from gpulib.context import LOG_DIR, Context
+from gpulib.sysfs import ReadFailure
 
 LOG_FAILURES_FILE = "run/gpulib/log-failures"
 # The note file stays small whatever happens: a line per failing process.
@@ -85,11 +86,10 @@ class FailureNote:
 
 def read_failures(ctx: Context) -> list[str]:
     """The lines of the failure note (one per process that lost a record)."""
-    try:
-        with open(ctx.path(LOG_FAILURES_FILE), encoding="utf-8", errors="replace") as f:
-            return [line.rstrip("\n") for line in f if line.strip()]
-    except OSError:
+    text = ctx.sysfs.read_result(LOG_FAILURES_FILE)
+    if isinstance(text, ReadFailure):
         return []
+    return [line for line in text.decode("utf-8", "replace").splitlines() if line.strip()]
 
 
 class LazyFileHandler(logging.FileHandler):

@@ -332,14 +332,20 @@ def _vf_to_json(r: VfRecord) -> dict[str, Any]:
             "on_demand": r.on_demand}
 
 
+def _choice_and_id(d: dict[str, Any], path: str, key: str, allowed: tuple[str, ...],
+                   what: str, uuid_for: str) -> tuple[str, str]:
+    """`d[key]`, one of `allowed`, and `d["id"]`: a UUID when `d[key]` is
+    `uuid_for` (an mdev), else a PCI address."""
+    choice = _as_str(_get(d, key, path), _where(path, key))
+    if choice not in allowed:
+        raise CorruptStateError(f"{_where(path, key)}: unknown {what} {_show(choice)}")
+    raw_id, where = _get(d, "id", path), _where(path, "id")
+    return choice, (_as_uuid(raw_id, where) if choice == uuid_for else _as_pci(raw_id, where))
+
+
 def _device_from_json(value: Any, path: str) -> Device:
     d = _as_dict(value, path)
-    kind = _as_str(_get(d, "kind", path), _where(path, "kind"))
-    if kind not in DEVICE_KINDS:
-        raise CorruptStateError(f"{_where(path, 'kind')}: unknown device kind {_show(kind)}")
-    raw_id = _get(d, "id", path)
-    dev_id = (_as_uuid(raw_id, _where(path, "id")) if kind == "mdev"
-              else _as_pci(raw_id, _where(path, "id")))
+    kind, dev_id = _choice_and_id(d, path, "kind", DEVICE_KINDS, "device kind", "mdev")
     return Device(kind=kind, id=dev_id,
                   on_demand=_as_bool(_get(d, "on_demand", path, False),
                                      _where(path, "on_demand")))
@@ -385,12 +391,7 @@ def _allocation_to_json(a: Allocation) -> dict[str, Any]:
 
 def _intent_from_json(value: Any, path: str) -> Intent:
     d = _as_dict(value, path)
-    action = _as_str(_get(d, "action", path), _where(path, "action"))
-    if action not in INTENT_ACTIONS:
-        raise CorruptStateError(f"{_where(path, 'action')}: unknown intent {_show(action)}")
-    raw_id = _get(d, "id", path)
-    ident = (_as_uuid(raw_id, _where(path, "id")) if action == "create-mdev"
-             else _as_pci(raw_id, _where(path, "id")))
+    action, ident = _choice_and_id(d, path, "action", INTENT_ACTIONS, "intent", "create-mdev")
     parent = _get(d, "parent", path, None)
     type_id = _get(d, "type_id", path, None)
     return Intent(action, ident, _as_vm(_get(d, "vm", path), _where(path, "vm")),

@@ -8,8 +8,9 @@ Paths given to this module are relative to the root ("sys/bus/pci/devices").
 Reads use os.open/os.read: discovery reads thousands of tiny attribute files
 and the buffered `open()` machinery costs several times more per file.
 
-Every read in gpulib goes through `read_file` (or `Sysfs`, which uses it), by
-one set of rules, because one odd file must never stop a command:
+Every read in gpulib goes through `read_file` (or `Sysfs`, which uses it;
+`read_file_unless` for a cache keyed on a file's identity), by one set of
+rules, because one odd file must never stop a command:
 
 * opened non-blocking: a FIFO (or any file whose open or read would wait for
   a writer) in place of an attribute or a configuration file never hangs;
@@ -89,41 +90,76 @@ class ReadFailure:
         return f"{self.path}: {self.reason}"
 
 
+def _failure(path: str, exc: OSError, follow: bool = True) -> ReadFailure:
+    code = exc.errno or errno.EIO
+    if code == errno.ELOOP and not follow:
+        return ReadFailure(path, code, "a symlink where a file belongs")
+    return ReadFailure(path, code, os.strerror(code))
+
+
+def _content(fd: int, st: os.stat_result, path: str, limit: int) -> Union[bytes, ReadFailure]:
+    """What the open file `fd` (status `st`) holds, by the module's rules.
+    Raises OSError from the read."""
+    if not stat.S_ISREG(st.st_mode):
+        return ReadFailure(path, errno.EINVAL, f"{_kind(st.st_mode)}, not a file")
+    # sysfs and /proc report sizes of 4096 or 0: the bound is checked on
+    # what is read, and st_size only refuses early what is plainly too big.
+    if st.st_size > limit:
+        return ReadFailure(path, errno.EFBIG, f"larger than {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            return ReadFailure(path, errno.EFBIG, f"larger than {limit} bytes")
+        chunks.append(chunk)
+
+
 def read_file(path: str, limit: int = TEXT_MAX, follow: bool = True) -> Union[bytes, ReadFailure]:
     """The content of the regular file at `path`, or why it cannot be read.
 
     Never blocks on a FIFO, never reads more than `limit` bytes, never raises
     OSError. `follow=False` refuses a symlink as the last component.
     """
-    flags = _OPEN_FLAGS if follow else _OPEN_FLAGS | os.O_NOFOLLOW
+    # Inline, not shared with read_file_unless: discovery makes thousands of these calls.
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, _OPEN_FLAGS if follow else _OPEN_FLAGS | os.O_NOFOLLOW)
     except OSError as exc:
-        code = exc.errno or errno.EIO
-        if code == errno.ELOOP and not follow:
-            return ReadFailure(path, code, "a symlink where a file belongs")
-        return ReadFailure(path, code, os.strerror(code))
+        return _failure(path, exc, follow)
+    try:
+        return _content(fd, os.fstat(fd), path, limit)
+    except OSError as exc:
+        return _failure(path, exc)
+    finally:
+        os.close(fd)
+
+
+# Whether a caller already holds a file's content, judged by the file's status
+# (a cache keyed on device, inode, size and mtime).
+AlreadyRead = Callable[[os.stat_result], bool]
+
+
+def read_file_unless(path: str, known: AlreadyRead, limit: int = TEXT_MAX, follow: bool = True
+                     ) -> Union[tuple[os.stat_result, Optional[bytes]], ReadFailure]:
+    """`read_file` for a cache keyed on the file's identity: the status of the
+    file opened, and its content, or None when `known(status)` says the caller
+    has it already. The status is the open file's own (fstat), so a file
+    replaced by rename meanwhile is never taken for the one cached."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS if follow else _OPEN_FLAGS | os.O_NOFOLLOW)
+    except OSError as exc:
+        return _failure(path, exc, follow)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return ReadFailure(path, errno.EINVAL, f"{_kind(st.st_mode)}, not a file")
-        # sysfs and /proc report sizes of 4096 or 0: the bound is checked on
-        # what is read, and st_size only refuses early what is plainly too big.
-        if st.st_size > limit:
-            return ReadFailure(path, errno.EFBIG, f"larger than {limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > limit:
-                return ReadFailure(path, errno.EFBIG, f"larger than {limit} bytes")
-            chunks.append(chunk)
+        if stat.S_ISREG(st.st_mode) and known(st):
+            return st, None
+        data = _content(fd, st, path, limit)
+        return data if isinstance(data, ReadFailure) else (st, data)
     except OSError as exc:
-        code = exc.errno or errno.EIO
-        return ReadFailure(path, code, os.strerror(code))
+        return _failure(path, exc)
     finally:
         os.close(fd)
 
@@ -188,18 +224,34 @@ class Sysfs:
 
         The default bound is `ATTRIBUTE_MAX` below `sys/`, `TEXT_MAX` elsewhere.
         """
-        in_sysfs = rel.startswith("sys/")
-        if limit is None:
-            limit = ATTRIBUTE_MAX if in_sysfs else TEXT_MAX
-        if not in_sysfs and self.root != "/":
-            # Below another root (a test tree, a snapshot), a link such as
-            # etc/os-release -> /usr/lib/os-release is followed inside it:
-            # nothing is ever read from the real host.
-            real = self.resolve_in_root(rel)
-            if real is None:  # absent, or a link that dangles, loops or leaves the root
-                return ReadFailure(self.root + rel, errno.ENOENT, os.strerror(errno.ENOENT))
-            rel = real
-        return read_file(self.root + rel, limit, follow=not in_sysfs)
+        if rel.startswith("sys/"):
+            return read_file(self.root + rel, ATTRIBUTE_MAX if limit is None else limit,
+                             follow=False)
+        path = self._outside_sys(rel)
+        if isinstance(path, ReadFailure):
+            return path
+        return read_file(path, TEXT_MAX if limit is None else limit)
+
+    def read_unless(self, rel: str, known: AlreadyRead, limit: int = DOCUMENT_MAX
+                    ) -> Union[tuple[os.stat_result, Optional[bytes]], ReadFailure]:
+        """`read_file_unless` of a file outside `sys/` (a libvirt status file
+        that a cache keyed on its identity may hold already). Nothing is logged."""
+        path = self._outside_sys(rel)
+        if isinstance(path, ReadFailure):
+            return path
+        return read_file_unless(path, known, limit)
+
+    def _outside_sys(self, rel: str) -> Union[str, ReadFailure]:
+        """The absolute path to open for `rel`, a path outside `sys/`."""
+        if self.root == "/":
+            return self.root + rel
+        # Below another root (a test tree, a snapshot), a link such as
+        # etc/os-release -> /usr/lib/os-release is followed inside it:
+        # nothing is ever read from the real host.
+        real = self.resolve_in_root(rel)
+        if real is None:  # absent, or a link that dangles, loops or leaves the root
+            return ReadFailure(self.root + rel, errno.ENOENT, os.strerror(errno.ENOENT))
+        return self.root + real
 
     def read_bytes(self, rel: str, limit: Optional[int] = None) -> Optional[bytes]:
         """Raw content; None if the file does not exist or cannot be read

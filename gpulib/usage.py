@@ -25,12 +25,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 from gpulib.context import RUNNING_DOMAINS
 from gpulib.errors import InputError
 from gpulib.pci import PciAddress
-from gpulib.sysfs import Sysfs
+from gpulib.sysfs import AlreadyRead, ReadFailure, Sysfs
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +116,15 @@ def _load_cache(sysfs: Sysfs) -> None:
     if sysfs.root in _loaded_roots:
         return
     _loaded_roots.add(sysfs.root)
+    raw = sysfs.read_result(CACHE_FILE, MAX_STATUS_BYTES)
+    if isinstance(raw, ReadFailure):
+        if not raw.missing:
+            log.debug("cannot read %s: %s", CACHE_FILE, raw.reason)
+        return  # no cache, or one we cannot use: parse the files
     try:
-        with open(sysfs.path(CACHE_FILE), "rb") as fh:
-            doc = json.loads(fh.read(MAX_STATUS_BYTES))
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            return
         for name, (dev, ino, size, mtime, pci, mdevs) in doc.items():
             found = DomainDevices(str(name))
             found.pci = [PciAddress.parse(str(a)) for a in pci]
@@ -148,8 +154,23 @@ def running_names(sysfs: Sysfs) -> set[str]:
     return {n[:-4] for n in sysfs.listdir(RUNNING_DOMAINS) if n.endswith(".xml") and len(n) > 4}
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _cached_as(cached: Optional[tuple[tuple[int, int, int, int], DomainDevices]]
+               ) -> AlreadyRead:
+    """Whether a status file is the one `cached` was parsed from."""
+    key = cached[0] if cached is not None else None
+    return lambda st: _identity(st) == key
+
+
 def running_domains(sysfs: Sysfs, save_cache: bool = False) -> list[DomainDevices]:
     """Every running domain and the devices it holds.
+
+    A status file that cannot be read (a FIFO, too large, EIO) is logged and
+    read as holding nothing, like one cut short: never a wait, never the end
+    of the scan.
 
     `save_cache`: write what was parsed to the cross-process cache (the hooks;
     read-only commands such as discover, doctor and snapshot write nothing)."""
@@ -158,30 +179,24 @@ def running_domains(sysfs: Sysfs, save_cache: bool = False) -> list[DomainDevice
     keyed: list[tuple[tuple[int, int, int, int], DomainDevices]] = []
     parsed = False
     for name in sorted(running_names(sysfs)):
-        path = sysfs.path(f"{RUNNING_DOMAINS}/{name}.xml")
-        try:
-            with open(path, "rb") as fh:
-                st = os.fstat(fh.fileno())
-                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-                cached = _CACHE.get(path)
-                if cached is not None and cached[0] == key:
-                    out.append(cached[1])
-                    keyed.append(cached)
-                    continue
-                data = fh.read(MAX_STATUS_BYTES + 1)
-                parsed = True
-        except FileNotFoundError:
-            continue  # the domain stopped while we looked
-        except OSError as exc:
-            log.warning("cannot read the status of domain %s: %s", name, exc.strerror)
-            out.append(DomainDevices(name))
+        rel = f"{RUNNING_DOMAINS}/{name}.xml"
+        path = sysfs.path(rel)
+        cached = _CACHE.get(path)
+        got = sysfs.read_unless(rel, _cached_as(cached), MAX_STATUS_BYTES)
+        if isinstance(got, ReadFailure):
+            if not got.missing:  # missing: the domain stopped while we looked
+                log.warning("cannot read the status of domain %s: %s", name, got)
+                out.append(DomainDevices(name))
             continue
-        if len(data) > MAX_STATUS_BYTES:
-            log.warning("status file of domain %s is larger than %d bytes: not read",
-                        name, MAX_STATUS_BYTES)
-            found = DomainDevices(name)
-        else:
-            found = scan_domain_xml(data, name)
+        st, data = got
+        if data is None:  # the very file the cache holds
+            if cached is not None:
+                out.append(cached[1])
+                keyed.append(cached)
+            continue
+        parsed = True
+        found = scan_domain_xml(data, name)
+        key = _identity(st)
         _CACHE[path] = (key, found)
         keyed.append((key, found))
         out.append(found)

@@ -1,8 +1,8 @@
 """`gpulib attach` / `detach` and the pipe workflow against a real libvirtd.
 
-The private libvirtd of tests/test_libvirtd.py (own mount namespace, gpulib's
-qemu hook wrapped to run on the simulated demo host); `gpulib attach` reaches
-it with `--connect`, `virsh` in the pipe workflow with `-c`. The domains are
+The private libvirtd of tests/helpers/libvirtd_env.py (own mount namespace,
+gpulib's qemu hook wrapped to run on the simulated demo host); `gpulib attach`
+reaches it with `--connect`, `virsh` in the pipe workflow with `-c`. The domains are
 TCG (`type='qemu'`); their start fails for lack of VFIO here, after the
 hook's `prepare begin` ran, which is what is checked.
 """
@@ -10,7 +10,6 @@ hook's `prepare begin` ran, which is what is checked.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,18 +23,24 @@ from lxml import etree
 
 from gpulib.domain import derive_uuid, parse_domain
 from gpulib.sim.hosts import DEMO_T4
-from tests.helpers.libvirtd_env import PrivateLibvirtd, shell_quote
-from tests.test_libvirtd import _REASON, PREFIX, Env, domain_xml
+from tests.helpers.libvirtd_env import (
+    PREFIX,
+    Env,
+    PrivateLibvirtd,
+    defining,
+    domain_xml,
+    marks,
+    serving,
+    shell_quote,
+)
+from tests.hookrun import hook_env
 
 GPULIB = Path(sys.executable).parent / "gpulib"
 TRANSFORMER = Path(sys.executable).parent / "libvirt-vm-xml-transformer"
 GEFORCE = "0000:3b:00.0"
 GEFORCE_AUDIO = "0000:3b:00.1"
 
-pytestmark = [
-    pytest.mark.libvirtd,
-    pytest.mark.skipif(_REASON is not None, reason=f"real libvirtd test: {_REASON}"),
-]
+pytestmark = marks()
 
 
 @pytest.fixture(scope="module")
@@ -45,40 +50,20 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
 
 @pytest.fixture(scope="module")
 def libvirtd(env: Env) -> Iterator[PrivateLibvirtd]:
-    daemon = env.daemon
-    try:
-        daemon.start()
-        yield daemon
-    finally:
-        daemon.stop()
+    yield from serving(env)
 
 
 @pytest.fixture
 def define(env: Env, libvirtd: PrivateLibvirtd) -> Iterator[Callable[..., str]]:
-    names: list[str] = []
-
-    def _define(suffix: str, text: str | None = None) -> str:
-        name = PREFIX + suffix
-        xml = env.base / f"{name}.xml"
-        xml.write_text(text if text is not None else domain_xml(name))
-        res = libvirtd.virsh("define", str(xml))
-        assert res.returncode == 0, env.explain(res)
-        names.append(name)
-        return name
-
-    yield _define
-    for name in names:
-        libvirtd.virsh("destroy", name)
-        libvirtd.virsh("undefine", name)
+    yield from defining(env, libvirtd)
 
 
 def gpulib(env: Env, daemon: PrivateLibvirtd, *args: str,
            via_environment: bool = False) -> subprocess.CompletedProcess[str]:
     """The CLI as an administrator runs it, on the simulated host, against the daemon
     (named by --connect, or by LIBVIRT_DEFAULT_URI)."""
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith("GPULIB_") and k != "LIBVIRT_DEFAULT_URI"}
-    environ.update(GPULIB_ROOT=str(env.root), GPULIB_SIMULATE="1")
+    environ = hook_env(str(env.root))
+    environ.pop("LIBVIRT_DEFAULT_URI", None)
     if via_environment:
         environ["LIBVIRT_DEFAULT_URI"] = daemon.uri
     connect = [] if via_environment else ["--connect", daemon.uri]
@@ -243,13 +228,12 @@ def test_pipe_workflow(env: Env, libvirtd: PrivateLibvirtd, define: Callable[...
     text = domain_xml(name).replace(f"  <name>{name}</name>\n",
                                     f"  <name>{name}</name>\n  <uuid>{uuid.uuid4()}</uuid>\n"
                                     + request)
-    define("pipe", text)
+    define("pipe", text=text)
     out = env.base / "pipe-vm.xml"
     script = (f"virsh -c {shell_quote(libvirtd.uri)} dumpxml {name} | "
               f"{shell_quote(TRANSFORMER)} transform - > {shell_quote(out)} && "
               f"virsh -c {shell_quote(libvirtd.uri)} define {shell_quote(out)}")
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("GPULIB_")}
-    environ.update(GPULIB_ROOT=str(env.root), GPULIB_SIMULATE="1")
+    environ = hook_env(str(env.root))
     res = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=environ,
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr

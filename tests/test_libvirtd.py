@@ -6,7 +6,7 @@ A private libvirtd (tests/helpers/libvirtd_env.py: own mount namespace, own
 GPULIB_ROOT to a fake demo host (`gpulib.sim.hosts.build_demo`) and
 GPULIB_SIMULATE=1, runs this checkout's `gpulib-qemu-hook`, and records each
 call (arguments, exit code, gpulib's state and the live mdevs right after it)
-so the tests see what libvirt did in which order.
+so the tests see what libvirt did in which order (`Env` there).
 
 What libvirt 9.0 does on `virsh start` (seen in its debug log, `qemuProcessStart`):
   qemuProcessInit -> qemuProcessStartValidate (XML only, no host devices)
@@ -28,130 +28,29 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
-from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
-from tests.helpers.libvirtd_env import QEMU, PrivateLibvirtd, shell_quote, skip_reason
+from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4
+from tests.helpers.libvirtd_env import (
+    HOOK_NAME,
+    PREFIX,
+    Env,
+    PrivateLibvirtd,
+    defining,
+    marks,
+    serving,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-# The venv's console script, beside the interpreter running the tests (not resolved:
-# sys.executable is usually a symlink into the base Python).
-HOOK = Path(sys.executable).parent / "gpulib-qemu-hook"
-HOOK_NAME = "60-gpulib-test"
-PREFIX = "gpulib-test-"
 POOL_UUID = DEMO_POOL_MDEVS[0]
 POOL_TYPE = "nvidia-232"
 
-_REASON = skip_reason()
-if _REASON is None and not os.access(HOOK, os.X_OK):
-    _REASON = f"{HOOK} is not installed (pip install -e . in this venv)"
-
-pytestmark = [
-    pytest.mark.libvirtd,
-    pytest.mark.skipif(_REASON is not None, reason=f"real libvirtd test: {_REASON}"),
-]
-
-# libvirt runs hooks with an almost empty environment (virCommandAddEnvPassCommon:
-# LC_ALL=C, PATH, HOME, USER, LOGNAME, TMPDIR): the wrapper must set everything.
-# It keeps `exec`'s contract: stdin goes to the hook, its stdout/stderr and exit
-# code come back unchanged; the trace is written after the hook ended.
-WRAPPER = """\
-#!/bin/sh
-# gpulib's qemu hook for tests/test_libvirtd.py (a private libvirtd only).
-GPULIB_ROOT={root}
-GPULIB_SIMULATE=1
-PYTHONPATH={repo}
-PYTHONDONTWRITEBYTECODE=1
-export GPULIB_ROOT GPULIB_SIMULATE PYTHONPATH PYTHONDONTWRITEBYTECODE
-{hook} "$@"
-rc=$?
-trace={trace}
-n=$(( $(wc -l < "$trace/calls.log") + 1 ))
-cp "$GPULIB_ROOT/var/lib/gpulib/state.json" "$trace/$n.state.json" 2>/dev/null
-ls "$GPULIB_ROOT/sys/bus/mdev/devices" > "$trace/$n.mdevs" 2>/dev/null
-printf '%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$n" "${{1-}}" "${{2-}}" "${{3-}}" "${{4-}}" "$rc" \\
-    >> "$trace/calls.log"
-exit $rc
-"""
-
-
-class Env:
-    """The fake host, the installed wrapper and its trace."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.root = base / "root"
-        self.trace = base / "trace"
-        build_demo(str(self.root))
-        self.trace.mkdir()
-        (self.trace / "calls.log").write_text("")
-        self.daemon = PrivateLibvirtd(base / "libvirt")
-        self.wrapper = self.daemon.install_hook(HOOK_NAME, WRAPPER.format(
-            root=shell_quote(self.root), repo=shell_quote(REPO), hook=shell_quote(HOOK),
-            trace=shell_quote(self.trace)))
-
-    # -- the fake host -----------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(
-            (self.root / "var/lib/gpulib/state.json").read_text())
-        return data
-
-    def live_mdevs(self) -> list[str]:
-        return sorted(os.listdir(self.root / "sys/bus/mdev/devices"))
-
-    # -- what the wrapper recorded -------------------------------------------------------------
-    def calls(self, vm: str) -> list[dict[str, Any]]:
-        out = []
-        for line in (self.trace / "calls.log").read_text().splitlines():
-            n, name, op, sub, extra, rc = line.split("\t")
-            if name == vm:
-                out.append({"n": n, "op": f"{op} {sub}", "extra": extra, "rc": int(rc)})
-        return out
-
-    def state_after(self, call: dict[str, Any]) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.trace / f"{call['n']}.state.json").read_text())
-        return data
-
-    def mdevs_after(self, call: dict[str, Any]) -> list[str]:
-        return sorted((self.trace / f"{call['n']}.mdevs").read_text().split())
-
-    def libvirt_events(self, vm: str) -> list[str]:
-        """What libvirtd logged (libvirtd.conf: util.hook, qemu_process at debug) from the
-        VM's `prepare begin` to its `release end`: hook calls and host-device preparation."""
-        lines = self.daemon.log.read_text(errors="replace").splitlines()
-        hook = re.compile(r"Calling hook (\S+) id=(\S+) op=(\S+) subop=(\S+)")
-        events: list[str] = []
-        for line in lines:
-            m = hook.search(line)
-            if m and m.group(2) == vm:
-                assert m.group(1) == f"/etc/libvirt/hooks/qemu.d/{HOOK_NAME}", line
-                events.append(f"hook {m.group(3)} {m.group(4)}")
-            elif events and events[-1] != "hook release end":
-                if "Preparing host devices" in line:
-                    events.append("prepare host devices")
-                elif " error : " in line and events[-1] == "prepare host devices":
-                    events.append("host device error")  # no VFIO, or no such mdev
-        return events
-
-    def gpulib_log(self) -> str:
-        path = self.root / "var/log/gpulib/gpulib.log"
-        return path.read_text(errors="replace") if path.exists() else "(no gpulib log)"
-
-    def explain(self, res: subprocess.CompletedProcess[str]) -> str:
-        """Everything needed to understand a failed assertion."""
-        return (f"virsh rc={res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr}\n"
-                f"--- hook calls\n{(self.trace / 'calls.log').read_text()}"
-                f"--- gpulib log (tail)\n{self.gpulib_log()[-3000:]}\n"
-                + self.daemon.tail("libvirtd.log", 30))
+pytestmark = marks()
 
 
 @pytest.fixture(scope="module")
@@ -162,63 +61,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
 
 @pytest.fixture(scope="module")
 def libvirtd(env: Env) -> Iterator[PrivateLibvirtd]:
-    """virtlogd + libvirtd, started after the wrapper is in place (hooks are read at start)."""
-    daemon = env.daemon
-    try:
-        daemon.start()
-        yield daemon
-    finally:
-        daemon.stop()  # destroys/undefines the domains, ends what we started, by pid
-
-
-def domain_xml(name: str, mdev: str | None = None, pci: str | None = None) -> str:
-    hostdev = ""
-    if mdev is not None:
-        hostdev = f"""
-    <hostdev mode='subsystem' type='mdev' model='vfio-pci'>
-      <source><address uuid='{mdev}'/></source>
-    </hostdev>"""
-    if pci is not None:
-        # As the CloudStack agent's LibvirtGpuDef renders a passthrough GPU.
-        d, b, sf = pci.split(":")
-        s, f = sf.split(".")
-        hostdev += f"""
-<hostdev mode='subsystem' type='pci' managed='yes' display='off'>
-  <driver name='vfio'/>
-  <source>
-    <address domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>
-  </source>
-</hostdev>"""
-    return f"""<domain type='qemu'>
-  <name>{name}</name>
-  <memory unit='MiB'>64</memory>
-  <vcpu>1</vcpu>
-  <os><type arch='x86_64' machine='pc'>hvm</type></os>
-  <devices>
-    <emulator>{QEMU}</emulator>{hostdev}
-  </devices>
-</domain>
-"""
+    yield from serving(env)
 
 
 @pytest.fixture
 def define(env: Env, libvirtd: PrivateLibvirtd) -> Iterator[Callable[..., str]]:
-    """define(name, mdev=None) -> name; destroyed and undefined after the test."""
-    names: list[str] = []
-
-    def _define(suffix: str, mdev: str | None = None, pci: str | None = None) -> str:
-        name = PREFIX + suffix
-        xml = env.base / f"{name}.xml"
-        xml.write_text(domain_xml(name, mdev, pci))
-        res = libvirtd.virsh("define", str(xml))
-        assert res.returncode == 0, env.explain(res)
-        names.append(name)
-        return name
-
-    yield _define
-    for name in names:
-        libvirtd.virsh("destroy", name)
-        libvirtd.virsh("undefine", name)
+    """define(suffix, mdev=None, pci=None) -> name; destroyed and undefined after the test."""
+    yield from defining(env, libvirtd)
 
 
 def domstate(libvirtd: PrivateLibvirtd, name: str) -> str:

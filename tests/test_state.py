@@ -439,6 +439,52 @@ def test_every_truncation_is_detected(data: st.DataObject) -> None:
         StateStore("/nonexistent/s.json", "/nonexistent/s.lock")._parse(text[:cut])
 
 
+U1 = str(uuid.UUID(int=1))
+
+
+def _with_device(kind: str, ident: str) -> dict[str, Any]:
+    return {"version": SCHEMA_VERSION, "allocations": {"a": {
+        "vm": "a", "status": "active", "since": STAMP,
+        "devices": [{"kind": kind, "id": ident, "on_demand": False}]}}}
+
+
+def _with_intent(action: str, ident: str) -> dict[str, Any]:
+    return {"version": SCHEMA_VERSION, "intents": [
+        {"action": action, "id": ident, "vm": "a", "parent": None, "type_id": None,
+         "on_demand": False}]}
+
+
+@pytest.mark.parametrize("doc,where,problem", [
+    (_with_device("gpu", "0000:41:00.0"), "devices'][0]['kind']", "unknown device kind 'gpu'"),
+    (_with_device("mdev", "0000:41:00.0"), "devices'][0]['id']", ""),
+    (_with_device("pci", U1), "devices'][0]['id']", ""),
+    (_with_device("vf", U1), "devices'][0]['id']", ""),
+    (_with_intent("remove-mdev", U1), "intents[0]['action']", "unknown intent 'remove-mdev'"),
+    (_with_intent("create-mdev", "0000:41:00.4"), "intents[0]['id']", ""),
+    (_with_intent("set-vf-type", U1), "intents[0]['id']", ""),
+])
+def test_device_and_intent_ids_are_checked_by_their_kind(doc: dict[str, Any], where: str,
+                                                         problem: str) -> None:
+    """The kind (or action) is one gpulib knows; the id is an mdev's UUID or a
+    PCI address as the kind says, the error naming where it is."""
+    with pytest.raises(CorruptStateError) as err:
+        State.from_json(doc)
+    assert where + ": " + problem in str(err.value)
+
+
+@pytest.mark.parametrize("kind,ident", [("mdev", U1), ("pci", "0000:41:00.0"),
+                                        ("vf", "0000:41:00.4")])
+def test_devices_of_their_kind_are_kept(kind: str, ident: str) -> None:
+    [dev] = State.from_json(_with_device(kind, ident)).allocations["a"].devices
+    assert (dev.kind, dev.id) == (kind, ident)
+
+
+@pytest.mark.parametrize("action,ident", [("create-mdev", U1), ("set-vf-type", "0000:41:00.4")])
+def test_intents_of_their_kind_are_kept(action: str, ident: str) -> None:
+    [intent] = State.from_json(_with_intent(action, ident)).intents
+    assert (intent.action, intent.id) == (action, ident)
+
+
 def test_corrupt_file_with_a_collision_in_the_aside_name(store: StateStore) -> None:
     write_raw(store, b"junk")
     with store.transaction() as s:

@@ -33,7 +33,7 @@ import posixpath
 import shutil
 from typing import Optional, Union
 
-from gpulib.sysfs import KernelWrite, ReadFailure, Sysfs
+from gpulib.sysfs import DOCUMENT_MAX, AlreadyRead, KernelWrite, ReadFailure, Sysfs
 
 FAULTS_FILE = ".gpulib-sim/faults.json"
 ERRNO_FAULTS = {
@@ -140,6 +140,13 @@ class FaultySysfs(Sysfs):
         if kind is not None:
             return self._failure(rel, kind)
         return super().read_result(rel, limit)
+
+    def read_unless(self, rel: str, known: AlreadyRead, limit: int = DOCUMENT_MAX
+                    ) -> Union[tuple[os.stat_result, Optional[bytes]], ReadFailure]:
+        kind = self.fault(rel)
+        if kind is not None:
+            return self._failure(rel, kind)
+        return super().read_unless(rel, known, limit)
 
     def listdir_result(self, rel: str) -> Union[list[str], ReadFailure]:
         kind = self.fault(rel)

@@ -1,4 +1,5 @@
-"""A private, throw-away libvirtd for tests/test_libvirtd.py.
+"""A private, throw-away libvirtd running gpulib's qemu hook, for the real-libvirtd
+tests (tests/test_libvirtd.py, tests/test_attach_libvirtd.py).
 
 libvirtd reads its hook directory once, at start, from a fixed path
 (`/etc/libvirt/hooks`), and a privileged libvirtd keeps its state in fixed
@@ -27,6 +28,14 @@ containers never reaps it), with PR_SET_PDEATHSIG so they die with pytest
 even when it is killed. `stop()` destroys the domains, kills any qemu left
 behind (by the pid files libvirt wrote) and ends both daemons by pid.
 
+`Env` is what both test modules start from: a simulated demo host
+(`gpulib.sim.hosts.build_demo`) and, in the private `hooks/qemu.d`, a wrapper
+(`60-gpulib-test`) that sets GPULIB_ROOT to that host and GPULIB_SIMULATE=1,
+runs this checkout's `gpulib-qemu-hook`, and records each call (arguments,
+exit code, gpulib's state and the live mdevs right after it) so the tests
+see what libvirt did in which order. `serving` and `defining` are the bodies
+of the modules' `libvirtd` and `define` fixtures.
+
 Private settings (`qemu.conf`):
 * `user`/`group` = root: where /dev/kvm exists but the `libvirt-qemu` user
   cannot open it (/dev/kvm with mode 0600 in some containers), libvirt 9.0 decides on every
@@ -40,14 +49,23 @@ Private settings (`qemu.conf`):
 from __future__ import annotations
 
 import ctypes
+import functools
+import json
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
+
+import pytest
+
+from gpulib.sim.hosts import build_demo
 
 QEMU = "/usr/bin/qemu-system-x86_64"
 PROGRAMS = ("libvirtd", "virtlogd", "virsh", "unshare", "nsenter", "mount")
@@ -259,3 +277,186 @@ class PrivateLibvirtd:
 
 def shell_quote(value: object) -> str:
     return shlex.quote(str(value))
+
+
+# -- gpulib's qemu hook in the private libvirtd ------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+# The venv's console script, beside the interpreter running the tests (not resolved:
+# sys.executable is usually a symlink into the base Python).
+HOOK = Path(sys.executable).parent / "gpulib-qemu-hook"
+HOOK_NAME = "60-gpulib-test"
+# Every domain the tests define is named so.
+PREFIX = "gpulib-test-"
+
+# libvirt runs hooks with an almost empty environment (virCommandAddEnvPassCommon:
+# LC_ALL=C, PATH, HOME, USER, LOGNAME, TMPDIR): the wrapper must set everything.
+# It keeps `exec`'s contract: stdin goes to the hook, its stdout/stderr and exit
+# code come back unchanged; the trace is written after the hook ended.
+WRAPPER = """\
+#!/bin/sh
+# gpulib's qemu hook for gpulib's real-libvirtd tests (a private libvirtd only).
+GPULIB_ROOT={root}
+GPULIB_SIMULATE=1
+PYTHONPATH={repo}
+PYTHONDONTWRITEBYTECODE=1
+export GPULIB_ROOT GPULIB_SIMULATE PYTHONPATH PYTHONDONTWRITEBYTECODE
+{hook} "$@"
+rc=$?
+trace={trace}
+n=$(( $(wc -l < "$trace/calls.log") + 1 ))
+cp "$GPULIB_ROOT/var/lib/gpulib/state.json" "$trace/$n.state.json" 2>/dev/null
+ls "$GPULIB_ROOT/sys/bus/mdev/devices" > "$trace/$n.mdevs" 2>/dev/null
+printf '%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$n" "${{1-}}" "${{2-}}" "${{3-}}" "${{4-}}" "$rc" \\
+    >> "$trace/calls.log"
+exit $rc
+"""
+
+
+@functools.cache
+def hook_skip_reason() -> Optional[str]:
+    """Why the real-libvirtd tests cannot run here, or None."""
+    reason = skip_reason()
+    if reason is None and not os.access(HOOK, os.X_OK):
+        reason = f"{HOOK} is not installed (pip install -e . in this venv)"
+    return reason
+
+
+def marks() -> list[pytest.MarkDecorator]:
+    """A real-libvirtd test module's `pytestmark`."""
+    reason = hook_skip_reason()
+    return [pytest.mark.libvirtd,
+            pytest.mark.skipif(reason is not None, reason=f"real libvirtd test: {reason}")]
+
+
+class Env:
+    """The fake host, the installed wrapper and its trace."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.root = base / "root"
+        self.trace = base / "trace"
+        build_demo(str(self.root))
+        self.trace.mkdir()
+        (self.trace / "calls.log").write_text("")
+        self.daemon = PrivateLibvirtd(base / "libvirt")
+        self.wrapper = self.daemon.install_hook(HOOK_NAME, WRAPPER.format(
+            root=shell_quote(self.root), repo=shell_quote(REPO), hook=shell_quote(HOOK),
+            trace=shell_quote(self.trace)))
+
+    # -- the fake host -----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(
+            (self.root / "var/lib/gpulib/state.json").read_text())
+        return data
+
+    def live_mdevs(self) -> list[str]:
+        return sorted(os.listdir(self.root / "sys/bus/mdev/devices"))
+
+    # -- what the wrapper recorded -------------------------------------------------------------
+    def calls(self, vm: str) -> list[dict[str, Any]]:
+        out = []
+        for line in (self.trace / "calls.log").read_text().splitlines():
+            n, name, op, sub, extra, rc = line.split("\t")
+            if name == vm:
+                out.append({"n": n, "op": f"{op} {sub}", "extra": extra, "rc": int(rc)})
+        return out
+
+    def state_after(self, call: dict[str, Any]) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.trace / f"{call['n']}.state.json").read_text())
+        return data
+
+    def mdevs_after(self, call: dict[str, Any]) -> list[str]:
+        return sorted((self.trace / f"{call['n']}.mdevs").read_text().split())
+
+    def libvirt_events(self, vm: str) -> list[str]:
+        """What libvirtd logged (libvirtd.conf: util.hook, qemu_process at debug) from the
+        VM's `prepare begin` to its `release end`: hook calls and host-device preparation."""
+        lines = self.daemon.log.read_text(errors="replace").splitlines()
+        hook = re.compile(r"Calling hook (\S+) id=(\S+) op=(\S+) subop=(\S+)")
+        events: list[str] = []
+        for line in lines:
+            m = hook.search(line)
+            if m and m.group(2) == vm:
+                assert m.group(1) == f"/etc/libvirt/hooks/qemu.d/{HOOK_NAME}", line
+                events.append(f"hook {m.group(3)} {m.group(4)}")
+            elif events and events[-1] != "hook release end":
+                if "Preparing host devices" in line:
+                    events.append("prepare host devices")
+                elif " error : " in line and events[-1] == "prepare host devices":
+                    events.append("host device error")  # no VFIO, or no such mdev
+        return events
+
+    def gpulib_log(self) -> str:
+        path = self.root / "var/log/gpulib/gpulib.log"
+        return path.read_text(errors="replace") if path.exists() else "(no gpulib log)"
+
+    def explain(self, res: subprocess.CompletedProcess[str]) -> str:
+        """Everything needed to understand a failed assertion."""
+        return (f"virsh rc={res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr}\n"
+                f"--- hook calls\n{(self.trace / 'calls.log').read_text()}"
+                f"--- gpulib log (tail)\n{self.gpulib_log()[-3000:]}\n"
+                + self.daemon.tail("libvirtd.log", 30))
+
+
+def domain_xml(name: str, mdev: Optional[str] = None, pci: Optional[str] = None) -> str:
+    """A TCG domain, with an mdev and/or a PCI hostdev."""
+    hostdev = ""
+    if mdev is not None:
+        hostdev = f"""
+    <hostdev mode='subsystem' type='mdev' model='vfio-pci'>
+      <source><address uuid='{mdev}'/></source>
+    </hostdev>"""
+    if pci is not None:
+        # As the CloudStack agent's LibvirtGpuDef renders a passthrough GPU.
+        d, b, sf = pci.split(":")
+        s, f = sf.split(".")
+        hostdev += f"""
+<hostdev mode='subsystem' type='pci' managed='yes' display='off'>
+  <driver name='vfio'/>
+  <source>
+    <address domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>
+  </source>
+</hostdev>"""
+    return f"""<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>64</memory>
+  <vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='pc'>hvm</type></os>
+  <devices>
+    <emulator>{QEMU}</emulator>{hostdev}
+  </devices>
+</domain>
+"""
+
+
+def serving(env: Env) -> Iterator[PrivateLibvirtd]:
+    """virtlogd + libvirtd, started after the wrapper is in place (hooks are read at
+    start); stopped after (domains destroyed and undefined, daemons ended by pid)."""
+    daemon = env.daemon
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+def defining(env: Env, daemon: PrivateLibvirtd) -> Iterator[Callable[..., str]]:
+    """define(suffix, mdev=None, pci=None, text=None) -> the domain's name (PREFIX +
+    suffix; `text` instead of `domain_xml`); destroyed and undefined afterwards."""
+    names: list[str] = []
+
+    def _define(suffix: str, mdev: Optional[str] = None, pci: Optional[str] = None,
+                text: Optional[str] = None) -> str:
+        name = PREFIX + suffix
+        xml = env.base / f"{name}.xml"
+        xml.write_text(text if text is not None else domain_xml(name, mdev, pci))
+        res = daemon.virsh("define", str(xml))
+        assert res.returncode == 0, env.explain(res)
+        names.append(name)
+        return name
+
+    yield _define
+    for name in names:
+        daemon.virsh("destroy", name)
+        daemon.virsh("undefine", name)
