@@ -11,9 +11,9 @@ the VF has no type.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
+from gpulib import jsontext
 from gpulib.discovery import Gpu, Inventory, VirtualFunction
 from gpulib.mdev import Description, MdevType
 from gpulib.nvidia import framebuffer_mb_from_name
@@ -104,4 +104,4 @@ def render(inventory: Inventory) -> dict[str, Any]:
 
 
 def dumps(inventory: Inventory) -> str:
-    return json.dumps(render(inventory), indent=2) + "\n"
+    return jsontext.dumps(render(inventory)) + "\n"

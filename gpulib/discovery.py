@@ -37,6 +37,7 @@ from gpulib.pci import (
     CLASS_PROCESSING_ACCEL,
     DISPLAY_BASE_CLASS,
     GPU_VENDORS,
+    PCI_DEVICES,
     PciAddress,
     PciFunction,
     iommu_group_members,
@@ -100,14 +101,64 @@ class VirtualFunction:
         self.index = index
         self.fn = fn
         self.mdev_parent = False
-        self.mdev_types: list[mdev.MdevType] = []
         self.nvidia: Optional[NvidiaVf] = None
         self.used_by: Optional[str] = None
         self.device_name = ""
+        self._types: Optional[list[mdev.MdevType]] = []
+        # Until the types are asked for: the offered type ids, the same types
+        # on the VF that listed them first (which read their files), the
+        # objects made so far.
+        self._sysfs: Optional[Sysfs] = None
+        self._offered: tuple[str, ...] = ()
+        self._shared: dict[str, mdev.MdevType] = {}
+        self._made: dict[str, mdev.MdevType] = {}
 
     @property
     def address(self) -> PciAddress:
         return self.fn.address
+
+    @property
+    def mdev_types(self) -> list[mdev.MdevType]:
+        """The mdev types the VF offers (those whose files could be read).
+
+        Discovery reads what they share with the same types on the GPU's other
+        VFs (`MdevType.same_as`) once; their objects are made when first asked
+        for: the CloudStack report needs none of a large host's 16 VFs x 24
+        types a GPU."""
+        if self._types is None:
+            self._types = [self._make(n) for n in self._offered]
+            self._offered, self._shared, self._made = (), {}, {}
+        return self._types
+
+    @mdev_types.setter
+    def mdev_types(self, types: list[mdev.MdevType]) -> None:
+        self._types = types
+        self._offered, self._shared, self._made = (), {}, {}
+
+    def offer_types(self, sysfs: Sysfs, offered: tuple[str, ...],
+                    shared: dict[str, mdev.MdevType]) -> None:
+        """Offer the types `offered` (ids, each in `shared`, read already)."""
+        self._types = None
+        self._sysfs = sysfs
+        self._offered, self._shared, self._made = offered, shared, {}
+
+    def mdev_type(self, type_id: str) -> Optional[mdev.MdevType]:
+        """The offered type `type_id`, None when the VF does not offer it."""
+        if self._types is not None:
+            return next((t for t in self._types if t.type_id == type_id), None)
+        return self._make(type_id) if type_id in self._offered else None
+
+    def _make(self, type_id: str) -> mdev.MdevType:
+        made = self._made.get(type_id)
+        if made is None:
+            first = self._shared[type_id]
+            if first.parent == self.address:
+                made = first
+            else:
+                assert self._sysfs is not None
+                made = mdev.MdevType(self._sysfs, self.address, type_id, same_as=first)
+            self._made[type_id] = made
+        return made
 
 
 class Vgpu:
@@ -272,7 +323,11 @@ class Discovery:
         # Raises only when sys/bus/pci/devices exists but cannot be listed:
         # an empty report would tell the agent that every GPU failed.
         addresses = list_addresses(sysfs)
+        # The VFs read under their GPU: never GPUs themselves, so not read again.
+        read_vfs: set[PciAddress] = set()
         for address in addresses:
+            if address in read_vfs:
+                continue
             mark = len(sysfs.failures)
             # One device's fault never costs the others: whatever goes wrong
             # with this function (an odd file, a bug on odd input) stays here.
@@ -291,6 +346,7 @@ class Discovery:
                 if note not in gpu.errors:
                     gpu.errors.append(note)
             gpus.append(gpu)
+            read_vfs.update(vf.address for vf in gpu.vfs)
         # A VF is never also a GPU, even when its own `physfn` is unreadable.
         vfs = {vf.address for g in gpus for vf in g.vfs}
         for g in gpus:
@@ -331,14 +387,14 @@ class Discovery:
         types: dict[tuple[PciAddress, str], mdev.MdevType] = {}
         for t in gpu.mdev_types:
             types[(t.parent, t.type_id)] = t
-        for vf in gpu.vfs:
-            for t in vf.mdev_types:
-                types[(t.parent, t.type_id)] = t
+        vfs = {vf.address: vf for vf in gpu.vfs}
         for m in sorted(live.values(), key=lambda m: (m.parent, m.type_id, m.uuid)):
             if m.parent in parents:
                 # A live vGPU of a type left out (unreadable files) is still
                 # listed, with what could be read (its type id as the name).
-                found = types.get((m.parent, m.type_id))
+                owner = vfs.get(m.parent)
+                found = owner.mdev_type(m.type_id) if owner is not None else \
+                    types.get((m.parent, m.type_id))
                 if found is None:
                     found = mdev.MdevType(self.sysfs, m.parent, m.type_id)
                     found.load()
@@ -377,7 +433,7 @@ class Discovery:
         vf.used_by = usage.user("pci", str(address))
         vf.mdev_parent = mdev.is_parent(sysfs, address)
         if vf.mdev_parent:
-            vf.mdev_types = _loaded_types(gpu, mdev.list_types(sysfs, address, vf_types))
+            vf.offer_types(sysfs, _offered_types(gpu, address, sysfs, vf_types), vf_types)
         if gpu.fn.vendor_id == nvidia.NVIDIA_VENDOR and nvidia.is_vendor_vf(sysfs, address):
             # Offering a VF whose vGPU state is unknown could hand a VM a VF
             # that already has a vGPU: such a VF is left out instead.
@@ -435,6 +491,31 @@ class Discovery:
                 if ids not in cache:
                     cache[ids] = self.names.device(ids[0], ids[1], vf.address)
                 vf.device_name = cache[ids]
+
+
+def _offered_types(gpu: Gpu, address: PciAddress, sysfs: Sysfs,
+                   shared: dict[str, mdev.MdevType]) -> tuple[str, ...]:
+    """The ids of the types a VF offers, as `_loaded_types(list_types(...))`
+    would keep them, without an object for each: a type the VF lists first is
+    made and read here (its failures noted on the GPU); one a sibling listed
+    first is offered if its files could be read there."""
+    base = f"{PCI_DEVICES}{address}/{mdev.TYPES_DIR}/"
+    offered = []
+    for n in sorted(sysfs.listdir(base[:-1])):
+        first = shared.get(n)
+        if first is None:
+            if not mdev.valid_type_id(n):
+                sysfs.failed(base + n, "not a type id")
+                continue
+            first = shared[n] = mdev.MdevType(sysfs, address, n, rel=base + n)
+            failures = first.load()
+            if failures:
+                gpu.errors.extend(failures)
+                continue
+        elif first.load():
+            continue
+        offered.append(n)
+    return tuple(offered)
 
 
 def _loaded_types(gpu: Gpu, types: list[mdev.MdevType]) -> list[mdev.MdevType]:

@@ -8,7 +8,8 @@ with an `mdev_type` link and a `remove` file.
 Outside discovery, reading is lazy per type: a large host has thousands of
 type directories and most callers need only the few types that have live
 devices. Discovery reads each listed type's `name` and `description` at once
-(`MdevType.load`), inside its per-device guard.
+(`MdevType.load`), inside its per-device guard: once per GPU, on the VF that
+lists the type first (the same type on the other VFs shares them, `same_as`).
 """
 
 from __future__ import annotations
@@ -84,19 +85,28 @@ class Description:
 class MdevType:
     """One directory under a parent's mdev_supported_types."""
 
+    __slots__ = ("_description", "_description_read", "_description_text", "_device_api",
+                 "_name", "_name_read", "_same_as", "_sysfs", "failures", "parent", "rel",
+                 "type_id")
+
     def __init__(self, sysfs: Sysfs, parent: PciAddress, type_id: str,
-                 same_as: Optional[MdevType] = None) -> None:
+                 same_as: Optional[MdevType] = None, rel: Optional[str] = None) -> None:
         """`same_as`: the same type on a sibling parent (another VF of the same
-        GPU), whose name and description this one shares: one driver and one
-        card print them alike, and a large host has thousands of such files."""
+        GPU), whose name, description and device API this one shares: one
+        driver and one card print them alike, and a large host has thousands
+        of such files. `rel`: the type's directory, when the caller has it."""
         self._sysfs = sysfs
         self.parent = parent
         self.type_id = type_id
-        self.rel = f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{type_id}"
+        self.rel = rel or f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{type_id}"
         self._same_as = same_as
+        self._device_api: Optional[str] = None
         self._name: Optional[str] = None
         self._name_read = False
+        # The text is read by `load` (or when first asked for); the numbers
+        # are parsed from it when first asked for (a report needs few of them).
         self._description: Optional[Description] = None
+        self._description_read = False
         self._description_text: Optional[str] = None
         # What `load` could not read (paths and reasons).
         self.failures: list[str] = []
@@ -126,7 +136,8 @@ class MdevType:
                     self._sysfs.failed(self.rel + "/name", data.reason)
             else:
                 self._name = _one_line(data.decode("utf-8", "replace")) or None
-        if self._description is None:
+        if not self._description_read:
+            self._description_read = True
             data = self._sysfs.read_result(self.rel + "/description")
             if isinstance(data, ReadFailure):
                 if not data.missing:
@@ -135,7 +146,6 @@ class MdevType:
                 self._description_text = None
             else:
                 self._description_text = data.decode("utf-8", "replace").strip()
-            self._description = Description(self._description_text)
         return failures
 
     @property
@@ -165,13 +175,17 @@ class MdevType:
         return self._description
 
     def _load_description(self) -> None:
-        if self._description is None and self._same_as is not None:
+        if self._description is not None:
+            return
+        if self._same_as is not None:
             self._same_as._load_description()
             self._description_text = self._same_as._description_text
             self._description = self._same_as._description
-        if self._description is None:
+            return
+        if not self._description_read:
+            self._description_read = True
             self._description_text = self._sysfs.read(self.rel + "/description")
-            self._description = Description(self._description_text)
+        self._description = Description(self._description_text)
 
     @property
     def available_instances(self) -> Optional[int]:
@@ -179,7 +193,11 @@ class MdevType:
 
     @property
     def device_api(self) -> Optional[str]:
-        return self._sysfs.read(self.rel + "/device_api")
+        if self._same_as is not None:
+            return self._same_as.device_api
+        if self._device_api is None:
+            self._device_api = self._sysfs.read(self.rel + "/device_api")
+        return self._device_api
 
     def live_uuids(self) -> list[str]:
         return sorted(self._sysfs.listdir(self.rel + "/devices"))
@@ -188,7 +206,9 @@ class MdevType:
 def _one_line(text: str) -> str:
     """The first line of `text`, without control characters, at most NAME_MAX long."""
     line = text.strip().split("\n", 1)[0]
-    return "".join(c for c in line if c.isprintable())[:NAME_MAX].strip()
+    if not line.isprintable():
+        line = "".join(c for c in line if c.isprintable())
+    return line[:NAME_MAX].strip()
 
 
 class Mdev:
@@ -212,19 +232,28 @@ def is_parent(sysfs: Sysfs, address: PciAddress) -> bool:
     return sysfs.isdir(f"{PCI_DEVICES}{address}/{TYPES_DIR}")
 
 
+def valid_type_id(name: str) -> bool:
+    """`name` can be a type id (gpulib.validate's rule: a directory name safe in
+    paths, `<driver>-<name>`)."""
+    return is_type_id(name)
+
+
 def list_types(sysfs: Sysfs, parent: PciAddress,
                siblings: Optional[dict[str, MdevType]] = None) -> list[MdevType]:
     """A parent's types. `siblings` (type id -> type on another VF of the same
     GPU) lets them share names and descriptions; it is filled as it goes."""
-    names = sysfs.listdir(f"{PCI_DEVICES}{parent}/{TYPES_DIR}")
+    base = f"{PCI_DEVICES}{parent}/{TYPES_DIR}/"
+    names = sysfs.listdir(base[:-1])
     out = []
     for n in sorted(names):
-        if not is_type_id(n):
-            sysfs.failed(f"{PCI_DEVICES}{parent}/{TYPES_DIR}/{n}", "not a type id")
+        sibling = siblings.get(n) if siblings is not None else None
+        # A sibling's id was checked already (16 VFs x 24 types on a large host).
+        if sibling is None and not valid_type_id(n):
+            sysfs.failed(base + n, "not a type id")
             continue
-        t = MdevType(sysfs, parent, n, same_as=siblings.get(n) if siblings is not None else None)
-        if siblings is not None:
-            siblings.setdefault(n, t)
+        t = MdevType(sysfs, parent, n, same_as=sibling, rel=base + n)
+        if siblings is not None and sibling is None:
+            siblings[n] = t
         out.append(t)
     return out
 
@@ -254,13 +283,23 @@ def read_mdev(sysfs: Sysfs, uuid: str) -> Optional[Mdev]:
     if not is_uuid(uuid):
         return None  # a stray entry: only UUIDs name mdevs
     rel = f"{MDEV_DEVICES}/{uuid}"
-    if not sysfs.exists(rel):
-        return None
+    # <parent dir>/<uuid>: the parent is the directory holding the device.
+    # The bus entry is a link whose own target names it ("../../../devices/
+    # pci0000:10/0000:10:01.0/0000:11:00.4/<uuid>"): one readlink, not a
+    # resolution of every component (a large host has hundreds of vGPUs).
     try:
-        # <parent dir>/<uuid>: the parent is the directory holding the device.
-        real = sysfs.resolve(rel)
-        parent = PciAddress.parse(real.rstrip("/").split("/")[-2])
-    except (ValueError, InputError):
+        target: Optional[str] = os.readlink(sysfs.path(rel))
+    except FileNotFoundError:
+        return None
+    except OSError:
+        target = None  # not a link (or unreadable): resolved the long way
+    try:
+        if target is None or not target.endswith("/" + uuid):
+            if not sysfs.exists(rel):
+                return None
+            target = sysfs.resolve(rel)
+        parent = PciAddress.parse(target.rstrip("/").split("/")[-2])
+    except (ValueError, InputError, IndexError):
         return None
     type_id = sysfs.link_name(rel + "/mdev_type")
     if not type_id:

@@ -172,8 +172,8 @@ class PciFunction:
              ) -> PciFunction:
         """Read a function; raises OSError only if the device is unreadable.
 
-        `vf_of`: the PF of a VF being read; the VF shares its PCI root, which
-        saves resolving a link per VF on hosts with hundreds of them.
+        `vf_of`: the PF of a VF being read; the VF shares its PCI root and
+        NUMA node, which saves a link and a file per VF on hosts with hundreds.
         """
         fn = cls(address)
         rel = fn.rel
@@ -206,12 +206,15 @@ class PciFunction:
         group = sysfs.link_name(rel + "/iommu_group")
         # Group numbers are small; a link named otherwise is not a group.
         self.iommu_group = int(group) if group and group.isdigit() and len(group) <= 9 else None
-        numa = sysfs.read_int(rel + "/numa_node", low=-1, high=MAX_NUMA_NODE)
-        self.numa_node = -1 if numa is None else numa
         if vf_of is not None:
+            # A VF is on its PF's NUMA node (the kernel gives it the node of
+            # the PF's bus): one file less per VF on hosts with hundreds.
+            self.numa_node = vf_of.numa_node
             self.physfn = vf_of.address
             self.pci_root = vf_of.pci_root
             return
+        numa = sysfs.read_int(rel + "/numa_node", low=-1, high=MAX_NUMA_NODE)
+        self.numa_node = -1 if numa is None else numa
         self._read_physfn(sysfs)
         self.pci_root = pci_root(sysfs, self.address)
 

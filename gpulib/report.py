@@ -29,10 +29,10 @@ from gpulib.mdev import MdevType
 SCHEMA = 1
 
 
-def _type(t: MdevType) -> dict[str, Any]:
+def _type(t: MdevType, parent: str) -> dict[str, Any]:
     d = t.description
     return {
-        "parent": str(t.parent), "type_id": t.type_id, "name": t.name,
+        "parent": parent, "type_id": t.type_id, "name": t.name,
         "description": t.description_text, "device_api": t.device_api,
         "available_instances": t.available_instances, "max_instances": d.max_instance,
         "framebuffer_mb": d.framebuffer_mb, "num_heads": d.num_heads,
@@ -41,11 +41,32 @@ def _type(t: MdevType) -> dict[str, Any]:
     }
 
 
+def _types(gpu: Gpu) -> list[dict[str, Any]]:
+    """The GPU's mdev types, its own then its VFs'. A type that shares its
+    files with the same type on a sibling VF (`MdevType.same_as`) differs from
+    it only in parent and available instances: its entry is a copy of the
+    sibling's with those two set (a large host has 16 VFs x 24 types a GPU)."""
+    out: list[dict[str, Any]] = []
+    first: dict[int, dict[str, Any]] = {}
+    parents: dict[Any, str] = {}
+    for t in [*gpu.mdev_types, *(t for vf in gpu.vfs for t in vf.mdev_types)]:
+        parent = parents.get(t.parent)
+        if parent is None:
+            parent = parents[t.parent] = str(t.parent)
+        key = id(t.same_as or t)
+        template = first.get(key)
+        if template is None:
+            entry = first[key] = _type(t, parent)
+        else:
+            entry = template.copy()
+            entry["parent"] = parent
+            entry["available_instances"] = t.available_instances
+        out.append(entry)
+    return out
+
+
 def gpu_document(gpu: Gpu) -> dict[str, Any]:
     fn = gpu.fn
-    types = list(gpu.mdev_types)
-    for vf in gpu.vfs:
-        types.extend(vf.mdev_types)
     return {
         "address": str(fn.address),
         "vendor_id": f"{fn.vendor_id:04x}", "device_id": f"{fn.device_id:04x}",
@@ -57,7 +78,7 @@ def gpu_document(gpu: Gpu) -> dict[str, Any]:
         "pci_root": str(fn.pci_root) if fn.pci_root else None,
         "mode": gpu.mode, "used_by": gpu.used_by,
         "sriov": {"totalvfs": gpu.sriov_totalvfs, "numvfs": gpu.sriov_numvfs},
-        "mdev_types": [_type(t) for t in types],
+        "mdev_types": _types(gpu),
         "vgpus": [{"uuid": v.uuid, "parent": str(v.parent), "type_id": v.mdev_type.type_id,
                    "profile": v.mdev_type.profile_name, "used_by": v.used_by,
                    "live": v.live}

@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -11,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpulib import cloudstack, report
+from gpulib.cli import inventory
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import discover
@@ -18,8 +21,9 @@ from gpulib.runtime import discover_host
 from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sysfs import Sysfs
-from tests import handmade
+from tests import handmade, hookrun
 from tests.conftest import GOLDEN
+from tests.hookrun import hook_env
 from tests.hosts import demo_host, t4_host
 
 # -- the agent's parsing rules ---------------------------------------------------------
@@ -321,3 +325,130 @@ def test_gpu_numbers_from_its_own_description_as_the_stock_script(tmp_path: Path
     [g] = cloudstack_doc(host.root)["gpus"]
     assert (g["max_instances"], g["video_ram"], g["max_heads"], g["max_resolution_x"],
             g["max_resolution_y"]) == (1, 16384, 4, 7680, 4320)
+
+
+# -- the command line the agent runs ------------------------------------------------------
+
+@pytest.mark.parametrize("args,expected", [
+    (["discover", "--format", "cloudstack"], (0, "cloudstack")),
+    (["discover", "-f", "json"], (0, "json")),
+    (["discover", "--format=cloudstack"], (0, "cloudstack")),
+    (["-vv", "discover", "--json"], (2, "json")),
+    (["-v", "--verbose", "discover", "-f", "json", "--format", "cloudstack"], (2, "cloudstack")),
+    (["discover", "--json", "--format", "cloudstack"], (0, "json")),
+])
+def test_plain_discover_forms_are_served_without_click(args: list[str],
+                                                       expected: tuple[int, str]) -> None:
+    assert inventory.parse_args(args) == expected
+
+
+@pytest.mark.parametrize("args", [
+    [], ["status"], ["discover", "--help"], ["discover", "-h"], ["--help", "discover"],
+    ["--version", "discover"], ["discover", "--format", "xml"], ["discover", "--format=CSV"],
+    ["discover", "--format"], ["discover", "-fjson"], ["discover", "extra"],
+    ["-x", "discover"], ["discovery"],
+])
+def test_other_forms_are_left_to_click(args: list[str]) -> None:
+    assert inventory.parse_args(args) is None
+
+
+def test_discover_prints_the_same_with_and_without_click(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpulib.cli import main
+    from gpulib.cli.commands import cli
+    from gpulib.cli.common import run_main
+
+    host = demo_host(str(tmp_path))
+    monkeypatch.setenv("GPULIB_ROOT", host.root)
+    monkeypatch.delenv("GPULIB_SIMULATE", raising=False)
+    for fmt in ("cloudstack", "json"):
+        assert main(["discover", "--format", fmt]) == 0
+        fast = capsys.readouterr().out
+        assert run_main(cli, ["discover", "--format", fmt]) == 0
+        assert capsys.readouterr().out == fast
+        doc = json.loads(fast)
+        if fmt == "cloudstack":
+            check_agent_document(doc)
+        else:
+            assert doc["schema"] == report.SCHEMA and doc["gpus"]
+
+
+def test_discover_for_the_agent_does_not_load_click(tmp_path: Path) -> None:
+    host = demo_host(str(tmp_path))
+    code = ("import sys\n"
+            "from gpulib.cli import main\n"
+            "rc = main(['discover', '--format', 'cloudstack'])\n"
+            "sys.stdout.flush()\n"
+            "sys.exit(99 if 'click' in sys.modules else rc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=hook_env(host.root),
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    check_agent_document(json.loads(proc.stdout))
+
+
+def test_discover_errors_are_one_line_with_and_without_click(tmp_path: Path) -> None:
+    host = demo_host(str(tmp_path))
+    faults.inject(host.root, "sys/bus/pci/devices", "eio")
+    gpulib = str(hookrun.BIN / "gpulib")
+    for args in (["discover", "--format", "cloudstack"], ["discover", "--format", "table"]):
+        proc = subprocess.run([gpulib, *args], env=hook_env(host.root), capture_output=True,
+                              timeout=60)
+        assert proc.returncode == 1 and proc.stdout == b""
+        assert proc.stderr.decode().splitlines() == [
+            f"gpulib: error: cannot list the PCI devices in {host.root}/sys/bus/pci/devices: "
+            "Input/output error"]
+
+
+# -- a VF's mdev types ---------------------------------------------------------------------
+
+def vf_sriov_host(root: str) -> FakeHost:
+    """One GPU whose three VFs offer two mdev types each, two vGPUs live."""
+    return build_random_host(root, [(3, True, 2, 0x030200)])
+
+
+def test_each_vf_offers_its_own_types(tmp_path: Path) -> None:
+    host = vf_sriov_host(str(tmp_path))
+    # what each VF's files say, different per VF where a VF has its own value
+    for i, vf in enumerate(("0000:10:00.4", "0000:10:00.5", "0000:10:00.6")):
+        host.write_file(f"sys/bus/pci/devices/{vf}/mdev_supported_types/nvidia-2/"
+                        "available_instances", f"{i}\n")
+    [g] = discover(Sysfs(host.root)).gpus
+    assert len(g.vfs) == 3 and len(g.vgpus) == 2
+    for v in g.vgpus:
+        [owner] = [vf for vf in g.vfs if vf.address == v.parent]
+        # the vGPU's type is the very object its VF lists
+        assert any(t is v.mdev_type for t in owner.mdev_types)
+    for i, vf in enumerate(g.vfs):
+        assert [t.type_id for t in vf.mdev_types] == ["nvidia-1", "nvidia-2"]
+        for t in vf.mdev_types:
+            assert t.parent == vf.address
+            assert t.rel == f"sys/bus/pci/devices/{vf.address}/mdev_supported_types/{t.type_id}"
+            assert t.profile_name == {"nvidia-1": "GRID X-1Q", "nvidia-2": "GRID X-2Q"}[t.type_id]
+            assert t.description.framebuffer_mb == int(t.type_id[-1]) * 1024
+        assert vf.mdev_types[1].available_instances == i
+    native = report.document(discover(Sysfs(host.root)))
+    [doc] = native["gpus"]
+    expected = []
+    for vf in ("0000:10:00.4", "0000:10:00.5", "0000:10:00.6"):
+        for tid in ("nvidia-1", "nvidia-2"):
+            count = Path(host.root, "sys/bus/pci/devices", vf, "mdev_supported_types", tid,
+                         "available_instances").read_text()
+            expected.append((vf, tid, "GRID X-" + tid[-1] + "Q", int(count)))
+    assert [(t["parent"], t["type_id"], t["name"], t["available_instances"])
+            for t in doc["mdev_types"]] == expected
+
+
+def test_a_type_unreadable_where_first_listed_is_offered_by_no_vf(tmp_path: Path) -> None:
+    host = vf_sriov_host(str(tmp_path))
+    name = Path(host.root, "sys/bus/pci/devices/0000:10:00.4/mdev_supported_types/nvidia-1/name")
+    name.unlink()
+    name.mkdir()
+    [g] = discover(Sysfs(host.root)).gpus
+    assert [[t.type_id for t in vf.mdev_types] for vf in g.vfs] == [["nvidia-2"]] * 3
+    assert [e for e in g.errors if "nvidia-1" in e] == [f"{name.relative_to(host.root)}: "
+                                                        "a directory, not a file"]
+    # its live vGPU there stays listed, named by the type id
+    assert len(g.vgpus) == 2
+    [there] = [v for v in g.vgpus if str(v.parent) == "0000:10:00.4"]
+    assert there.mdev_type.type_id == "nvidia-1" and there.mdev_type.profile_name == "nvidia-1"

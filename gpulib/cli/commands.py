@@ -1,5 +1,5 @@
-"""The subcommands, loaded only when used: `gpulib discover` must not pay for
-importing every other command (the discovery budget is 150 ms on a large host)."""
+"""The command group and its subcommands, loaded only when used: a command
+must not pay for importing every other command."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import importlib
 from typing import Optional
 
 import click
+
+from gpulib import version
+from gpulib.cli.env import Env
 
 # name -> (module, attribute); one module per concern.
 COMMANDS = {
@@ -38,3 +41,24 @@ class LazyGroup(click.Group):
         command = getattr(importlib.import_module(spec[0]), spec[1])
         assert isinstance(command, click.Command)
         return command
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    # Looked up only when asked: importlib.metadata costs more than discovery.
+    if value and not ctx.resilient_parsing:
+        click.echo(f"gpulib {version()}")
+        ctx.exit(0)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-V", "--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_print_version, help="Show the version and exit.")
+@click.option("-v", "--verbose", count=True, help="Also log to stderr (-v info, -vv debug).")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
+    """GPUs, vGPUs and SR-IOV functions for virtual machines on this KVM host.
+
+    Every path is below $GPULIB_ROOT (default /); with GPULIB_SIMULATE=1 and
+    another root, writes to sysfs also do what the kernel would.
+    """
+    ctx.obj = Env.from_environment(verbose)

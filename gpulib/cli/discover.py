@@ -1,4 +1,8 @@
-"""`gpulib discover`: the host's GPUs as CloudStack JSON, native JSON or a table."""
+"""`gpulib discover`: the host's GPUs as CloudStack JSON, native JSON or a table.
+
+The work is in `gpulib.cli.inventory`, which also serves the plain forms of
+this command without click; this is the command click shows and parses.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,12 @@ from typing import Optional
 
 import click
 
-from gpulib import cloudstack, report
-from gpulib.cli.common import Env, emit_json
-from gpulib.runtime import discover_host
+from gpulib.cli.env import Env
+from gpulib.cli.inventory import FORMATS, default_format, render
 
 
 @click.command()
-@click.option("-f", "--format", "fmt", type=click.Choice(["cloudstack", "json", "table"]),
+@click.option("-f", "--format", "fmt", type=click.Choice(list(FORMATS)),
               default=None, help="Output format (default: table on a terminal, else json).")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.pass_obj
@@ -25,14 +28,9 @@ def discover(env: Env, fmt: Optional[str], as_json: bool) -> None:
     """
     if as_json:
         fmt = "json"
-    if fmt is None:
-        fmt = "table" if sys.stdout.isatty() else "json"
-    # A problem in gpulib.conf must not empty the agent's report (it would
-    # mark every GPU failed): what is bad is left at its defaults and logged.
-    inventory = discover_host(env.ctx, env.readable_config)
-    if fmt == "cloudstack":
-        sys.stdout.write(cloudstack.dumps(inventory))
-    elif fmt == "json":
-        emit_json(report.document(inventory))
+    fmt = fmt or default_format()
+    text = render(env, fmt)
+    if fmt == "table":
+        click.echo(text, nl=False)
     else:
-        click.echo(report.table(inventory), nl=False)
+        sys.stdout.write(text)

@@ -30,7 +30,6 @@ import errno
 import json
 import os
 import posixpath
-import shutil
 from typing import Optional, Union
 
 from gpulib.sysfs import DOCUMENT_MAX, AlreadyRead, KernelWrite, ReadFailure, Sysfs
@@ -67,6 +66,10 @@ def inject(root: str, rel: str, kind: str) -> None:
     if kind == "block":
         path = os.path.join(root, rel)
         if os.path.isdir(path) and not os.path.islink(path):
+            # Imported here: every simulated run loads this module, only
+            # injecting a fault needs shutil (and the compressors it loads).
+            import shutil
+
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.unlink(path)

@@ -1,0 +1,107 @@
+"""`gpulib discover`'s work, without click.
+
+The CloudStack agent runs `gpulib discover --format cloudstack` (DESIGN
+section 7: under 150 ms on a large host), and importing click costs about as
+much as reading a large host's sysfs. So `gpulib.cli.main` serves the plain
+forms of `discover` here, parsed by `parse_args`; everything else (help,
+unknown or misspelt options, other commands) goes to click, which prints
+and exits exactly as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from gpulib.cli.env import Env
+from gpulib.errors import GpulibError
+
+FORMATS = ("cloudstack", "json", "table")
+_VERBOSE = {"-v": 1, "--verbose": 1}
+
+
+def default_format() -> str:
+    return "table" if sys.stdout.isatty() else "json"
+
+
+def render(env: Env, fmt: str) -> str:
+    """The report in `fmt` (one of FORMATS), ending in a newline."""
+    # Imported here: `gpulib --help` and the other commands need none of it.
+    from gpulib.runtime import discover_host
+
+    # A problem in gpulib.conf must not empty the agent's report (it would
+    # mark every GPU failed): what is bad is left at its defaults and logged.
+    inventory = discover_host(env.ctx, env.readable_config)
+    if fmt == "cloudstack":
+        from gpulib import cloudstack
+
+        return cloudstack.dumps(inventory)
+    from gpulib import report
+
+    if fmt == "json":
+        from gpulib import jsontext
+
+        return jsontext.dumps(report.document(inventory)) + "\n"
+    return report.table(inventory)
+
+
+def parse_args(args: list[str]) -> Optional[tuple[int, str]]:
+    """(verbosity, format) of `[-v...] discover [--format F | -f F | --json]...`,
+    or None for anything else (click then parses it, errors and help included)."""
+    verbose = 0
+    i = 0
+    while i < len(args) and args[i] != "discover":
+        arg = args[i]
+        if arg in _VERBOSE:
+            verbose += 1
+        elif len(arg) > 1 and arg.startswith("-") and set(arg[1:]) == {"v"}:
+            verbose += len(arg) - 1
+        else:
+            return None
+        i += 1
+    if i == len(args):
+        return None
+    fmt: Optional[str] = None
+    as_json = False
+    rest = args[i + 1:]
+    j = 0
+    while j < len(rest):
+        arg = rest[j]
+        if arg == "--json":
+            as_json = True
+        elif arg in ("--format", "-f") and j + 1 < len(rest):
+            fmt = rest[j + 1]
+            j += 1
+        elif arg.startswith("--format="):
+            fmt = arg[len("--format="):]
+        else:
+            return None
+        if fmt is not None and fmt not in FORMATS:
+            return None
+        j += 1
+    if as_json:
+        fmt = "json"
+    return verbose, fmt or default_format()
+
+
+def main(args: list[str]) -> Optional[int]:
+    """Run `gpulib discover` if `args` are one of its plain forms; the exit
+    code, or None when click must handle `args`."""
+    parsed = parse_args(args)
+    if parsed is None:
+        return None
+    verbose, fmt = parsed
+    if fmt == "table":
+        return None  # for a person at a terminal: click's echo, as every listing
+    try:
+        text = render(Env.from_environment(verbose), fmt)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except GpulibError as exc:
+        sys.stderr.write(f"gpulib: error: {exc.message}\n")
+        return exc.exit_code
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    return 0
