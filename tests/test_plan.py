@@ -157,7 +157,10 @@ def test_planning_its_own_output_again_plans_nothing_new(host: Any) -> None:
                                            mdevs[action.uuid].defined)
             devices.append(Device("mdev", action.uuid, action.on_demand))
         elif isinstance(action, CreateDerived):
-            # The allocator's choice: a parent no other VM holds (whole or above).
+            # A UUID another VM holds is never created for this one (the
+            # allocator refuses it); otherwise its choice: a parent no other
+            # VM holds (whole or above).
+            assume(not any(h.device == action.uuid for h in holds))
             free = [p for p in PARENTS if not any(h.device in _chain(p, {}) for h in holds)]
             assume(free)
             mdevs[action.uuid] = MdevFacts((free[0], TYPE), None)
