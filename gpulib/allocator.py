@@ -32,54 +32,15 @@ from gpulib.sysfs import Sysfs
 
 if TYPE_CHECKING:  # the hooks' start/stop path imports this module: keep it light
     from gpulib.discovery import Gpu, Inventory
+    from gpulib.domain import PassthroughRequest, VgpuRequest
     from gpulib.journal import Journal
     from gpulib.occupancy import Occupancy
 
 log = logging.getLogger(__name__)
 
 
-class VgpuRequest:
-    def __init__(self, profile: Optional[str] = None, type_id: Optional[str] = None,
-                 count: int = 1, numa: Optional[int] = None) -> None:
-        if (profile is None) == (type_id is None):
-            raise InputError("a vGPU request names exactly one of profile or type")
-        if not 1 <= count <= 64:
-            raise InputError(f"vGPU count must be 1..64, not {count}")
-        if type_id is not None:
-            mdev.check_type_id(type_id)
-        self.profile = profile
-        self.type_id = type_id
-        self.count = count
-        self.numa = numa
-
-    @property
-    def label(self) -> str:
-        return self.profile or self.type_id or "?"
-
-    def matches_mdev(self, t: mdev.MdevType) -> bool:
-        if self.type_id is not None:
-            return t.type_id == self.type_id
-        return t.name == self.profile or t.type_id == self.profile
-
-    def matches_vendor(self, type_id: int, name: Optional[str]) -> bool:
-        if self.type_id is not None:
-            wanted = self.type_id[7:] if self.type_id.startswith("nvidia-") else self.type_id
-            return wanted == str(type_id)
-        return name == self.profile
-
-
-class PassthroughRequest:
-    def __init__(self, model: str, count: int = 1, numa: Optional[int] = None) -> None:
-        if not 1 <= count <= 16:
-            raise InputError(f"passthrough count must be 1..16, not {count}")
-        self.model = model
-        self.count = count
-        self.numa = numa
-
-    def matches(self, gpu: Gpu) -> bool:
-        m = self.model.lower()
-        ids = f"{gpu.fn.vendor_id:04x}:{gpu.fn.device_id:04x}"
-        return m == ids or (":" not in m and m in gpu.device_name.lower())
+def gpu_matches(req: PassthroughRequest, gpu: Gpu) -> bool:
+    return req.matches_device(gpu.fn.vendor_id, gpu.fn.device_id, gpu.device_name)
 
 
 class Candidate:
@@ -170,7 +131,7 @@ class Allocator:
             if t is None:
                 t = self._types[(parent, rec.type_id)] = mdev.MdevType(self.sysfs, parent,
                                                                        rec.type_id)
-            if not req.matches_mdev(t):
+            if not req.matches_type(t.type_id, t.name):
                 continue
             out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),
                                  self._use_pool_mdev(uuid, rec, vm)))
@@ -200,7 +161,8 @@ class Allocator:
                     types.extend(vf.mdev_types)
             for t in types:
                 # The parent (or its PF) held whole by another VM: no vGPU on it.
-                if not req.matches_mdev(t) or self.occ.parent_conflicts(str(t.parent), vm):
+                if not req.matches_type(t.type_id, t.name) or \
+                        self.occ.parent_conflicts(str(t.parent), vm):
                     continue
                 avail = t.available_instances or 0
                 if avail <= 0:
@@ -307,7 +269,7 @@ class Allocator:
         for gpu in sorted(self.inv.gpus, key=lambda g: str(g.address)):
             if len(out) == req.count:
                 break
-            if not req.matches(gpu) or self._unmanaged(gpu) or \
+            if not gpu_matches(req, gpu) or self._unmanaged(gpu) or \
                     self._held(str(gpu.address), vm) or not gpu.passthrough_enabled or \
                     not self._numa_ok(gpu, req.numa):
                 continue

@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
 
 from lxml import etree
 
-from gpulib.allocator import PassthroughRequest as ModelMatch
-from gpulib.allocator import VgpuRequest as TypeMatch
+from gpulib.allocator import gpu_matches
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, DEFINED_DOMAINS, Context
 from gpulib.domain import (
@@ -46,6 +45,7 @@ from gpulib.domain import (
     GpuRequestItem,
     Hostdev,
     MdevHostdev,
+    PassthroughRequest,
     PciHostdev,
     VgpuRequest,
     derive_uuid,
@@ -54,11 +54,12 @@ from gpulib.domain import (
 from gpulib.errors import DeviceError, GpulibError, InputError, NotAvailableError
 from gpulib.lazyre import lazy
 from gpulib.lifecycle import open_store
-from gpulib.mdev import check_uuid, live_mdevs
+from gpulib.mdev import live_mdevs
 from gpulib.occupancy import refusal
 from gpulib.pci import PciAddress
 from gpulib.state import State
 from gpulib.sysfs import DOCUMENT_MAX
+from gpulib.validate import check_uuid, check_vm_name
 
 if TYPE_CHECKING:
     from gpulib.discovery import Gpu, Inventory
@@ -98,7 +99,7 @@ class Wanted(NamedTuple):
         if not 1 <= self.count <= MAX_REQUEST_COUNT:
             raise InputError(f"--count must be 1..{MAX_REQUEST_COUNT}, not {self.count}")
         if self.type_id is not None or self.profile is not None:
-            TypeMatch(self.profile, self.type_id, self.count)  # validates the type id
+            VgpuRequest(self.profile, self.type_id, self.count).checked()
 
 
 class Change:
@@ -247,7 +248,7 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
     if dom.uuid is None:
         raise InputError(f"VM {change.vm} has no <uuid>: gpulib derives vGPU UUIDs from it")
     duuid = dom.uuid_checked()
-    match = TypeMatch(wanted.profile, wanted.type_id, wanted.count)
+    match = VgpuRequest(wanted.profile, wanted.type_id, wanted.count).checked()
     request = dom.metadata_request() or GpuRequest()
     live = live_mdevs(ctx.sysfs)
     # vGPUs this VM was already promised (attached, not live yet) need room too.
@@ -316,7 +317,7 @@ def _note_missing_hook(ctx: Context, change: Change) -> None:
 
 
 def _vgpu_capacity(state: State, inv: Inventory, vm: str,
-                   match: TypeMatch) -> tuple[dict[int, int], bool, list[str]]:
+                   match: VgpuRequest) -> tuple[dict[int, int], bool, list[str]]:
     """vGPUs of a type that can be created now, by NUMA node; whether any GPU
     offers the type as an mdev type; the VFs offering it vendor-specifically."""
     taken = {d.id for a in state.allocations.values() for d in a.devices}
@@ -335,7 +336,7 @@ def _vgpu_capacity(state: State, inv: Inventory, vm: str,
                                              for tid, name in vf.nvidia.creatable.items()):
                 vendor.append(str(vf.address))
         for t, ok in types:
-            if not match.matches_mdev(t):
+            if not match.matches_type(t.type_id, t.name):
                 continue
             offered = True
             if ok:
@@ -417,8 +418,8 @@ def _check_address(ctx: Context, change: Change, state: State, inv: Inventory,
 
 def _pick_model(change: Change, state: State, inv: Inventory, model: str, count: int,
                 defined: dict[PciAddress, list[str]]) -> list[tuple[PciAddress, bool, str]]:
-    match = ModelMatch(model, count)
-    matching = [g for g in inv.gpus if match.matches(g)]
+    match = PassthroughRequest(model, count).checked()
+    matching = [g for g in inv.gpus if gpu_matches(match, g)]
     if not matching:
         raise InputError(f"no GPU {model} on this host (gpulib discover lists them)")
     free = []
@@ -614,6 +615,7 @@ def _renumber(change: Change, request: GpuRequest, derived: dict[str, int],
 
 def _definition(ctx: Context, libvirt: Libvirt, vm: str, force: bool) -> tuple[str, bool]:
     """The persistent definition of `vm` and whether it runs now."""
+    check_vm_name(vm)
     _refuse_cloudstack(ctx, force)
     info = libvirt.dominfo(vm)
     if not info.persistent:

@@ -21,6 +21,7 @@ from gpulib.errors import ConfigError
 from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress
 from gpulib.sysfs import ReadFailure, read_file
+from gpulib.validate import is_type_id
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
 _VENDOR_DEVICE = lazy(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\Z")
 _POOL_NAME = lazy(r"^[A-Za-z0-9_.-]{1,64}\Z")
-_TYPE_ID = lazy(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 
 # section -> key -> (default, kind); the example config is generated from it.
 DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
@@ -280,7 +280,7 @@ class Config:
         profile = section.get("profile")
         if (type_id is None) == (profile is None):
             raise ConfigError(f"{source}: [{sec}]: set exactly one of type or profile")
-        if type_id is not None and not _TYPE_ID.match(type_id.strip()):
+        if type_id is not None and not is_type_id(type_id.strip()):
             raise ConfigError(f"{where('type')}: {type_id!r} is not a type id")
         counts = {}
         for key in ("count", "per_parent"):

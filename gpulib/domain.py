@@ -22,6 +22,13 @@ from lxml import etree
 from gpulib.errors import InputError
 from gpulib.lazyre import lazy
 from gpulib.pci import MAX_DOMAIN, PciAddress
+from gpulib.validate import (
+    check_domain_uuid,
+    check_type_id,
+    check_vm_name,
+    is_type_id,
+    is_uuid,
+)
 from gpulib.xmlns import GPULIB_NS  # defined without lxml, for the hooks' fast path
 
 log = logging.getLogger(__name__)
@@ -49,10 +56,7 @@ MAX_REQUEST_COUNT = 16
 
 # The type id becomes a path component under mdev_supported_types/ and an
 # NVIDIA creatable type: no '/', and no leading '.' so '.' and '..' are out.
-_TYPE_ID_RE = lazy(r"^[A-Za-z0-9_.:-]+$")
 _VENDOR_DEVICE_RE = lazy(r"^([0-9a-fA-F]{4}):([0-9a-fA-F]{4})$")
-_UUID_RE = lazy(
-    r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$")
 _SMALL_INT_RE = lazy(r"^[0-9]{1,4}$")
 _CONTROL_RE = lazy(r"[\x00-\x1f\x7f]")
 _POSITION_SUFFIX_RE = lazy(r",? line \d+, column \d+$")
@@ -207,15 +211,20 @@ def _is_ws(text: Optional[str]) -> bool:
 
 
 def _canonical_uuid(value: Optional[str], what: str) -> str:
-    """libvirt's UUID forms (dashed or 32 hex digits), as lowercase dashed."""
-    text = (value or "").strip()
-    if not _UUID_RE.match(text) or len(text) not in (32, 36):
+    """A UUID as every entry point takes it (gpulib.validate), lowercase."""
+    if value is None or not is_uuid(value):
         shown = value if value is not None else "(missing)"
         raise DomainXmlError(f"{what} is not a UUID: {shown!r}")
-    # Canonical 8-4-4-4-12 lowercase, without importing uuid (hashlib) on
-    # the hooks' start path.
-    h = text.replace("-", "").lower()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return value.lower()
+
+
+def _domain_uuid(value: Optional[str]) -> str:
+    """The domain's `<uuid>` in libvirt's forms, lowercase dashed."""
+    try:
+        return check_domain_uuid(value if value is not None else "")
+    except InputError:
+        shown = value if value is not None else "(missing)"
+        raise DomainXmlError(f"domain UUID is not a UUID: {shown!r}") from None
 
 
 def _layout(elem: Element, indent: Optional[str], step: str = "  ") -> None:
@@ -533,12 +542,44 @@ Hostdev = Union[PciHostdev, MdevHostdev]
 
 
 class VgpuRequest(NamedTuple):
-    """N vGPUs of a profile name (`GRID T4-2Q`) or of a type id (`nvidia-231`)."""
+    """N vGPUs of a profile name (`GRID T4-2Q`) or of a type id (`nvidia-231`).
+
+    The one request type: read from metadata, asked for by `gpulib attach`,
+    served by the allocator. Built from untrusted values, call `checked()`.
+    """
 
     profile: Optional[str]
     type_id: Optional[str]
     count: int = 1  # type: ignore[assignment]  # shadows tuple.count, on purpose
     numa: Optional[int] = None
+
+    def checked(self) -> VgpuRequest:
+        """Itself, when it names exactly one of profile or type, a valid type id
+        and a count from 1 to MAX_REQUEST_COUNT; InputError otherwise."""
+        if (self.profile is None) == (self.type_id is None):
+            raise InputError("a vGPU request names exactly one of profile or type")
+        if not 1 <= self.count <= MAX_REQUEST_COUNT:
+            raise InputError(f"vGPU count must be 1..{MAX_REQUEST_COUNT}, not {self.count}")
+        if self.type_id is not None:
+            check_type_id(self.type_id)
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.profile or self.type_id or "?"
+
+    def matches_type(self, type_id: str, name: Optional[str]) -> bool:
+        """Whether an mdev type (its directory name and `name` file) serves it."""
+        if self.type_id is not None:
+            return type_id == self.type_id
+        return name == self.profile or type_id == self.profile
+
+    def matches_vendor(self, type_id: int, name: Optional[str]) -> bool:
+        """Whether an NVIDIA vendor-specific VF type (number, name) serves it."""
+        if self.type_id is not None:
+            wanted = self.type_id[7:] if self.type_id.startswith("nvidia-") else self.type_id
+            return wanted == str(type_id)
+        return name == self.profile
 
 
 class PassthroughRequest(NamedTuple):
@@ -553,6 +594,19 @@ class PassthroughRequest(NamedTuple):
         """(vendor, device) when the model is written as `vvvv:dddd`."""
         m = _VENDOR_DEVICE_RE.match(self.model)
         return (int(m.group(1), 16), int(m.group(2), 16)) if m else None
+
+    def checked(self) -> PassthroughRequest:
+        if not 1 <= self.count <= MAX_REQUEST_COUNT:
+            raise InputError(
+                f"passthrough count must be 1..{MAX_REQUEST_COUNT}, not {self.count}")
+        return self
+
+    def matches_device(self, vendor_id: int, device_id: int, device_name: str) -> bool:
+        """Whether a GPU is of this model: its `vvvv:dddd`, or a substring of its
+        pci.ids device name (case ignored)."""
+        m = self.model.lower()
+        return m == f"{vendor_id:04x}:{device_id:04x}" or \
+            (":" not in m and m in device_name.lower())
 
 
 GpuRequestItem = Union[VgpuRequest, PassthroughRequest]
@@ -635,11 +689,10 @@ def _parse_request_item(elem: Element) -> GpuRequestItem:
     if has_profile:
         return VgpuRequest(_meta_name(elem, local, "profile"), None, count, numa)
     raw = str(elem.get("type"))
-    if (not _TYPE_ID_RE.match(raw) or ".." in raw or raw.startswith(".")
-            or len(raw) > 64):
+    if not is_type_id(raw):
         raise _meta_error(
-            local, f"type={raw!r}: not a vGPU type id (letters, digits, '_.:-'; "
-            "no '/' or '..')")
+            local, f"type={raw!r}: not a vGPU type id (<driver>-<name>: letters, digits, "
+            "'_.:+-'; no '/' or '..')")
     return VgpuRequest(None, raw, count, numa)
 
 
@@ -694,10 +747,10 @@ class Domain:
         name = self.name
         if name is None or not name.strip():
             raise DomainXmlError("domain XML has no <name>")
-        if "/" in name or _CONTROL_RE.search(name):
-            raise DomainXmlError(
-                f"domain name {name!r} contains '/' or a control character")
-        return name
+        try:
+            return check_vm_name(name)  # the rule every entry point applies
+        except InputError as e:
+            raise DomainXmlError(f"domain XML: {e.message}") from None
 
     @property
     def uuid(self) -> Optional[str]:
@@ -706,7 +759,7 @@ class Domain:
 
     def uuid_checked(self) -> str:
         """The UUID in canonical lowercase form; DomainXmlError if malformed."""
-        return _canonical_uuid(self.uuid, "domain UUID")
+        return _domain_uuid(self.uuid)
 
     # -- change tracking and output -------------------------------------------
 
@@ -974,7 +1027,7 @@ def derive_uuid(domain_uuid: str, index: int) -> str:
     """
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"vGPU index must be a whole number >= 0, not {index!r}")
-    canonical = _canonical_uuid(domain_uuid, "domain UUID")
+    canonical = _domain_uuid(domain_uuid)
     return _uuid5(DERIVED_UUID_NAMESPACE, f"{canonical}/{index}")
 
 

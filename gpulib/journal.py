@@ -17,6 +17,13 @@ whose device an allocation of its VM names was completed and is dropped;
 any other is undone (a live, unheld mdev it names is removed, a VF it typed
 is cleared). So after any crash, a retry finds no orphan, and an allocation
 never names a vGPU that is not live.
+
+A retried start of the same VM goes first: its own intents are left to it
+(`settle(keep=vm)`), and the device one of them made is adopted in place
+when the retry makes the same change (an mdev with the same UUID, parent and
+type, or a VF already of that type) and nobody else holds it: no remove and
+create again. The start then owns the change as if it had made it (undone on
+its rollback); its intents it did not adopt are settled when it commits.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpulib import mdev, nvidia
-from gpulib.errors import GpulibError
+from gpulib.errors import DeviceError, GpulibError
 from gpulib.pci import PciAddress
 from gpulib.state import Intent, State
 
@@ -38,13 +45,57 @@ log = logging.getLogger(__name__)
 
 class Journal:
     def __init__(self, sysfs: Sysfs, state: State, vm: str,
-                 checkpoint: Optional[Callable[[State], None]] = None) -> None:
+                 checkpoint: Optional[Callable[[State], None]] = None,
+                 held_by_other: Optional[Callable[[str], bool]] = None) -> None:
+        """`held_by_other(device)`: whether another VM holds it (an orphan of
+        `vm`'s that another VM uses is not adopted); default: an allocation
+        of another VM names it."""
         self.sysfs = sysfs
         self.state = state
         self.vm = vm
         self._checkpoint = checkpoint
         self._undo: list[tuple[str, Callable[[], object]]] = []
         self._intents: list[Intent] = []
+        # The intents a killed start of this VM left (see settle(keep=...)).
+        self._orphans = [i for i in state.intents if i.vm == vm]
+        self._held_by_other = held_by_other or self._allocated_to_other
+
+    def _allocated_to_other(self, device: str) -> bool:
+        return any(d.id == device for name, a in self.state.allocations.items()
+                   if name != self.vm for d in a.devices)
+
+    def orphan(self, action: str, device: str) -> Optional[Intent]:
+        """The intent a killed start of this VM left for this change, if any."""
+        return self._orphan(action, device)
+
+    def _orphan(self, action: str, device: str) -> Optional[Intent]:
+        for i in self._orphans:
+            if i.action == action and i.id == device:
+                return i
+        return None
+
+    def _take(self, orphan: Intent, on_demand: bool) -> None:
+        """The orphan's intent becomes this start's: fulfilled by its allocation
+        on commit, undone on its rollback."""
+        self._orphans.remove(orphan)
+        orphan.on_demand = on_demand
+        self._intents.append(orphan)
+
+    def adopt_mdev(self, uuid: str) -> Optional[Intent]:
+        """A live mdev a killed start of this VM created, taken over as it is
+        (the retry keeps a live mdev the XML names). Its intent, or None when
+        it is not such an orphan."""
+        orphan = self._orphan("create-mdev", uuid)
+        live = mdev.read_mdev(self.sysfs, uuid) if orphan is not None else None
+        if orphan is None or live is None or str(live.parent) != orphan.parent or \
+                live.type_id != orphan.type_id or self._held_by_other(uuid):
+            return None
+        self._take(orphan, orphan.on_demand)
+        self._undo.append((f"remove mdev {uuid}",
+                           lambda: mdev.remove(self.sysfs, uuid, retry_seconds=0.5)))
+        log.info("%s: adopted mdev %s (%s on %s), left by an interrupted start", self.vm,
+                 uuid, live.type_id, live.parent)
+        return orphan
 
     def _intend(self, intent: Intent) -> None:
         self.state.intents.append(intent)
@@ -54,6 +105,21 @@ class Journal:
 
     def create_mdev(self, parent: PciAddress, type_id: str, uuid: str,
                     on_demand: bool, attrs: Sequence[tuple[str, str]] = ()) -> mdev.Mdev:
+        orphan = self._orphan("create-mdev", uuid)
+        if orphan is not None:
+            live = mdev.read_mdev(self.sysfs, uuid)
+            if live is not None and live.parent == parent and live.type_id == type_id and \
+                    orphan.parent == str(parent) and orphan.type_id == type_id and \
+                    not attrs and not self._held_by_other(uuid):
+                # The same change a killed start of this VM made: adopted in place.
+                self._take(orphan, on_demand)
+                self._undo.append((f"remove mdev {uuid}",
+                                   lambda: mdev.remove(self.sysfs, uuid, retry_seconds=0.5)))
+                log.info("%s: adopted mdev %s (%s on %s), left by an interrupted start",
+                         self.vm, uuid, type_id, parent)
+                return live
+            # Another change under the same UUID: the orphan is undone first.
+            self._settle_orphan(orphan)
         self._intend(Intent("create-mdev", uuid, self.vm, str(parent), type_id, on_demand))
         made = mdev.create(self.sysfs, parent, type_id, uuid, attrs=attrs)
         self._undo.append((f"remove mdev {made.uuid}",
@@ -62,6 +128,18 @@ class Journal:
 
     def set_vf_type(self, vf: PciAddress, type_id: int, on_demand: bool) -> None:
         before = nvidia.current_type(self.sysfs, vf) or 0
+        orphan = self._orphan("set-vf-type", str(vf))
+        if orphan is not None:
+            if before == type_id and orphan.type_id == str(type_id) and \
+                    not self._held_by_other(str(vf)):
+                self._take(orphan, on_demand)
+                self._undo.append((f"clear the vGPU type of {vf}",
+                                   lambda: nvidia.clear_type(self.sysfs, vf, retry_seconds=0.5)))
+                log.info("%s: adopted the vGPU type %s of %s, set by an interrupted start",
+                         self.vm, type_id, vf)
+                return
+            self._settle_orphan(orphan)
+            before = nvidia.current_type(self.sysfs, vf) or 0
         self._intend(Intent("set-vf-type", str(vf), self.vm, None, str(type_id), on_demand))
         nvidia.set_type(self.sysfs, vf, type_id)
         if before == 0:
@@ -86,26 +164,46 @@ class Journal:
                 log.error("%s: rolling back failed: %s: %s", self.vm, what, exc)
         return ok
 
+    def _settle_orphan(self, orphan: Intent) -> None:
+        self._orphans.remove(orphan)
+        settle(self.sysfs, self.state, only=[orphan])
+        if orphan in self.state.intents:
+            raise DeviceError(f"{orphan.action} {orphan.id}, left by an interrupted start "
+                              f"of {self.vm}, cannot be undone (see the log)")
+
     def commit(self) -> None:
         """The start succeeded: its intents are fulfilled by its allocation.
 
+        The intents of a killed start of this VM it did not adopt are settled
+        now (completed when the allocation names their device, else undone).
         With a checkpoint function, the state (allocation recorded, intents
         dropped) is written here, while the changes can still be undone: a
         failing write (disk full) rolls them back like any other failure."""
+        settled = bool(self._orphans)
+        if self._orphans:
+            settle(self.sysfs, self.state, only=self._orphans)
+            self._orphans = []
         self.state.intents = [i for i in self.state.intents
                               if not any(i is mine for mine in self._intents)]
-        if self._undo and self._checkpoint is not None:
+        if (self._undo or settled) and self._checkpoint is not None:
             self._checkpoint(self.state)
         self._intents.clear()
         self._undo.clear()
 
 
-def settle(sysfs: Sysfs, state: State) -> list[str]:
-    """Complete or undo the intents of starts that died; one line per intent."""
+def settle(sysfs: Sysfs, state: State, keep: Optional[str] = None,
+           only: Optional[Sequence[Intent]] = None) -> list[str]:
+    """Complete or undo the intents of starts that died; one line per intent.
+
+    `keep`: a VM starting now; its intents are left to its Journal (which
+    adopts what it makes again and settles the rest). `only`: these intents."""
     if not state.intents:
         return []
     out = []
-    for intent in list(state.intents):
+    todo = [i for i in state.intents if only is None or any(i is o for o in only)]
+    for intent in todo:
+        if intent.vm == keep:
+            continue
         alloc = state.allocations.get(intent.vm)
         if alloc is not None and any(d.id == intent.id for d in alloc.devices):
             out.append(f"{intent.action} {intent.id} of {intent.vm}: completed")

@@ -27,15 +27,15 @@ from gpulib.lazyre import lazy
 from gpulib.pci import PCI_DEVICES, PciAddress
 from gpulib.sysfs import ReadFailure, Sysfs
 
+# The one rule each (gpulib.validate); check_* stay importable from here.
+from gpulib.validate import check_type_id, check_uuid, is_type_id, is_uuid
+
 log = logging.getLogger(__name__)
 
 MDEV_DEVICES = "sys/bus/mdev/devices"
 MDEV_BUS = "sys/class/mdev_bus"
 TYPES_DIR = "mdev_supported_types"
 
-_TYPE_ID_RE = lazy(r"^[A-Za-z0-9_.:+-]{1,128}\Z")
-_UUID_RE = lazy(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
-                r"[0-9a-fA-F]{12}\Z")
 # At most 7 digits per number: no real value is larger, and a garbage
 # description must not put a thousand-digit number in a report.
 _NUM = {
@@ -48,27 +48,6 @@ _NUM = {
 _GVT_RES = lazy(r"^resolution:\s*(\d{1,7})x(\d{1,7})(?!\d)", re.M)
 # A type's name as shown in reports: one line, bounded.
 NAME_MAX = 256
-
-
-def check_uuid(text: str) -> str:
-    """`text` as a canonical lowercase 8-4-4-4-12 UUID, else InputError.
-
-    Either case is accepted (libvirt and the kernel accept both); braces,
-    `urn:uuid:` prefixes, missing dashes and surrounding blanks are not.
-    """
-    if not isinstance(text, str):
-        raise InputError(f"UUID must be text, not {type(text).__name__}")
-    if not _UUID_RE.match(text):
-        shown = repr(text if len(text) <= 64 else text[:64] + "...")
-        raise InputError(f"not a UUID: {shown} (expected 8-4-4-4-12 hex digits)")
-    return text.lower()
-
-
-def check_type_id(text: str) -> str:
-    """A type id safe to use as a path component (no '/', no '..')."""
-    if not isinstance(text, str) or not _TYPE_ID_RE.match(text) or ".." in text:
-        raise InputError(f"not a vGPU type id: {text!r}")
-    return text
 
 
 def new_uuid() -> str:
@@ -254,8 +233,9 @@ def is_parent(sysfs: Sysfs, address: PciAddress) -> bool:
 
 
 def valid_type_id(name: str) -> bool:
-    """`name` can be a type id (a directory name to use in paths: no '/', no '..')."""
-    return bool(_TYPE_ID_RE.match(name)) and ".." not in name
+    """`name` can be a type id (gpulib.validate's rule: a directory name safe in
+    paths, `<driver>-<name>`)."""
+    return is_type_id(name)
 
 
 def list_types(sysfs: Sysfs, parent: PciAddress,
@@ -300,7 +280,7 @@ def live_mdevs(sysfs: Sysfs) -> dict[str, Mdev]:
 
 def read_mdev(sysfs: Sysfs, uuid: str) -> Optional[Mdev]:
     """A live mdev, or None if no such device exists."""
-    if not _UUID_RE.match(uuid):
+    if not is_uuid(uuid):
         return None  # a stray entry: only UUIDs name mdevs
     rel = f"{MDEV_DEVICES}/{uuid}"
     # <parent dir>/<uuid>: the parent is the directory holding the device.

@@ -35,9 +35,9 @@ from gpulib import atomicfile
 from gpulib.context import Context
 from gpulib.errors import InputError
 from gpulib.lazyre import lazy
-from gpulib.mdev import check_type_id, check_uuid
 from gpulib.pci import PciAddress
 from gpulib.sysfs import ReadFailure, read_file
+from gpulib.validate import check_pci_address, check_type_id, check_uuid
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +151,11 @@ def _parent_dirs(base: str) -> list[str]:
     out = []
     for name in names:
         try:
-            PciAddress.parse(name)
+            canonical = check_pci_address(name)
         except InputError:
             continue  # scripts.d, non-PCI parents (ccw, ap matrix), stray files
-        out.append(name)
+        if canonical == name:  # mdevctl names the directory as sysfs names the parent
+            out.append(name)
     return sorted(out)
 
 

@@ -11,13 +11,11 @@ import os
 from typing import NamedTuple, Optional
 
 from gpulib.errors import DeviceError, InputError
-from gpulib.lazyre import lazy
 from gpulib.sysfs import ReadFailure, Sysfs
+from gpulib.validate import pci_address_parts
 
 PCI_DEVICES = "sys/bus/pci/devices/"
 
-_ADDR_RE = lazy(
-    r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
 
 
 MAX_DOMAIN = 0xFFFFFFFF
@@ -64,16 +62,7 @@ class PciAddress(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> PciAddress:
         """Accept `dddd:bb:ss.f` or lspci's `bb:ss.f` (domain 0)."""
-        m = _ADDR_RE.fullmatch(text) if isinstance(text, str) else None
-        if not m:
-            raise InputError(f"not a PCI address: {text!r} (expected dddd:bb:ss.f)")
-        # Domains go up to 0xffffffff: Linux names the devices behind an Intel
-        # VMD controller `10000:01:00.0`, and libvirt accepts such domains.
-        domain = int(m.group(1) or "0", 16)
-        slot = int(m.group(3), 16)
-        if domain > MAX_DOMAIN or slot > 0x1F:
-            raise InputError(f"PCI address out of range: {text!r}")
-        return cls(domain, int(m.group(2), 16), slot, int(m.group(4)))
+        return cls(*pci_address_parts(text))
 
     @classmethod
     def from_libvirt(cls, domain: Optional[str], bus: Optional[str], slot: Optional[str],

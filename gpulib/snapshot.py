@@ -79,6 +79,7 @@ from gpulib.pci import (
 )
 from gpulib.pciids import PCI_IDS_PATHS
 from gpulib.sysfs import ReadFailure, read_file
+from gpulib.validate import is_uuid
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,6 @@ DISPLAY_BASE = 0x03
 ACCEL_BASE = 0x12
 AUDIO_BASE = 0x04
 
-_UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
-                   r"[0-9a-fA-F]{12}$")
 
 # -- scrubbing --------------------------------------------------------------------------
 
@@ -347,7 +346,7 @@ class Collector:
         def subdir(name: str, child: str) -> None:
             if name in DEVICE_SUBDIRS:
                 self.copy_tree(child, DEVICE_SUBDIRS[name])
-            elif _UUID.match(name) and self._lstat(f"{child}/mdev_type") is not None:
+            elif is_uuid(name) and self._lstat(f"{child}/mdev_type") is not None:
                 self.copy_tree(child, 0)  # a live mdev
                 group = self.sysfs.link_name(f"{child}/iommu_group")
                 if group:

@@ -46,8 +46,14 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 from gpulib import atomicfile
 from gpulib.errors import InputError, LockTimeout, StateError
 from gpulib.lazyre import lazy
-from gpulib.mdev import check_uuid as validate_uuid
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
+from gpulib.validate import (
+    check_pci_address,
+    check_type_id,
+    check_uuid,
+    check_vm_name,
+    is_plain_vm_name,
+)
 
 if TYPE_CHECKING:
     from gpulib.context import Context
@@ -73,8 +79,6 @@ DEVICE_KINDS = ("mdev", "vf", "pci")
 INTENT_ACTIONS = ("create-mdev", "set-vf-type")
 ALLOCATION_STATUSES = ("pending", "active")
 
-_VM_NAME_MAX = 255
-_PCI_RE = lazy(r"(?:[0-9a-f]{4}|[1-9a-f][0-9a-f]{4,7}):[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
 _MODEL_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{4}")
 _TYPE_NUMBER_RE = lazy(r"[0-9]+")
 _LOWER_HEX = "0123456789abcdef"
@@ -99,52 +103,13 @@ def _show(text: str, limit: int = 64) -> str:
     return repr(text)
 
 
-def _plain_vm_name(name: Any) -> bool:
-    """The common case, decided at once: ASCII text of 1..255 characters with no
-    '/' and no control character, not '.' or '..' (validate_vm_name accepts
-    it; anything else goes through its checks, which name the problem)."""
-    # (For ASCII, printable means no C0 control character and no DEL.)
-    return type(name) is str and 0 < len(name) <= _VM_NAME_MAX and name.isascii() \
-        and name.isprintable() and "/" not in name and name != "." and name != ".."
+validate_uuid = check_uuid
 
 
 def validate_vm_name(name: str) -> str:
-    """Return `name` if it is usable as a VM name, else raise InputError.
-
-    Refused: non-strings, the empty name, `.` and `..`, names containing `/`,
-    a newline, NUL or any other control or line-break character (C0, DEL, C1,
-    U+2028, U+2029: the name appears in one-line messages), names that are not valid
-    UTF-8 text, and names longer than 255 characters (or 255 bytes in UTF-8:
-    libvirt keeps `<name>.xml` files, and file names stop at 255 bytes).
-    """
-    return name if _plain_vm_name(name) else _checked_vm_name(name)
-
-
-def _checked_vm_name(name: str) -> str:
-    """validate_vm_name's checks one by one, each with its own message."""
-    if not isinstance(name, str):
-        raise InputError(f"VM name must be text, not {type(name).__name__}")
-    if not name:
-        raise InputError("VM name is empty")
-    if len(name) > _VM_NAME_MAX:
-        raise InputError(f"VM name is longer than {_VM_NAME_MAX} characters: {_show(name)}")
-    if "/" in name:
-        raise InputError(f"VM name contains '/': {_show(name)}")
-    if "\n" in name or "\r" in name:
-        raise InputError(f"VM name contains a newline: {_show(name)}")
-    if "\x00" in name:
-        raise InputError(f"VM name contains a NUL character: {_show(name)}")
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029" for c in name):
-        raise InputError(f"VM name contains a control character: {_show(name)}")
-    if name in (".", ".."):
-        raise InputError(f"VM name cannot be {name!r}")
-    try:
-        encoded = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InputError(f"VM name is not valid UTF-8: {_show(name)}") from None
-    if len(encoded) > _VM_NAME_MAX:
-        raise InputError(f"VM name is longer than {_VM_NAME_MAX} bytes in UTF-8: {_show(name)}")
-    return name
+    """Return `name` if it is usable as a VM name, else raise InputError
+    (the rule is gpulib.validate's, shared by every entry point)."""
+    return check_vm_name(name)
 
 
 def utc_now() -> str:
@@ -310,21 +275,29 @@ def _as_component(value: Any, path: str) -> str:
 
 
 def _as_uuid(value: Any, path: str) -> str:
+    """A UUID as every entry point takes it (gpulib.validate), kept lowercase."""
     text = _as_str(value, path)
     try:
-        canonical = validate_uuid(text)
-    except InputError:
-        canonical = None
-    if canonical != text:
-        raise CorruptStateError(f"{path}: not a canonical UUID: {_show(text)}")
-    return text
+        return check_uuid(text)
+    except InputError as e:
+        raise CorruptStateError(f"{path}: {e.message}") from None
 
 
 def _as_pci(value: Any, path: str) -> str:
+    """A PCI address as every entry point takes it, kept as sysfs names it."""
     text = _as_str(value, path)
-    if not _PCI_RE.fullmatch(text):
-        raise CorruptStateError(f"{path}: not a PCI address dddd:bb:ss.f: {_show(text)}")
-    return text
+    try:
+        return check_pci_address(text)
+    except InputError as e:
+        raise CorruptStateError(f"{path}: {e.message}") from None
+
+
+def _as_type_id(value: Any, path: str) -> str:
+    text = _as_str(value, path)
+    try:
+        return check_type_id(text)
+    except InputError as e:
+        raise CorruptStateError(f"{path}: {e.message}") from None
 
 
 def _as_vm(value: Any, path: str) -> str:
@@ -391,7 +364,7 @@ def _allocation_fast(d: Any, key: str) -> Optional[Allocation]:
     if type(d) is not dict:
         return None
     vm, status, since = d.get("vm"), d.get("status"), d.get("since")
-    if vm != key or not _plain_vm_name(vm) or type(since) is not str or \
+    if vm != key or not is_plain_vm_name(vm) or type(since) is not str or \
             not (status == "pending" or status == "active"):
         return None
     domain_uuid, boot_id, uptime = d.get("domain_uuid"), d.get("boot_id"), d.get("uptime")
@@ -418,7 +391,7 @@ def _vgpu_from_json(value: Any, path: str) -> VgpuRecord:
     d = _as_dict(value, path)
     return VgpuRecord(
         parent=_as_component(_get(d, "parent", path), _where(path, "parent")),
-        type_id=_as_component(_get(d, "type_id", path), _where(path, "type_id")),
+        type_id=_as_type_id(_get(d, "type_id", path), _where(path, "type_id")),
         pool=_as_opt_str(_get(d, "pool", path, None), _where(path, "pool")),
         on_demand=_as_bool(_get(d, "on_demand", path, False), _where(path, "on_demand")),
         created=_as_str(_get(d, "created", path), _where(path, "created")),

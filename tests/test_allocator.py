@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpulib import mdev, nvidia
-from gpulib.allocator import Allocator, VgpuRequest, record, release
+from gpulib.allocator import Allocator, record, release
 from gpulib.config import Config
 from gpulib.context import Context
+from gpulib.domain import VgpuRequest
 from gpulib.errors import NotAvailableError
 from gpulib.lifecycle import open_store, reconcile, restore
 from gpulib.pci import PciAddress, virtfn_links
@@ -69,7 +70,7 @@ class Allocations(RuleBasedStateMachine):
             inv = discover_host(self.ctx, self.config, state=state, learn=False)
             alloc = Allocator(self.ctx.sysfs, state, inv, policy=policy)
             try:
-                devices = alloc.allocate_vgpus(vm, VgpuRequest(profile=profile, count=count),
+                devices = alloc.allocate_vgpus(vm, VgpuRequest(profile, None, count),
                                                self._uuid)
             except NotAvailableError:
                 return

@@ -80,7 +80,7 @@ attr_values = st.text(st.characters(codec="utf-8", blacklist_characters="\x00"),
 @settings(max_examples=60, deadline=None)
 @given(start=st.sampled_from(mdevctl.START_POLICIES),
        attrs=st.lists(st.tuples(attr_names, attr_values), max_size=4),
-       type_id=st.from_regex(r"[a-z][a-z0-9_-]{0,20}", fullmatch=True))
+       type_id=st.from_regex(r"[a-z][a-z0-9_]{0,9}-[a-z0-9_-]{1,10}", fullmatch=True))
 def test_definition_round_trips_in_mdevctls_format(start: str, attrs: list[tuple[str, str]],
                                                    type_id: str) -> None:
     d = mdevctl.Definition(U1, P1, type_id, start, attrs)

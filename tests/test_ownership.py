@@ -410,6 +410,46 @@ def test_kill_at_every_write_then_retry_succeeds_and_nothing_leaks(tmp_path: Pat
     assert n > 2, "the start made writes to kill"
 
 
+@pytest.mark.parametrize("xml", [PLAIN, (XMLS / "vgpu-mdev.xml").read_text()],
+                         ids=["on-demand-vgpus", "pool-vgpu-recreated"])
+def test_retry_adopts_its_own_orphan_in_place(tmp_path: Path, xml: str) -> None:
+    """Killed right after an mdev create: the retry keeps that very device (a file
+    put into its directory survives: it was not removed and created again)."""
+    name = etree.fromstring(xml.encode()).findtext("name")
+    assert name
+    devices = "sys/bus/mdev/devices"
+    for n in range(1, 16):
+        root = build_demo(str(tmp_path / f"k{n}")).root
+        live_before = set(os.listdir(os.path.join(root, devices)))
+        res = _crash_run(root, n, xml)
+        assert res.returncode == 137, "the start ended before an mdev was left behind"
+        orphans = [i["id"] for i in state_of(root).get("intents", [])
+                   if i["action"] == "create-mdev" and
+                   os.path.exists(os.path.join(root, devices, i["id"]))]
+        if orphans:
+            break
+    else:
+        pytest.fail("no kill left a live mdev behind")
+    for u in orphans:
+        Path(root, devices, u, "marker").write_text("the same device\n")
+    retry = as_agent(root, xml)
+    assert retry.returncode == 0, retry.stdout
+    uuids = [a.get("uuid") for a in
+             etree.fromstring(retry.stdout).findall("devices/hostdev/source/address")]
+    for u in orphans:
+        assert u in uuids
+        assert Path(root, devices, u, "marker").exists(), "adopted in place"
+    st = state_of(root)
+    assert st.get("intents", []) == []
+    assert {d["id"] for d in st["allocations"][name]["devices"]} == set(uuids)
+    assert run([STATE_CHANGE, "onStop", name], root).returncode == 0
+    st = state_of(root)
+    assert st["allocations"] == {}
+    left = set(os.listdir(os.path.join(root, devices)))
+    assert left - live_before <= set(st["vgpus"]), "no live vGPU unknown to gpulib"
+    assert all(not r["on_demand"] for r in st["vgpus"].values()), "on-demand ones destroyed"
+
+
 # -- the CLI takes nothing from a VM without --force -----------------------------------------
 
 def _cli(root: str, *args: str) -> subprocess.CompletedProcess[str]:

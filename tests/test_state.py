@@ -112,9 +112,12 @@ opt_text = st.none() | any_text
 components = st.from_regex(r"[A-Za-z0-9_.:-]{1,16}", fullmatch=True).filter(
     lambda s: s not in (".", ".."))
 models = st.from_regex(r"[0-9a-f]{4}:[0-9a-f]{4}", fullmatch=True)
+# mdev type ids are sysfs directory names, <driver>-<name> (gpulib.validate).
+type_ids = st.from_regex(r"[A-Za-z0-9_.:+]{1,8}-[A-Za-z0-9_.:+-]{1,8}", fullmatch=True).filter(
+    lambda s: ".." not in s)
 type_numbers = st.integers(0, 100000).map(str)
 
-vgpu_records = st.builds(VgpuRecord, parent=components, type_id=components, pool=opt_text,
+vgpu_records = st.builds(VgpuRecord, parent=components, type_id=type_ids, pool=opt_text,
                          on_demand=st.booleans(), created=any_text)
 vf_records = st.builds(VfRecord, type_id=st.integers(0, 2**31), name=opt_text, pool=opt_text,
                        on_demand=st.booleans())

@@ -6,7 +6,7 @@ from typing import Optional
 
 import click
 
-from gpulib import mdev, mdevctl, nvidia
+from gpulib import mdev, mdevctl, nvidia, validate
 from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import follow_definitions, open_store, plan_definition, save_definition
@@ -46,7 +46,7 @@ def mdev_group() -> None:
 def mdev_types(env: Env, parent: Optional[str], as_json: bool) -> None:
     """List the mdev types each parent offers, with instances left."""
     sysfs = env.ctx.sysfs
-    parents = [PciAddress.parse(parent)] if parent else mdev.list_parents(sysfs)
+    parents = [PciAddress.parse(parent)] if parent is not None else mdev.list_parents(sysfs)
     rows = []
     for p in parents:
         for t in mdev.list_types(sysfs, p):
@@ -121,9 +121,9 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
                 start: Optional[str], attrs: tuple[str, ...]) -> None:
     """Create an mdev and print its UUID."""
     address = PciAddress.parse(parent)
-    mdev.check_type_id(type_id)
+    validate.check_type_id(type_id)
     if uuid:
-        uuid = mdev.check_uuid(uuid)
+        uuid = validate.check_uuid(uuid)
     pairs = [mdevctl.parse_attr(a) for a in attrs] if attrs else None
     if not keep and start:
         raise click.UsageError("--start is the policy of a definition: not with --no-keep")
@@ -155,7 +155,7 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
 @click.pass_obj
 def mdev_remove(env: Env, uuid: str, force: bool) -> None:
     """Remove an mdev, its mdevctl definition, and forget it."""
-    value = mdev.check_uuid(uuid)
+    value = validate.check_uuid(uuid)
     with open_store(env.ctx, env.config).transaction() as state:
         rec = state.vgpus.get(value)
         _refuse_held(env.ctx.sysfs, state, "mdev", value, force)

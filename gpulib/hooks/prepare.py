@@ -8,7 +8,9 @@ went on with anyway, with its own XML) fails at libvirt with gpulib's line.
 A start is planned, then applied, inside one state transaction:
 
 * plan (no sysfs write): every name, UUID, address and type is validated;
-  who holds what comes from the occupancy model (`gpulib.occupancy`): a
+  the facts the named devices need are read (`HostFacts`) and the pure
+  planner `gpulib.plan` turns them into typed actions. Who holds what
+  comes from the occupancy model (`gpulib.occupancy`): a
   device another VM holds (active or pending allocation, running domain),
   on the same node or one it conflicts with in the PF/VF/mdev tree or the
   IOMMU group, is refused; so is a whole GPU whose vGPU use is declared or
@@ -30,16 +32,17 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev, nvidia
-from gpulib.allocator import (
-    Allocator,
-    PassthroughRequest,
-    VgpuRequest,
-    record,
-    release,
-)
+from gpulib.allocator import Allocator, gpu_matches, record, release
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
-from gpulib.domain import Domain, DomainXmlError, GpuRequest, PciHostdev, derive_uuid
+from gpulib.domain import (
+    Domain,
+    DomainXmlError,
+    GpuRequest,
+    PciHostdev,
+    VgpuRequest,
+    derive_uuid,
+)
 from gpulib.errors import DeviceError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
@@ -54,7 +57,19 @@ from gpulib.pci import (
     list_addresses,
     physical_function,
 )
-from gpulib.state import Device, State, validate_vm_name
+from gpulib.plan import (
+    Action,
+    CreateDerived,
+    HostFacts,
+    KeepMdev,
+    MdevFacts,
+    PciFacts,
+    RecreateMdev,
+    Refusals,
+    UseVf,
+    plan_named,
+)
+from gpulib.state import Device, State, VgpuRecord, utc_now, validate_vm_name
 from gpulib.sysfs import ReadFailure
 from gpulib.usage import DomainDevices, running_domains
 
@@ -69,23 +84,6 @@ BRIDGE_BASE_CLASS = 0x06
 FIRST_GUEST_SLOT = 0x10
 AGENT_421_BUG = ("CloudStack 4.21 agent bug: a PCI domain other than 0000 rendered as "
                  "bus and slot (apache/cloudstack issue 12960)")
-
-
-DERIVED = "derived"  # an MdevStep source: created on demand, its UUID from the domain's
-
-
-class MdevStep:
-    """One named mdev in a start's plan: recreate it from `source` (parent, type),
-    create it on demand (source DERIVED), or keep it (source None: it is live)."""
-
-    __slots__ = ("attrs", "on_demand", "source", "uuid")
-
-    def __init__(self, uuid: str, source: Optional[tuple[str, str]], on_demand: bool,
-                 attrs: Optional[list[tuple[str, str]]] = None) -> None:
-        self.attrs = attrs or []  # the definition's, written in order after creation
-        self.uuid = uuid
-        self.source = source
-        self.on_demand = on_demand
 
 
 def metadata_allowed(ctx: Context, config: Config) -> bool:
@@ -153,7 +151,15 @@ class Preparer:
                 self._host = discover_host(self.ctx, self.config, state=early, learn=False)
         with self.store.transaction() as state:
             running = running_domains(self.sysfs)
-            settle(self.sysfs, state)
+            # This VM's own intents (a killed start of it) are left to its journal
+            # when this start names or derives their device: what the retry makes
+            # again is adopted in place. The others are settled now: they must not
+            # hold the capacity this start needs.
+            settle(self.sysfs, state, keep=self.vm)
+            wanted = set(uuids) | {str(a) for a in addresses} | \
+                set(self._derived_uuids(request))
+            settle(self.sysfs, state, only=[i for i in state.intents
+                                            if i.vm == self.vm and i.id not in wanted])
             release_stale(self.ctx, state, {d.name for d in running}, self.config, keep=self.vm)
             alloc = state.allocations.get(self.vm)
             if alloc is not None and alloc.domain_uuid not in (None, self.domain_uuid):
@@ -162,7 +168,9 @@ class Preparer:
                 release(self.sysfs, state, self.vm, retry_seconds=0.5)
                 alloc = None
             occ = Occupancy.build(self.sysfs, state, running)
-            journal = Journal(self.sysfs, state, self.vm, checkpoint=self.store.checkpoint)
+            vm = self.vm
+            journal = Journal(self.sysfs, state, vm, checkpoint=self.store.checkpoint,
+                              held_by_other=lambda device: occ.is_held(device, vm))
             try:
                 devices = self._named_devices(state, occ, journal, uuids, addresses, request,
                                               running)
@@ -318,117 +326,110 @@ class Preparer:
                        uuids: list[str], addresses: list[PciAddress],
                        request: Optional[GpuRequest],
                        running: list[DomainDevices]) -> list[Device]:
+        """Plan (facts read first, then gpulib.plan decides: no write), then apply."""
         derived = self._derived_uuids(request)
-        mdev_steps, pci_steps = self._plan_named(state, occ, uuids, addresses, derived)
-        return self._apply_named(state, occ, journal, mdev_steps, pci_steps, derived, running)
+        names = [str(a) for a in addresses]
+        facts = self._facts(state, uuids, addresses)
+        refusals = Refusals(occ, self.vm,
+                            strict=self.config.get_bool("transformer", "refuse_in_use"))
+        actions = plan_named(facts, state, refusals, uuids, names, derived)
+        return self._apply_named(state, occ, journal, actions, addresses, running)
 
-    def _plan_named(self, state: State, occ: Occupancy, uuids: list[str],
-                    addresses: list[PciAddress], derived: dict[str, VgpuRequest]
-                    ) -> tuple[list[MdevStep], list[tuple[PciHostdev, PciAddress]]]:
-        """What each named device needs, every refusal raised here: no write at all."""
+    def _facts(self, state: State, uuids: list[str], addresses: list[PciAddress]
+               ) -> HostFacts:
+        """What the plan needs of the host, read now (the state may follow mdevctl's
+        definitions: they are the record of persistent vGPUs)."""
         defs: Optional[dict[str, Definition]] = None
-        mdev_steps: list[MdevStep] = []
+        mdevs: dict[str, MdevFacts] = {}
         for uuid in uuids:
-            rec = state.vgpus.get(uuid)
-            source: Optional[tuple[str, str]] = None
-            attrs: list[tuple[str, str]] = []
-            if mdev.read_mdev(self.sysfs, uuid) is None:
-                # The mdevctl definition is the record of a persistent vGPU
-                # (the operator may have changed it); gpulib's own record is
-                # the one of a transient one.
+            m = mdev.read_mdev(self.sysfs, uuid)
+            defined = None
+            if m is None:
                 if defs is None:
                     defs = read_definitions(self.ctx)
                     follow_definitions(self.ctx, state, defs, migrate=False)
-                    rec = state.vgpus.get(uuid)
                 d = defs.get(uuid)
                 if d is not None:
-                    source = (d.parent, d.type_id)
-                    attrs = list(d.attrs)
-                elif rec is not None:
-                    source = (rec.parent, rec.type_id)
-                else:
-                    if uuid in derived:
-                        source = (DERIVED, "")
-                    else:
-                        raise DeviceError(
-                            f"mdev {uuid} does not exist and gpulib has no record of its "
-                            "parent and type (create it with gpulib mdev create)")
-                if source[0] != DERIVED:
-                    occ.tree.mdev_parents.setdefault(uuid, source[0])
-            parent = occ.tree.parent(uuid)
-            if rec is not None and state.unmanaged and parent is not None and \
-                    self._unmanaged(state, PciAddress.parse(parent)):
-                log.info("%s: mdev %s is on unmanaged %s: left alone", self.vm, uuid, parent)
+                    defined = (d.parent, d.type_id, tuple(d.attrs))
+            mdevs[uuid] = MdevFacts((str(m.parent), m.type_id) if m is not None else None,
+                                    defined)
+        physfn: dict[str, Optional[str]] = {}
+        if state.unmanaged:
+            for uuid, f in mdevs.items():
+                rec = state.vgpus.get(uuid)
+                parent = f.live[0] if f.live is not None else \
+                    f.defined[0] if f.defined is not None else rec.parent if rec else None
+                if parent is not None:
+                    physfn[parent] = self.sysfs.link_name(
+                        f"sys/bus/pci/devices/{parent}/physfn")
+        pci: dict[str, PciFacts] = {}
+        for addr in addresses:
+            ident = str(addr)
+            if ident in pci:
                 continue
-            if source is None or source[0] != DERIVED:
-                self._refuse(occ, "mdev", uuid)
-            mdev_steps.append(MdevStep(uuid, source, bool(rec and rec.on_demand), attrs))
-        pci_steps: list[tuple[PciHostdev, PciAddress]] = []
-        for h, addr in zip(self.dom.pci_hostdevs(), addresses):
             if not self.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
-                raise DeviceError(f"PCI device {addr} does not exist on this host")
-            if not self._is_gpulibs(addr):
-                log.debug("%s: PCI device %s is not a GPU: not gpulib's", self.vm, addr)
+                pci[ident] = PciFacts(False, False, None, None, False, None)
                 continue
-            if state.unmanaged and self._unmanaged(state, addr):
-                log.info("%s: PCI device %s is unmanaged: left alone", self.vm, addr)
-                continue
-            # The occupancy's IOMMU-group index covers the companions added later.
-            self._refuse(occ, "pci", str(addr))
-            if nvidia.is_vendor_vf(self.sysfs, addr):
-                if not nvidia.current_type(self.sysfs, addr) and str(addr) not in state.vf_types:
-                    raise DeviceError(f"NVIDIA VF {addr} has no vGPU type and gpulib has no "
-                                      "record of one (set it with gpulib vf set-type)")
-            elif self.sysfs.link_name(f"sys/bus/pci/devices/{addr}/physfn") is None and \
-                    self._is_gpu_fn(addr):
-                why = self._whole_gpu_refusal(state, addr)
-                if why is not None:
-                    raise DeviceError(f"GPU {addr} cannot be given whole: {why}")
-            pci_steps.append((h, addr))
-        return mdev_steps, pci_steps
+            gpulibs = self._is_gpulibs(addr)
+            pf = self.sysfs.link_name(f"sys/bus/pci/devices/{addr}/physfn")
+            vendor = None
+            if gpulibs and nvidia.is_vendor_vf(self.sysfs, addr):
+                vendor = nvidia.current_type(self.sysfs, addr) or 0
+            whole = gpulibs and vendor is None and pf is None and self._is_gpu_fn(addr)
+            why = self._whole_gpu_refusal(state, addr) if whole else None
+            pci[ident] = PciFacts(True, gpulibs, pf, vendor, whole, why)
+        return HostFacts(mdevs, pci, physfn)
 
     def _apply_named(self, state: State, occ: Occupancy, journal: Journal,
-                     mdev_steps: list[MdevStep], pci_steps: list[tuple[PciHostdev, PciAddress]],
-                     derived: dict[str, VgpuRequest],
+                     actions: list[Action], addresses: list[PciAddress],
                      running: list[DomainDevices]) -> list[Device]:
         """Carry the plan out; every sysfs write goes through the journal."""
         devices: list[Device] = []
-        for step in mdev_steps:
-            if step.source is not None and step.source[0] == DERIVED:
-                devices += self._create_derived(state, occ, journal, step.uuid,
-                                                derived[step.uuid], running)
-                continue
-            if step.source is not None:
-                parent, type_id = step.source
-                journal.create_mdev(PciAddress.parse(parent), type_id, step.uuid,
-                                    step.on_demand, step.attrs)
-                log.info("recreated mdev %s (%s on %s) for %s", step.uuid, type_id, parent,
-                         self.vm)
-            devices.append(Device("mdev", step.uuid, on_demand=step.on_demand))
-        for h, addr in pci_steps:
-            devices += self._pci_device(state, occ, journal, h, addr)
+        hostdevs = self.dom.pci_hostdevs()
+        for action in actions:
+            if isinstance(action, CreateDerived):
+                devices += self._create_derived(state, occ, journal, action.uuid,
+                                                action.request, running)
+            elif isinstance(action, RecreateMdev):
+                journal.create_mdev(PciAddress.parse(action.parent), action.type_id,
+                                    action.uuid, action.on_demand, action.attrs)
+                log.info("recreated mdev %s (%s on %s) for %s", action.uuid, action.type_id,
+                         action.parent, self.vm)
+                devices.append(Device("mdev", action.uuid, on_demand=action.on_demand))
+            elif isinstance(action, KeepMdev):
+                on_demand = action.on_demand
+                orphan = journal.adopt_mdev(action.uuid)
+                if orphan is not None:
+                    # Made by a killed start of this VM: on demand as it was then.
+                    on_demand = orphan.on_demand
+                    if orphan.on_demand and action.uuid not in state.vgpus and \
+                            orphan.parent is not None and orphan.type_id is not None:
+                        state.vgpus[action.uuid] = VgpuRecord(orphan.parent, orphan.type_id,
+                                                              None, True, utc_now())
+                devices.append(Device("mdev", action.uuid, on_demand=on_demand))
+            elif isinstance(action, UseVf):
+                h, addr = hostdevs[action.at], addresses[action.at]
+                self._display_note(h, addr)
+                if action.set_type is not None:
+                    journal.set_vf_type(addr, action.set_type, action.on_demand)
+                if h.managed and self.edit_xml:
+                    # libvirt would unbind the nvidia driver from a managed VF and
+                    # lose the vGPU: these VFs go to guests unmanaged.
+                    h.managed = False
+                    log.info("%s: NVIDIA vGPU VF %s set to managed='no'", self.vm, addr)
+                devices.append(Device("vf", action.address, on_demand=action.on_demand))
+            else:
+                h, addr = hostdevs[action.at], addresses[action.at]
+                self._display_note(h, addr)
+                devices.append(Device("pci", action.address))
+                if self.edit_xml and self.config.get_bool("transformer", "add_group_functions"):
+                    devices += self._add_group_peers(h, occ)
         return devices
 
-    def _pci_device(self, state: State, occ: Occupancy, journal: Journal, h: PciHostdev,
-                    addr: PciAddress) -> list[Device]:
-        ident = str(addr)
+    def _display_note(self, h: PciHostdev, addr: PciAddress) -> None:
         if h.display or h.ramfb:
             log.info("%s: display/ramfb on PCI hostdev %s has no effect (libvirt ignores "
                      "them for PCI devices)", self.vm, addr)
-        if nvidia.is_vendor_vf(self.sysfs, addr):
-            rec = state.vf_types.get(ident)
-            if not nvidia.current_type(self.sysfs, addr) and rec is not None:
-                journal.set_vf_type(addr, rec.type_id, rec.on_demand)
-            if h.managed and self.edit_xml:
-                # libvirt would unbind the nvidia driver from a managed VF and
-                # lose the vGPU: these VFs go to guests unmanaged.
-                h.managed = False
-                log.info("%s: NVIDIA vGPU VF %s set to managed='no'", self.vm, addr)
-            return [Device("vf", ident, on_demand=bool(rec and rec.on_demand))]
-        out = [Device("pci", ident)]
-        if self.edit_xml and self.config.get_bool("transformer", "add_group_functions"):
-            out += self._add_group_peers(h, occ)
-        return out
 
     def _add_group_peers(self, h: PciHostdev, occ: Optional[Occupancy] = None
                          ) -> list[Device]:
@@ -509,8 +510,7 @@ class Preparer:
         k = 0
         for v in request.vgpus:
             for _ in range(v.count):
-                out[derive_uuid(self.domain_uuid, k)] = VgpuRequest(v.profile, v.type_id, 1,
-                                                                     v.numa)
+                out[derive_uuid(self.domain_uuid, k)] = v._replace(count=1)
                 k += 1
         return out
 
@@ -536,9 +536,8 @@ class Preparer:
 
             inventory = pool_inventory(self.ctx, state, occ)
         allocator = Allocator(self.sysfs, state, inventory, occupancy=occ)
-        enough = all(len(allocator.pool_candidates(
-            VgpuRequest(v.profile, v.type_id, v.count, v.numa), self.vm)) >= v.count
-            for v in request.vgpus)
+        enough = all(len(allocator.pool_candidates(v, self.vm)) >= v.count
+                     for v in request.vgpus)
         return inventory if enough else None
 
     def _create_derived(self, state: State, occ: Occupancy, journal: Journal, uuid: str,
@@ -552,6 +551,7 @@ class Preparer:
                            request: GpuRequest, named: list[Device]) -> list[Device]:
         have = {d.id for d in named}
         previous = state.allocations.get(self.vm)
+        again: list[Device] = []
         if previous is not None and previous.domain_uuid == self.domain_uuid:
             # Asked again for the same VM (a retried start): give what it holds.
             again = [d for d in previous.devices if d.id not in have]
@@ -565,15 +565,21 @@ class Preparer:
                 if rec_v is not None and \
                         not nvidia.current_type(self.sysfs, PciAddress.parse(d.id)):
                     journal.set_vf_type(PciAddress.parse(d.id), rec_v.type_id, rec_v.on_demand)
-            if again:
-                return again + self._insert(again, occ)
+        again += self._adopt_requested(state, occ, journal, request,
+                                       have | {d.id for d in again})
+        kept = again + self._insert(again, occ) if again else []
+        # What the XML names (and the VM already holds) counts against the request:
+        # the transformer run on its own output allocates nothing more.
+        missing = self._unmet(state, occ, request, named + again)
+        if not missing.items:
+            return kept
         if self.domain_uuid is None:
             raise DeviceError(f"domain {self.vm} has no <uuid>: gpulib derives vGPU UUIDs "
                               "from it")
         nodes = self.dom.numa_nodes()
         light = None
         if self._host is None:
-            light = self._pools_suffice(state, occ, request, self._light)
+            light = self._pools_suffice(state, occ, missing, self._light)
         inventory = light if light is not None else self._inventory(state, occ)
         allocator = Allocator(self.sysfs, state, inventory,
                               policy=self.config.get("allocator", "policy"),
@@ -582,6 +588,7 @@ class Preparer:
         devices: list[Device] = []
         k = 0
         duuid = self.domain_uuid
+        have |= {d.id for d in again}
 
         def next_uuid() -> str:
             nonlocal k
@@ -592,13 +599,99 @@ class Preparer:
                     return u
 
         # A failure rolls back through the start's journal (Preparer.run).
-        for v in request.vgpus:
-            devices += allocator.allocate_vgpus(
-                self.vm, VgpuRequest(v.profile, v.type_id, v.count, v.numa), next_uuid)
-        for p in request.passthrough:
-            devices += allocator.allocate_passthrough(
-                self.vm, PassthroughRequest(p.model, p.count, p.numa))
-        return devices + self._insert(devices, occ)
+        for v in missing.vgpus:
+            devices += allocator.allocate_vgpus(self.vm, v, next_uuid)
+        for p in missing.passthrough:
+            devices += allocator.allocate_passthrough(self.vm, p)
+        return kept + devices + self._insert(devices, occ)
+
+    def _adopt_requested(self, state: State, occ: Occupancy, journal: Journal,
+                         request: GpuRequest, have: set[str]) -> list[Device]:
+        """The vGPUs a killed start of this VM created for its request, still live
+        and of the type their place in the request asks for: taken over in place
+        (not removed and created again)."""
+        if self.domain_uuid is None or not any(i.vm == self.vm for i in state.intents):
+            return []
+        from gpulib.occupancy import PENDING, Hold
+
+        out = []
+        k = 0
+        for item in request.vgpus:
+            for _ in range(item.count):
+                uuid = derive_uuid(self.domain_uuid, k)
+                k += 1
+                if uuid in have or journal.orphan("create-mdev", uuid) is None:
+                    continue
+                live = mdev.read_mdev(self.sysfs, uuid)
+                if live is None:
+                    continue
+                t = mdev.MdevType(self.sysfs, live.parent, live.type_id)
+                if not item.matches_type(t.type_id, t.name):
+                    continue
+                orphan = journal.adopt_mdev(uuid)
+                if orphan is None:
+                    continue
+                if orphan.on_demand and uuid not in state.vgpus:
+                    state.vgpus[uuid] = VgpuRecord(str(live.parent), live.type_id, None, True,
+                                                   utc_now())
+                occ.add(Hold(self.vm, PENDING, uuid))
+                out.append(Device("mdev", uuid, on_demand=orphan.on_demand))
+        return out
+
+    def _unmet(self, state: State, occ: Occupancy, request: GpuRequest,
+               held: list[Device]) -> GpuRequest:
+        """What of `request` the devices this VM holds do not serve yet.
+
+        A derived UUID serves the item its index falls in; any other held vGPU
+        or VF serves the first item of its type with room left, a whole GPU the
+        first passthrough item of its model. Group peers serve nothing.
+        """
+        left = [item.count for item in request.items]
+        index: dict[str, int] = {}
+        if self.domain_uuid is not None:
+            k = 0
+            for i, item in enumerate(request.items):
+                if isinstance(item, VgpuRequest):
+                    for _ in range(item.count):
+                        index[derive_uuid(self.domain_uuid, k)] = i
+                        k += 1
+        inventory: Optional[Inventory] = None
+        for d in held:
+            fits: list[int] = []
+            if d.id in index:
+                fits = [index[d.id]]
+            elif d.kind == "mdev":
+                m = mdev.read_mdev(self.sysfs, d.id)
+                rec = state.vgpus.get(d.id)
+                source = (m.parent, m.type_id) if m is not None else \
+                    (PciAddress.parse(rec.parent), rec.type_id) if rec is not None else None
+                if source is not None:
+                    t = mdev.MdevType(self.sysfs, source[0], source[1])
+                    fits = [i for i, item in enumerate(request.items)
+                            if isinstance(item, VgpuRequest) and
+                            item.matches_type(t.type_id, t.name)]
+            elif d.kind == "vf":
+                rec_v = state.vf_types.get(d.id)
+                tid = rec_v.type_id if rec_v is not None else \
+                    nvidia.current_type(self.sysfs, PciAddress.parse(d.id))
+                name = rec_v.name if rec_v is not None else None
+                fits = [i for i, item in enumerate(request.items)
+                        if isinstance(item, VgpuRequest) and tid and
+                        item.matches_vendor(tid, name)]
+            elif request.passthrough and self._is_gpu(d.id):
+                if inventory is None:
+                    inventory = self._inventory(state, occ)
+                owner = inventory.owner_of(PciAddress.parse(d.id))
+                if owner is not None and owner[1] is None:
+                    fits = [i for i, item in enumerate(request.items)
+                            if not isinstance(item, VgpuRequest) and
+                            gpu_matches(item, owner[0])]
+            for i in fits:
+                if left[i] > 0:
+                    left[i] -= 1
+                    break
+        return GpuRequest(tuple(item._replace(count=n)
+                                for item, n in zip(request.items, left) if n > 0))
 
     def _insert(self, devices: list[Device], occ: Occupancy) -> list[Device]:
         """Put devices into the XML; returns the group peers added beside GPUs."""

@@ -1,0 +1,195 @@
+"""A start's plan for the devices a domain names: facts in, actions out.
+
+The Preparer reads what it needs of the host first (`HostFacts`: the named
+mdevs, live or recorded, the named PCI functions and their place among the
+GPUs) and hands it, with gpulib's state and the occupancy model, to
+`plan_named`. That function reads nothing and writes nothing: it validates
+and refuses (every refusal of a named device is raised here, before any
+sysfs write) and returns the list of typed actions the applier then carries
+out through the start's Journal (write-ahead intents, rollback in reverse
+order). So the same facts always give the same plan, and the planner can be
+tested over random hosts without a filesystem.
+
+Actions:
+* `KeepMdev`      a live mdev: nothing to do but record it;
+* `RecreateMdev`  a known mdev that is not live (after a reboot): create it
+                  on its recorded parent with its recorded type (and attrs);
+* `CreateDerived` an on-demand vGPU whose UUID the domain's request derives;
+* `UseVf`         an NVIDIA vendor VF (with `set_type` when its type must be
+                  set again);
+* `UsePci`        a GPU or one of its group peers, passed whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
+
+from gpulib.errors import DeviceError
+from gpulib.occupancy import Occupancy, refusal
+
+if TYPE_CHECKING:
+    from gpulib.domain import VgpuRequest
+    from gpulib.state import State
+
+log = logging.getLogger(__name__)
+
+
+class MdevFacts(NamedTuple):
+    """What the host says of one named mdev UUID."""
+
+    live: Optional[tuple[str, str]]  # (parent, type) of the live device
+    defined: Optional[tuple[str, str, tuple[tuple[str, str], ...]]]  # mdevctl's record
+
+
+class PciFacts(NamedTuple):
+    """What the host says of one named PCI function."""
+
+    exists: bool
+    gpulibs: bool  # a GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group
+    physfn: Optional[str]  # the PF of a VF
+    vendor_vf_type: Optional[int]  # an NVIDIA vendor VF's current type (0: none)
+    whole_gpu: bool  # a GPU function itself (not a VF, not a peer)
+    whole_refusal: Optional[str]  # why the GPU cannot be given whole
+
+
+class HostFacts(NamedTuple):
+    """The snapshot of the host a plan is made from."""
+
+    mdevs: dict[str, MdevFacts]
+    pci: dict[str, PciFacts]
+    physfn: dict[str, Optional[str]]  # the PF of each named mdev's parent, when a VF
+
+
+class KeepMdev(NamedTuple):
+    uuid: str
+    on_demand: bool
+
+
+class RecreateMdev(NamedTuple):
+    uuid: str
+    parent: str
+    type_id: str
+    on_demand: bool
+    attrs: tuple[tuple[str, str], ...] = ()
+
+
+class CreateDerived(NamedTuple):
+    uuid: str
+    request: VgpuRequest
+
+
+class UseVf(NamedTuple):
+    at: int  # the place of its hostdev among the domain's PCI hostdevs
+    address: str
+    set_type: Optional[int]  # the recorded type to set again; None: it has one
+    on_demand: bool
+
+
+class UsePci(NamedTuple):
+    at: int
+    address: str
+
+
+Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci]
+
+
+def unmanaged(state: State, facts: HostFacts, address: str) -> bool:
+    """An unmanaged device (or a VF or vGPU parent of an unmanaged GPU)."""
+    if address in state.unmanaged:
+        return True
+    pci = facts.pci.get(address)
+    pf = pci.physfn if pci is not None else facts.physfn.get(address)
+    return pf is not None and pf in state.unmanaged
+
+
+class Refusals:
+    """Where a device another VM holds is refused (or only warned about)."""
+
+    def __init__(self, occ: Occupancy, vm: str, strict: bool = True) -> None:
+        self.occ = occ
+        self.vm = vm
+        self.strict = strict
+
+    def check(self, kind: str, ident: str) -> None:
+        message = refusal(self.occ, kind, ident, self.vm)
+        if message is None:
+            return
+        if self.strict:
+            raise DeviceError(message)
+        log.warning("%s: %s (refuse_in_use = no: starting anyway)", self.vm, message)
+
+
+def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[str],
+               addresses: list[str], derived: dict[str, VgpuRequest]) -> list[Action]:
+    """The actions that make the named devices ready; raises on any refusal.
+
+    `uuids`/`addresses`: the domain's mdev and PCI hostdevs, validated;
+    `derived`: the UUIDs the domain's request derives, with the vGPU each is.
+    Reads only its arguments (the occupancy's tree included) and changes
+    nothing but `refusals.occ.tree`'s record of a recreated mdev's parent.
+    """
+    actions: list[Action] = []
+    tree = refusals.occ.tree
+    for uuid in uuids:
+        rec = state.vgpus.get(uuid)
+        seen = facts.mdevs[uuid]
+        source: Optional[tuple[str, str]] = None
+        attrs: tuple[tuple[str, str], ...] = ()
+        if seen.live is None:
+            # The mdevctl definition is the record of a persistent vGPU (the
+            # operator may have changed it); gpulib's own, of a transient one.
+            if seen.defined is not None:
+                source = (seen.defined[0], seen.defined[1])
+                attrs = seen.defined[2]
+            elif rec is not None:
+                source = (rec.parent, rec.type_id)
+            elif uuid in derived:
+                actions.append(CreateDerived(uuid, derived[uuid]))
+                continue
+            else:
+                raise DeviceError(
+                    f"mdev {uuid} does not exist and gpulib has no record of its "
+                    "parent and type (create it with gpulib mdev create)")
+            tree.mdev_parents.setdefault(uuid, source[0])
+        parent = seen.live[0] if seen.live is not None else source[0] if source else None
+        if rec is not None and state.unmanaged and parent is not None and \
+                unmanaged(state, facts, parent):
+            log.info("%s: mdev %s is on unmanaged %s: left alone", refusals.vm, uuid, parent)
+            continue
+        refusals.check("mdev", uuid)
+        on_demand = bool(rec and rec.on_demand)
+        if source is None:
+            actions.append(KeepMdev(uuid, on_demand))
+        else:
+            actions.append(RecreateMdev(uuid, source[0], source[1], on_demand, attrs))
+    for at, addr in enumerate(addresses):
+        pci = facts.pci[addr]
+        if not pci.exists:
+            raise DeviceError(f"PCI device {addr} does not exist on this host")
+        if not pci.gpulibs:
+            log.debug("%s: PCI device %s is not a GPU: not gpulib's", refusals.vm, addr)
+            continue
+        if state.unmanaged and unmanaged(state, facts, addr):
+            log.info("%s: PCI device %s is unmanaged: left alone", refusals.vm, addr)
+            continue
+        # The occupancy's IOMMU-group index covers the companions added later.
+        refusals.check("pci", addr)
+        if pci.vendor_vf_type is not None:
+            vrec = state.vf_types.get(addr)
+            if not pci.vendor_vf_type and vrec is None:
+                raise DeviceError(f"NVIDIA VF {addr} has no vGPU type and gpulib has no "
+                                  "record of one (set it with gpulib vf set-type)")
+            set_type = vrec.type_id if not pci.vendor_vf_type and vrec is not None else None
+            actions.append(UseVf(at, addr, set_type, bool(vrec and vrec.on_demand)))
+            continue
+        if pci.whole_gpu and pci.whole_refusal is not None:
+            raise DeviceError(f"GPU {addr} cannot be given whole: {pci.whole_refusal}")
+        actions.append(UsePci(at, addr))
+    return actions
+
+
+def new_work(actions: list[Action]) -> list[Action]:
+    """The actions that change the host (a plan of only these is a no-op)."""
+    return [a for a in actions if isinstance(a, (RecreateMdev, CreateDerived)) or
+            (isinstance(a, UseVf) and a.set_type is not None)]

@@ -1,0 +1,184 @@
+"""The start's planner (gpulib.plan) over random hosts: pure, so no filesystem.
+
+A host here: PFs with an audio function in their IOMMU group and VFs (each
+in its own group), mdevs on PFs and VFs (live, recorded, defined by mdevctl,
+or derived from the domain's request), NVIDIA vendor VFs with or without a
+type; another VM holding random nodes (pending or active)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from gpulib.domain import VgpuRequest
+from gpulib.errors import DeviceError
+from gpulib.occupancy import ACTIVE, PENDING, Hold, Occupancy, Tree
+from gpulib.plan import (
+    CreateDerived,
+    HostFacts,
+    KeepMdev,
+    MdevFacts,
+    PciFacts,
+    RecreateMdev,
+    Refusals,
+    UsePci,
+    UseVf,
+    new_work,
+    plan_named,
+)
+from gpulib.state import Allocation, Device, State, VfRecord, VgpuRecord
+
+VM = "vm-a"
+OTHER = "vm-b"
+PFS = [f"0000:0{x}:00.0" for x in (1, 2, 3)]
+AUDIO = {pf: pf[:-1] + "1" for pf in PFS}
+VFS = {pf: [f"{pf[:8]}01.{n}" for n in range(3)] for pf in PFS}
+PHYSFN = {vf: pf for pf in PFS for vf in VFS[pf]}
+GROUPS = {**{pf: i for i, pf in enumerate(PFS)}, **{AUDIO[pf]: i for i, pf in enumerate(PFS)},
+          **{vf: 100 + i for i, vf in enumerate(PHYSFN)}}
+PARENTS = PFS + list(PHYSFN)
+UUIDS = [f"{n:08x}-0000-4000-8000-000000000000" for n in range(1, 7)]
+TYPE = "nvidia-231"
+
+
+class FactsTree(Tree):
+    """The occupancy's tree from the facts, not from sysfs."""
+
+    def __init__(self, mdev_parents: dict[str, str]) -> None:
+        super().__init__(None, mdev_parents)  # type: ignore[arg-type]
+
+    def parent(self, node: str) -> Optional[str]:
+        if node.count(":") != 2:
+            return self.mdev_parents.get(node)
+        return PHYSFN.get(node)
+
+    def group(self, node: str) -> Optional[int]:
+        return GROUPS.get(node)
+
+
+def _chain(node: str, parents: dict[str, str]) -> list[str]:
+    out = [node]
+    while True:
+        up = parents.get(out[-1]) or PHYSFN.get(out[-1])
+        if up is None:
+            return out
+        out.append(up)
+
+
+def _conflict(a: str, b: str, parents: dict[str, str]) -> bool:
+    """The ownership rule of DESIGN section 4, written out plainly."""
+    if a in _chain(b, parents) or b in _chain(a, parents):
+        return True
+    return a.count(":") == 2 and b.count(":") == 2 and GROUPS.get(a) == GROUPS.get(b)
+
+
+@st.composite
+def hosts(draw: Any) -> tuple[HostFacts, State, list[str], list[str], dict[str, VgpuRequest],
+                              list[Hold]]:
+    state = State()
+    mdevs: dict[str, MdevFacts] = {}
+    derived: dict[str, VgpuRequest] = {}
+    uuids = draw(st.lists(st.sampled_from(UUIDS), unique=True, max_size=4))
+    for u in uuids:
+        parent = draw(st.sampled_from(PARENTS))
+        live = (parent, TYPE) if draw(st.booleans()) else None
+        defined = (parent, TYPE, ()) if draw(st.booleans()) else None
+        if draw(st.booleans()):
+            state.vgpus[u] = VgpuRecord(parent, TYPE, None, draw(st.booleans()), "x")
+        if draw(st.booleans()):
+            derived[u] = VgpuRequest(None, TYPE)
+        mdevs[u] = MdevFacts(live, defined)
+    addresses = draw(st.lists(st.sampled_from(PFS + list(AUDIO.values()) + list(PHYSFN)),
+                              unique=True, max_size=4))
+    pci: dict[str, PciFacts] = {}
+    for a in addresses:
+        vendor = draw(st.sampled_from([None, 0, 558])) if a in PHYSFN else None
+        if vendor is not None and draw(st.booleans()):
+            state.vf_types[a] = VfRecord(558, None, None, draw(st.booleans()))
+        why = draw(st.sampled_from([None, "it carries 1 vGPU(s)"])) if a in PFS else None
+        pci[a] = PciFacts(True, True, PHYSFN.get(a), vendor, a in PFS, why)
+    nodes = PARENTS + list(AUDIO.values()) + UUIDS
+    holds = [Hold(OTHER, draw(st.sampled_from([PENDING, ACTIVE])), n)
+             for n in draw(st.lists(st.sampled_from(nodes), unique=True, max_size=3))]
+    return HostFacts(mdevs, pci, {}), state, uuids, addresses, derived, holds
+
+
+def _occupancy(facts: HostFacts, state: State, holds: list[Hold]) -> Occupancy:
+    parents = {u: r.parent for u, r in state.vgpus.items()}
+    parents.update({u: f.live[0] for u, f in facts.mdevs.items() if f.live is not None})
+    occ = Occupancy(FactsTree(parents))
+    for h in holds:
+        occ.add(h)
+    for vm, alloc in state.allocations.items():
+        for d in alloc.devices:
+            occ.add(Hold(vm, alloc.status, d.id))
+    return occ
+
+
+def _device(action: Any) -> str:
+    return str(action.uuid if hasattr(action, "uuid") else action.address)
+
+
+@settings(max_examples=300, deadline=None)
+@given(host=hosts())
+def test_never_plans_a_device_another_vm_holds(host: Any) -> None:
+    facts, state, uuids, addresses, derived, holds = host
+    occ = _occupancy(facts, state, holds)
+    try:
+        actions = plan_named(facts, state, Refusals(occ, VM), uuids, addresses, derived)
+    except DeviceError:
+        return
+    parents = dict(occ.tree.mdev_parents)
+    for action in actions:
+        if isinstance(action, CreateDerived):
+            continue  # a new vGPU: the allocator picks a parent nobody holds
+        device = _device(action)
+        assert not any(_conflict(device, h.device, parents) for h in holds), (action, holds)
+
+
+@settings(max_examples=300, deadline=None)
+@given(host=hosts())
+def test_planning_its_own_output_again_plans_nothing_new(host: Any) -> None:
+    facts, state, uuids, addresses, derived, holds = host
+    occ = _occupancy(facts, state, holds)
+    try:
+        first = plan_named(facts, state, Refusals(occ, VM), uuids, addresses, derived)
+    except DeviceError:
+        return
+    # Apply the plan to the facts and the state, as the applier would.
+    mdevs = dict(facts.mdevs)
+    pci = dict(facts.pci)
+    devices = []
+    for action in first:
+        if isinstance(action, RecreateMdev):
+            mdevs[action.uuid] = MdevFacts((action.parent, action.type_id),
+                                           mdevs[action.uuid].defined)
+            devices.append(Device("mdev", action.uuid, action.on_demand))
+        elif isinstance(action, CreateDerived):
+            # A UUID another VM holds is never created for this one (the
+            # allocator refuses it); otherwise its choice: a parent no other
+            # VM holds (whole or above).
+            assume(not any(h.device == action.uuid for h in holds))
+            free = [p for p in PARENTS if not any(h.device in _chain(p, {}) for h in holds)]
+            assume(free)
+            mdevs[action.uuid] = MdevFacts((free[0], TYPE), None)
+            state.vgpus[action.uuid] = VgpuRecord(free[0], TYPE, None, True, "x")
+            devices.append(Device("mdev", action.uuid, True))
+        elif isinstance(action, KeepMdev):
+            devices.append(Device("mdev", action.uuid, action.on_demand))
+        elif isinstance(action, UseVf):
+            if action.set_type is not None:
+                pci[action.address] = pci[action.address]._replace(
+                    vendor_vf_type=action.set_type)
+            devices.append(Device("vf", action.address, action.on_demand))
+        else:
+            assert isinstance(action, UsePci)
+            devices.append(Device("pci", action.address))
+    state.allocations[VM] = Allocation(VM, None, "pending", "x", devices)
+    after = HostFacts(mdevs, pci, facts.physfn)
+    occ = _occupancy(after, state, holds)
+    second = plan_named(after, state, Refusals(occ, VM), uuids, addresses, derived)
+    assert new_work(second) == []
+    assert [_device(a) for a in second] == [_device(a) for a in first]

@@ -1,0 +1,259 @@
+"""One rule each for UUIDs, mdev type ids, PCI addresses and VM names: every
+entry point (domain XML, the CLI, the state file, mdevctl definitions) accepts
+and refuses the same strings, and they agree with gpulib.validate."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+from xml.sax.saxutils import quoteattr
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from gpulib.cli import main
+from gpulib.context import Context
+from gpulib.domain import DomainXmlError, parse_domain
+from gpulib.errors import InputError
+from gpulib.mdevctl import read_definitions
+from gpulib.pci import PciAddress
+from gpulib.sim.fakehost import FakeHost
+from gpulib.state import CorruptStateError, State
+from gpulib.validate import (
+    check_domain_uuid,
+    check_pci_address,
+    check_type_id,
+    check_uuid,
+    check_vm_name,
+)
+from tests.hosts import t4_farm
+
+PARENT = "0000:3b:00.0"
+GOOD_UUID = "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5d"
+# Characters any of the four entry points can carry: an XML attribute or text,
+# a file name, a JSON string, an argv word (no NUL, no '/', no controls).
+_SAFE = st.characters(min_codepoint=0x20, max_codepoint=0x2FF, blacklist_characters="/\x7f")
+
+
+def _mutations(valid: st.SearchStrategy[str], alphabet: str) -> st.SearchStrategy[str]:
+    """Valid strings, and strings one edit away from valid ones."""
+    def edit(text: str, where: int, ch: str, how: int) -> str:
+        i = where % (len(text) + 1)
+        if how == 0:
+            return text[:i] + ch + text[i:]  # insert
+        if how == 1:
+            return text[:i] + text[i + 1:]  # delete
+        if how == 2:
+            return text[:i] + ch + text[i + 1:]  # replace
+        if how == 3:
+            return text.upper()
+        if how == 4:
+            return f" {text}"
+        return "{" + text + "}"
+
+    near = st.builds(edit, valid, st.integers(0, 64), st.sampled_from(alphabet),
+                     st.integers(0, 5))
+    return st.one_of(valid, near, st.text(st.sampled_from(alphabet), max_size=40),
+                     st.text(_SAFE, max_size=12))
+
+
+def _accepts(check: Callable[[str], Any], text: str) -> bool:
+    try:
+        check(text)
+    except InputError:
+        return False
+    return True
+
+
+uuids = _mutations(st.uuids().map(str), "0123456789abcdefABCDEFgx-: .{}")
+type_ids = _mutations(
+    st.from_regex(r"[a-z0-9]{1,6}-[A-Za-z0-9_]{1,8}", fullmatch=True),
+    "abcAZ019_.:+-/ ")
+pci_addresses = _mutations(
+    st.builds(lambda d, b, s, f: f"{d:04x}:{b:02x}:{s:02x}.{f}", st.integers(0, 0xFFFFFFFF),
+              st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7)),
+    "0123456789abcdefABCDEFg:. ")
+vm_names = _mutations(st.from_regex(r"[ir]-[0-9]{1,4}-VM", fullmatch=True),
+                      "ab-_.\n\t/\u2028 \u00e9")
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[FakeHost]:
+    root = tempfile.mkdtemp(prefix="gpulib-validate-")
+    yield t4_farm(root, gpus=1, per_parent=1)
+    shutil.rmtree(root)
+
+
+class Cli:
+    """The `gpulib` command in this process, on the fake host."""
+
+    def __init__(self, root: str, capsys: pytest.CaptureFixture[str]) -> None:
+        self.root = root
+        self.capsys = capsys
+
+    def refuses(self, args: list[str], problem: str) -> bool:
+        """Whether the command refuses its argument as bad input (exit 2 naming
+        `problem`); other failures (no such device) are not about the string."""
+        saved = {k: os.environ.get(k) for k in ("GPULIB_ROOT", "GPULIB_SIMULATE")}
+        os.environ.update(GPULIB_ROOT=self.root, GPULIB_SIMULATE="1")
+        try:
+            self.capsys.readouterr()
+            code = main(args)
+            err = self.capsys.readouterr().err
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return code == 2 and problem in err
+
+
+@pytest.fixture
+def cli(host: FakeHost, capsys: pytest.CaptureFixture[str]) -> Cli:
+    return Cli(host.root, capsys)
+
+
+def _state_accepts(doc: dict[str, Any]) -> bool:
+    try:
+        State.from_json({"version": 2, **doc})
+    except CorruptStateError:
+        return False
+    return True
+
+
+def _definition_uuids(parent: str, name: str, type_id: str = "nvidia-222"
+                      ) -> Optional[dict[str, Any]]:
+    """What mdevctl's records at etc/mdevctl.d/<parent>/<name> read as."""
+    root = tempfile.mkdtemp(prefix="gpulib-mdevctl-")
+    try:
+        directory = os.path.join(root, "etc/mdevctl.d", parent)
+        try:
+            os.makedirs(directory)
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                json.dump({"mdev_type": type_id, "start": "manual", "attrs": []}, f)
+        except (OSError, ValueError):
+            return None  # not a file name at all: no definition can carry it
+        return dict(read_definitions(Context.for_root(root)))
+    finally:
+        shutil.rmtree(root)
+
+
+def _file_name_ok(text: str) -> bool:
+    return text not in ("", ".", "..") and "/" not in text and "\x00" not in text \
+        and len(text.encode("utf-8", "surrogatepass")) < 255
+
+
+_SETTINGS = settings(max_examples=150, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@_SETTINGS
+@given(text=uuids)
+@example(text=GOOD_UUID.upper())
+@example(text=GOOD_UUID.replace("-", ""))
+@example(text=f"urn:uuid:{GOOD_UUID}")
+def test_uuids_agree(cli: Cli, text: str) -> None:
+    valid = _accepts(check_uuid, text)
+    xml = ("<domain><name>vm</name><devices><hostdev mode='subsystem' type='mdev'>"
+           f"<source><address uuid={quoteattr(text)}/></source></hostdev></devices></domain>")
+    (h,) = parse_domain(xml).mdev_hostdevs()
+    assert _accepts(lambda _: h.uuid_checked(), text) == valid
+    assert _state_accepts({"vgpus": {text: {"parent": PARENT, "type_id": "nvidia-222",
+                                            "created": "x"}}}) == valid
+    assert _state_accepts({"allocations": {"vm": {
+        "vm": "vm", "status": "active", "since": "x",
+        "devices": [{"kind": "mdev", "id": text}]}}}) == valid
+    assert cli.refuses(["mdev", "remove", "--", text], "not a UUID") != valid
+    if _file_name_ok(text):
+        # mdevctl names its files by the canonical (lowercase) UUID: a file
+        # named otherwise is not its record, whatever the string.
+        found = _definition_uuids(PARENT, text)
+        assert found is not None
+        assert bool(found) == (valid and text == check_uuid(text))
+    if valid:
+        assert check_uuid(text) == text.lower()
+        # The domain's own <uuid> takes libvirt's forms too (it names no device).
+        assert check_domain_uuid(text) == text.lower()
+
+
+@_SETTINGS
+@given(text=type_ids)
+@example(text="nvidia-231")
+@example(text="i915-GVTg_V5_4")
+@example(text="nvidia")
+@example(text="-231")
+@example(text="nvidia-..")
+@example(text="a-" + "b" * 127)
+def test_type_ids_agree(cli: Cli, text: str) -> None:
+    valid = _accepts(check_type_id, text)
+    xml = ("<domain><name>vm</name><metadata><gpulib:gpus "
+           "xmlns:gpulib='http://gpulib.org/xmlns/domain/1'>"
+           f"<gpulib:vgpu type={quoteattr(text)}/></gpulib:gpus></metadata></domain>")
+    dom = parse_domain(xml)
+    assert _accepts(lambda _: dom.metadata_request(), text) == valid
+    assert _state_accepts({"vgpus": {GOOD_UUID: {"parent": PARENT, "type_id": text,
+                                                 "created": "x"}}}) == valid
+    # A parent this host does not have: an accepted type id is then refused
+    # for the parent, never created.
+    assert cli.refuses(["mdev", "create", "--parent=0000:ff:1f.7", f"--type={text}"],
+                       "not a vGPU type id") != valid
+    found = _definition_uuids(PARENT, GOOD_UUID, type_id=text)
+    assert found is not None and (GOOD_UUID in found) == valid
+    if valid:
+        assert check_type_id(text) == text
+
+
+@_SETTINGS
+@given(text=pci_addresses)
+@example(text="000f:00:00.0")
+@example(text="10000:01:00.0")
+@example(text="ffffffff:ff:1f.7")
+@example(text="100000000:00:00.0")
+@example(text="0000:00:20.0")
+@example(text="3b:00.0")
+@example(text="0000:3B:00.0")
+def test_pci_addresses_agree(cli: Cli, text: str) -> None:
+    valid = _accepts(check_pci_address, text)
+    assert _accepts(PciAddress.parse, text) == valid
+    assert _state_accepts({"vf_types": {text: {"type_id": 1}}}) == valid
+    assert _state_accepts({"unmanaged": [text]}) == valid
+    assert cli.refuses(["mdev", "types", f"--parent={text}"], "PCI address") != valid
+    if _file_name_ok(text):
+        # The directory is named as sysfs names the parent (canonical form).
+        found = _definition_uuids(text, GOOD_UUID)
+        assert found is not None
+        assert (GOOD_UUID in found) == (valid and text == check_pci_address(text))
+    if valid:
+        canonical = check_pci_address(text)
+        assert str(PciAddress.parse(text)) == canonical == check_pci_address(canonical)
+        doc = State.from_json({"version": 2, "unmanaged": [text]})
+        assert doc.unmanaged == {canonical}
+
+
+@_SETTINGS
+@given(text=vm_names)
+@example(text="a/b")
+@example(text="..")
+@example(text="line\nbreak")
+@example(text="x" * 256)
+def test_vm_names_agree(cli: Cli, text: str) -> None:
+    valid = _accepts(check_vm_name, text)
+    if text.strip() and "\n" not in text and "\t" not in text and "\r" not in text:
+        # XML text normalises no characters here, so the element carries the string.
+        xml = f"<domain><name>{quoteattr(text)[1:-1]}</name></domain>"
+        dom = parse_domain(xml)
+        assert dom.name == text
+        try:
+            dom.name_checked()
+            assert valid
+        except DomainXmlError:
+            assert not valid
+    assert _state_accepts({"allocations": {text: {
+        "vm": text, "status": "active", "since": "x", "devices": []}}}) == valid
+    assert cli.refuses(["release", "--", text], "VM name") != valid
