@@ -330,6 +330,7 @@ class Preparer:
                             "parent and type (create it with gpulib mdev create)")
                 if source[0] != DERIVED:
                     occ.tree.mdev_parents.setdefault(uuid, source[0])
+                    occ.tree.mdev_types.setdefault(uuid, source[1])
             parent = occ.tree.parent(uuid)
             if rec is not None and state.unmanaged and parent is not None and \
                     self._unmanaged(state, PciAddress.parse(parent)):
