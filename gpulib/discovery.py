@@ -302,7 +302,8 @@ class Discovery:
         exclude = self.config.match("discovery", "exclude")
         usage = self.occupancy
         if usage is None:
-            usage = Occupancy(Tree(sysfs, {u: p for u, (p, _) in self.registry.items()}))
+            usage = Occupancy(Tree(sysfs, {u: p for u, (p, _) in self.registry.items()},
+                                   {u: t for u, (_, t) in self.registry.items()}))
             for vm, devices in self.allocations.items():
                 for kind, ident in devices:
                     try:

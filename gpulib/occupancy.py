@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev
-from gpulib.errors import InputError
+from gpulib.errors import GpulibError, InputError
 from gpulib.pci import PciAddress, physical_function
 
 if TYPE_CHECKING:
@@ -85,9 +85,12 @@ def _is_mdev(node: str) -> bool:
 class Tree:
     """The PF/VF/mdev relations and IOMMU groups of the nodes asked about, read lazily."""
 
-    def __init__(self, sysfs: Sysfs, mdev_parents: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, sysfs: Sysfs, mdev_parents: Optional[dict[str, str]] = None,
+                 mdev_types: Optional[dict[str, str]] = None) -> None:
         self.sysfs = sysfs
         self.mdev_parents = dict(mdev_parents or {})
+        # The type of each known vGPU: one not live is recreated with it.
+        self.mdev_types = dict(mdev_types or {})
         self._chains: dict[str, list[str]] = {}
         self._groups: dict[str, Optional[int]] = {}
 
@@ -122,6 +125,21 @@ class Tree:
                 found.extend(self.chain(parent)[:3])
         return found
 
+    def uncreatable(self, node: str) -> Optional[str]:
+        """The parent of a known vGPU that is not live and that its parent cannot
+        create now (no available instance of its type: another type is live
+        on it, or the type is full); None when live, unknown or creatable."""
+        parent, type_id = self.mdev_parents.get(node), self.mdev_types.get(node)
+        if parent is None or type_id is None or _is_pci(node) or \
+                self.sysfs.exists(f"{mdev.MDEV_DEVICES}/{node}"):
+            return None
+        try:
+            available = mdev.find_type(self.sysfs, PciAddress.parse(parent),
+                                       type_id).available_instances
+        except (GpulibError, OSError):
+            return None
+        return parent if available is not None and available <= 0 else None
+
     def group(self, node: str) -> Optional[int]:
         if node not in self._groups:
             name = self.sysfs.link_name(f"sys/bus/pci/devices/{node}/iommu_group") \
@@ -150,7 +168,8 @@ class Occupancy:
     def build(cls, sysfs: Sysfs, state: State, running: Iterable[DomainDevices] = ()
               ) -> Occupancy:
         """From gpulib's allocations and the running domains' devices."""
-        tree = Tree(sysfs, {u: r.parent for u, r in state.vgpus.items()})
+        tree = Tree(sysfs, {u: r.parent for u, r in state.vgpus.items()},
+                    {u: r.type_id for u, r in state.vgpus.items()})
         occ = cls(tree)
         for vm, alloc in state.allocations.items():
             for d in alloc.devices:
@@ -199,6 +218,13 @@ class Occupancy:
             group = self.tree.group(node)
             if group is not None:
                 found += self._group.get(group, ())
+        else:
+            # A vGPU to recreate that its parent cannot create now is kept from
+            # `vm` by the other VMs' vGPUs on that parent (a GPU runs one vGPU
+            # type at a time): reported used by them, refused naming them.
+            blocked = self.tree.uncreatable(node)
+            if blocked is not None:
+                found += self._below.get(blocked, ())
         seen: set[int] = set()
         out = []
         for h in found:
@@ -218,9 +244,9 @@ class Occupancy:
             return True
         if _is_pci(node):
             group = self.tree.group(node)
-            if group is not None and any(h.vm != vm for h in self._group.get(group, ())):
-                return True
-        return False
+            return group is not None and any(h.vm != vm for h in self._group.get(group, ()))
+        # A vGPU to recreate may be blocked by its parent's other vGPUs.
+        return bool(self.conflicts(node, vm))
 
     def holder(self, node: str) -> Optional[Hold]:
         """Who keeps `node` from anyone else (None: free)."""

@@ -152,6 +152,7 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
                     f"mdev {uuid} does not exist and gpulib has no record of its "
                     "parent and type (create it with gpulib mdev create)")
             tree.mdev_parents.setdefault(uuid, source[0])
+            tree.mdev_types.setdefault(uuid, source[1])
         parent = seen.live[0] if seen.live is not None else source[0] if source else None
         if rec is not None and state.unmanaged and parent is not None and \
                 unmanaged(state, facts, parent):

@@ -285,3 +285,24 @@ Ownership.TestCase.settings = settings(
     max_examples=60, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestOwnership = pytest.mark.slow(Ownership.TestCase)
+
+
+def test_registry_vgpu_a_busy_gpu_cannot_recreate_is_reported_used(tmp_path: Any) -> None:
+    """A T4 runs one vGPU type at a time: with vm-0's T4-1B live on it, the
+    registry's T4-4Q (not live) cannot be recreated. It is reported used by
+    vm-0, and another VM naming it is refused as in use, before any write."""
+    machine = Ownership()
+    try:
+        machine.make_host(rtx=0, t4=True, a10_vfs=0, pool_live=0, typed_vfs=0)
+        machine.start_requested(vm="vm-0", profile="GRID T4-1B", crash_at=0)
+        registry = "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c00"
+        offered = {ident: used_by for kind, ident, used_by in machine._offers()
+                   if kind == "mdev"}
+        assert offered[registry] == "vm-0"
+        live = machine._live()
+        error = machine._prepare(_xml("vm-1", _hostdev("mdev", registry)))
+        assert error is not None and "in use by" in error.message
+        assert "vm-0" in error.message
+        assert machine._live() == live
+    finally:
+        machine.teardown()
