@@ -48,6 +48,7 @@ from gpulib.errors import InputError, LockTimeout, StateError
 from gpulib.lazyre import lazy
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 from gpulib.validate import (
+    TYPE_ID_MAX,
     check_pci_address,
     check_type_id,
     check_uuid,
@@ -274,38 +275,32 @@ def _as_component(value: Any, path: str) -> str:
     return text
 
 
-def _as_uuid(value: Any, path: str) -> str:
-    """A UUID as every entry point takes it (gpulib.validate), kept lowercase."""
+def _as_checked(value: Any, path: str, check: Callable[[str], str]) -> str:
+    """Text that one of gpulib.validate's rules accepts (every entry point takes
+    the same), in the form it keeps; the rule's message, placed, otherwise."""
     text = _as_str(value, path)
     try:
-        return check_uuid(text)
+        return check(text)
     except InputError as e:
         raise CorruptStateError(f"{path}: {e.message}") from None
+
+
+def _as_uuid(value: Any, path: str) -> str:
+    """A UUID, kept lowercase."""
+    return _as_checked(value, path, check_uuid)
 
 
 def _as_pci(value: Any, path: str) -> str:
-    """A PCI address as every entry point takes it, kept as sysfs names it."""
-    text = _as_str(value, path)
-    try:
-        return check_pci_address(text)
-    except InputError as e:
-        raise CorruptStateError(f"{path}: {e.message}") from None
+    """A PCI address, kept as sysfs names it."""
+    return _as_checked(value, path, check_pci_address)
 
 
 def _as_type_id(value: Any, path: str) -> str:
-    text = _as_str(value, path)
-    try:
-        return check_type_id(text)
-    except InputError as e:
-        raise CorruptStateError(f"{path}: {e.message}") from None
+    return _as_checked(value, path, check_type_id)
 
 
 def _as_vm(value: Any, path: str) -> str:
-    text = _as_str(value, path)
-    try:
-        return validate_vm_name(text)
-    except InputError as e:
-        raise CorruptStateError(f"{path}: {e.message}") from None
+    return _as_checked(value, path, validate_vm_name)
 
 
 # Fast paths for the state's common shape. Each accepts only what the checked
@@ -335,13 +330,24 @@ def _is_pci(text: Any) -> bool:
         and not (text[:4] + text[5:7] + text[9]).strip(_LOWER_HEX)
 
 
+_TYPE_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:+-")
+
+
+def _is_type_id(text: Any) -> bool:
+    """gpulib.validate's type id rule (`<driver>-<name>`), without its regex."""
+    if type(text) is not str or len(text) > TYPE_ID_MAX or ".." in text:
+        return False
+    dash = text.find("-")
+    return 1 <= dash < len(text) - 1 and _TYPE_ID_CHARS.issuperset(text)
+
+
 def _vgpu_fast(d: Any) -> Optional[VgpuRecord]:
     if type(d) is not dict:
         return None
     parent: Any = d.get("parent")
     type_id: Any = d.get("type_id")
     created, pool, on_demand = d.get("created"), d.get("pool"), d.get("on_demand", False)
-    if _is_component(parent) and _is_component(type_id) and type(created) is str and \
+    if _is_component(parent) and _is_type_id(type_id) and type(created) is str and \
             (pool is None or type(pool) is str) and (on_demand is True or on_demand is False):
         return VgpuRecord(parent, type_id, pool, on_demand, created)
     return None

@@ -125,6 +125,11 @@ def check_vm_name(name: object) -> str:
     """
     if is_plain_vm_name(name):
         return name  # type: ignore[return-value]  # a str, checked above
+    return vm_name_checks(name)
+
+
+def vm_name_checks(name: object) -> str:
+    """check_vm_name's checks one by one, each with its own message."""
     if not isinstance(name, str):
         raise InputError(f"VM name must be text, not {type(name).__name__}")
     if not name:

@@ -32,3 +32,10 @@ def run(argv: list[str], root: str, stdin: Optional[bytes] = None,
         timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(argv, input=stdin if stdin is not None else b"",
                           capture_output=True, env=hook_env(root), timeout=timeout)
+
+
+def mdev_xml(name: str, uuid: str, mdev: str) -> str:
+    """A domain as the agent's LibvirtGpuDef renders an mdev vGPU."""
+    return (f"<domain type='kvm'><name>{name}</name><uuid>{uuid}</uuid><devices>"
+            "<hostdev mode='subsystem' type='mdev' model='vfio-pci' display='off'>"
+            f"<source><address uuid='{mdev}'/></source></hostdev></devices></domain>")

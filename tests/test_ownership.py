@@ -22,7 +22,7 @@ from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import Allocation
 from gpulib.usage import running_domains
 from tests.conftest import DATA
-from tests.hookrun import QEMU_HOOK, STATE_CHANGE, as_agent, hook_env, run
+from tests.hookrun import QEMU_HOOK, STATE_CHANGE, as_agent, hook_env, mdev_xml, run
 from tests.hosts import tree_contents
 
 STATE = "var/lib/gpulib/state.json"
@@ -57,11 +57,6 @@ def pci_xml(name: str, uuid: str, address: str, managed: str = "yes") -> str:
             f"<source><address domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>"
             "</source></hostdev></devices></domain>")
 
-
-def mdev_xml(name: str, uuid: str, mdev: str) -> str:
-    return (f"<domain type='kvm'><name>{name}</name><uuid>{uuid}</uuid><devices>"
-            "<hostdev mode='subsystem' type='mdev' model='vfio-pci' display='off'>"
-            f"<source><address uuid='{mdev}'/></source></hostdev></devices></domain>")
 
 
 U1 = "11111111-0000-4000-8000-000000000001"

@@ -31,6 +31,7 @@ from gpulib.pci import PciAddress, virtfn_links
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, add_sriov_gpu, models
+from tests.hookrun import mdev_xml
 from tests.hosts import a10_host, install_hooks, start_libvirtd, tree_contents
 from tests.test_discovery import check_agent_document
 
@@ -243,11 +244,6 @@ def pci_xml(name: str, uuid: str, source: dict[str, str], managed: str = "yes") 
             f"<driver name='vfio'/><source><address {attrs}/></source></hostdev>"
             "</devices></domain>")
 
-
-def mdev_xml(name: str, uuid: str, mdev: str) -> str:
-    return (f"<domain type='kvm'><name>{name}</name><uuid>{uuid}</uuid><devices>"
-            "<hostdev mode='subsystem' type='mdev' model='vfio-pci' display='off'>"
-            f"<source><address uuid='{mdev}'/></source></hostdev></devices></domain>")
 
 
 def agent421_source(address: str) -> dict[str, str]:

@@ -40,6 +40,7 @@ from gpulib.state import (
     validate_uuid,
     validate_vm_name,
 )
+from gpulib.validate import check_pci_address, check_type_id
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "state_worker.py"
 FORK = multiprocessing.get_context("fork")
@@ -308,13 +309,14 @@ def test_the_quick_parse_accepts_only_what_the_checked_parse_accepts(
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=8) | st.text(alphabet=st.characters(max_codepoint=0xA0), max_size=300))
 def test_the_quick_vm_name_check_accepts_only_good_names(name: str) -> None:
-    from gpulib import state as mod
+    from gpulib import validate
 
-    if mod._plain_vm_name(name):
-        assert mod._checked_vm_name(name) == name
+    if validate.is_plain_vm_name(name):
+        assert validate.vm_name_checks(name) == name
 
 
-near_ids = st.text(alphabet="0123456789abcdefAF-:. g\n", min_size=10, max_size=38) | \
+near_ids = st.text(alphabet="0123456789abcdefAF-:. g\n+_/", min_size=10, max_size=38) | \
+    st.text(alphabet="aZ1-._:+/ ", max_size=8) | \
     uuids_text | pci_texts | uuids_text.map(str.upper) | \
     uuids_text.map(lambda u: u[:8] + u[9:] + "-")
 
@@ -327,7 +329,9 @@ def test_the_quick_id_checks_accept_only_what_the_checked_ones_accept(text: str)
     if mod._is_uuid(text):
         assert validate_uuid(text) == text
     if mod._is_pci(text):
-        assert mod._PCI_RE.fullmatch(text)
+        assert check_pci_address(text) == text
+    if mod._is_type_id(text):
+        assert check_type_id(text) == text
 
 
 def test_the_quick_id_checks_take_the_common_forms() -> None:
@@ -346,7 +350,11 @@ def test_bad_records_in_a_state_file_are_still_named(store: StateStore) -> None:
     doc = json.loads(dumps(sample_state()))
     uuid_key = "6f3a1c2e-0b1d-4c5e-9f00-112233445566"
     doc["vgpus"][uuid_key.upper()] = doc["vgpus"].pop(uuid_key)
-    with pytest.raises(CorruptStateError, match="not a canonical UUID"):
+    # Every entry point takes a UUID in either case (gpulib.validate): the
+    # checked parser reads it, and keeps it lowercase.
+    assert set(State.from_json(doc).vgpus) == set(sample_state().vgpus)
+    doc["vgpus"]["6f3a1c2e-0b1d-4c5e-9f00-11223344556"] = doc["vgpus"].pop(uuid_key.upper())
+    with pytest.raises(CorruptStateError, match=r"vgpus"):
         State.from_json(doc)
 
 
