@@ -223,7 +223,7 @@ class Occupancy:
             # `vm` by the other VMs' vGPUs on that parent (a GPU runs one vGPU
             # type at a time): reported used by them, refused naming them.
             blocked = self.tree.uncreatable(node)
-            if blocked is not None:
+            if blocked is not None and self._indexed(blocked):
                 found += self._below.get(blocked, ())
         seen: set[int] = set()
         out = []

@@ -328,8 +328,11 @@ def test_packaging_check_never_lets_man_cache_a_page() -> None:
 def _man_cache() -> set[str]:
     """The formatted pages man-db keeps (what a rendering check may leave)."""
     root = Path("/var/cache/man")
-    return {str(p) for p in root.rglob("*") if p.is_file() and p.name != "index.db"} \
-        if root.is_dir() else set()
+    # Formatted pages live in cat<N>/ folders (per locale too); mandb's own
+    # files (index.db, CACHEDIR.TAG for each locale folder it makes when any
+    # package is installed) are not pages.
+    return {str(p) for p in root.rglob("*") if p.is_file() and p.parent.name.startswith("cat")
+            and p.name not in ("index.db", "CACHEDIR.TAG")} if root.is_dir() else set()
 
 
 @pytest.mark.packaging

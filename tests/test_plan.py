@@ -57,6 +57,9 @@ class FactsTree(Tree):
     def group(self, node: str) -> Optional[int]:
         return GROUPS.get(node)
 
+    def uncreatable(self, node: str) -> Optional[str]:
+        return None  # these facts do not model a GPU's capacity: every type fits
+
 
 def _chain(node: str, parents: dict[str, str]) -> list[str]:
     out = [node]
