@@ -65,6 +65,12 @@ def read_bytes(path: str) -> Optional[bytes]:
         return None
 
 
+def written_text(path: str) -> Optional[bytes]:
+    """The state file's text without the spaces a prepared write pads it with."""
+    raw = read_bytes(path)
+    return None if raw is None else raw.rstrip(b" ")
+
+
 def write_raw(store: StateStore, data: bytes) -> None:
     os.makedirs(os.path.dirname(store.state_path), exist_ok=True)
     with open(store.state_path, "wb") as f:
@@ -380,8 +386,9 @@ def test_a_file_in_another_layout_is_left_until_the_state_changes(store: StateSt
     assert read_bytes(store.state_path) == sparse_text
     with store.transaction() as s:
         s.unmanaged.add("0000:05:00.0")
-    text = read_bytes(store.state_path)
+    text = written_text(store.state_path)
     assert text is not None and text != compact
+    # The deterministic text (then the spaces of a prepared write, stripped).
     assert text.decode() == dumps(store.load())
 
 
@@ -404,7 +411,7 @@ def test_output_is_deterministic(tmp_path: Path) -> None:
         st_ = make_store(tmp_path / name)
         with st_.transaction() as cur:
             cur.assign(s.copy())
-        texts.append(read_bytes(st_.state_path))
+        texts.append(written_text(st_.state_path))
     assert texts[0] == texts[1] == dumps(a).encode("ascii")
     text = texts[0] or b""
     assert text.endswith(b"}\n") and text.count(b"\n") > 20  # indented, one item a line
@@ -695,7 +702,7 @@ def test_committed_mutations_reload_equal(batches: list[list[tuple[Any, ...]]]) 
             assert s1.load() == model
             assert make_store(d).load() == model
             if s1.exists():
-                assert read_bytes(s1.state_path) == dumps(model).encode()
+                assert written_text(s1.state_path) == dumps(model).encode()
             else:
                 assert model == State()
 
@@ -829,7 +836,7 @@ def test_sigkill_at_random_instants_never_breaks_the_file(tmp_path: Path) -> Non
         child.join()
         assert child.exitcode == -signal.SIGKILL
         n = attempting.value
-        raw = read_bytes(store.state_path)
+        raw = written_text(store.state_path)
         assert raw is not None
         if raw == dumps(crash_content(n)).encode():
             last = n
@@ -904,7 +911,7 @@ def test_64_processes_at_once_lose_nothing(tmp_path: Path) -> None:
     final = store.load()
     assert sorted(final.allocations) == sorted(f"vm-{i}" for i in range(64))
     assert all(a.status == "active" and len(a.devices) == 1 for a in final.allocations.values())
-    assert read_bytes(store.state_path) == dumps(final).encode()
+    assert written_text(store.state_path) == dumps(final).encode()
     assert temp_files(store) == []
 
 
@@ -1103,3 +1110,121 @@ def test_newer_state_refused_by_a_hook_with_exit_4_file_untouched(tmp_path: Path
     assert res.returncode == 4, res.stderr
     assert b"is version 3" in res.stderr and res.stdout == b""
     assert read_bytes(store.state_path) == before
+
+
+# ---------------------------------------------------------------------------
+# The prepared file: the state's temp file made before the lock is taken.
+
+
+def test_under_the_lock_a_prepared_write_only_fdatasyncs(
+        store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpulib.state as state_module
+
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    events: list[str] = []
+    real_fsync, real_fdatasync, real_release = os.fsync, os.fdatasync, state_module._Lock.release
+
+    def fsync(fd: int) -> None:
+        events.append("fsync")
+        real_fsync(fd)
+
+    def fdatasync(fd: int) -> None:
+        events.append("fdatasync")
+        real_fdatasync(fd)
+
+    def release(lock: Any) -> None:
+        events.append("release")
+        real_release(lock)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(state_module._Lock, "release", release)
+    with store.transaction() as s:
+        events.append("locked")
+        s.unmanaged.add("0000:02:00.0")
+    # The temp file's fsync before the lock; under it one fdatasync; the
+    # directory's fsync after it.
+    assert events == ["fsync", "locked", "fdatasync", "release", "fsync"]
+    assert store.load().unmanaged == {"0000:01:00.0", "0000:02:00.0"}
+    assert temp_files(store) == []
+
+
+def test_a_state_that_outgrows_its_prepared_file_is_written_whole(store: StateStore) -> None:
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    small = os.path.getsize(store.state_path)
+    with store.transaction() as s:  # far more than the prepared file's room
+        for bus in range(1, 250):
+            for fn in range(8):
+                s.unmanaged.add(f"0000:{bus:02x}:00.{fn}")
+    text = read_bytes(store.state_path)
+    assert text is not None and len(text) > 4 * small
+    assert text == dumps(store.load()).encode()  # write_atomic's own, unpadded
+    assert len(store.load().unmanaged) == 249 * 8
+    assert temp_files(store) == []
+
+
+def test_a_prepared_file_removed_while_its_writer_waited_is_not_needed(
+        store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process may remove a waiting writer's prepared file as stale
+    (older than STALE_TEMP_AGE); the write then takes write_atomic's way."""
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    real_prepare = StateStore._prepare
+
+    def prepare_then_lose(self: StateStore) -> Any:
+        prepared = real_prepare(self)
+        assert prepared is not None
+        os.unlink(prepared.tmp)
+        return prepared
+
+    monkeypatch.setattr(StateStore, "_prepare", prepare_then_lose)
+    with store.transaction() as s:
+        s.unmanaged.add("0000:02:00.0")
+    assert store.load().unmanaged == {"0000:01:00.0", "0000:02:00.0"}
+    assert read_bytes(store.state_path) == dumps(store.load()).encode()
+    assert temp_files(store) == []
+
+
+@pytest.mark.parametrize("failing", ["lseek", "write", "fdatasync", "replace"])
+def test_a_failing_prepared_write_leaves_the_old_file(
+        store: StateStore, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    import gpulib.atomicfile as atomicfile
+
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    before = read_bytes(store.state_path)
+    real = getattr(os, failing)
+    armed = []
+
+    def fail(*args: Any) -> Any:
+        if armed:
+            raise OSError(5, "Input/output error")
+        return real(*args)
+
+    monkeypatch.setattr(atomicfile.os, failing, fail)
+    with pytest.raises(StateError, match=r"cannot write state file .*Input/output error"), \
+            store.transaction() as s:
+        armed.append(True)  # only under the lock: the prepared file is made
+        s.unmanaged.add("0000:02:00.0")
+    monkeypatch.undo()
+    assert read_bytes(store.state_path) == before
+    assert temp_files(store) == []
+
+
+def test_no_space_for_a_prepared_file_still_writes_under_the_lock(
+        store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpulib.atomicfile as atomicfile
+
+    real_init = atomicfile.PreparedFile.__init__
+
+    def full(self: Any, *args: Any, **kw: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomicfile.PreparedFile, "__init__", full)
+    with store.transaction() as s:
+        s.unmanaged.add("0000:02:00.0")
+    monkeypatch.setattr(atomicfile.PreparedFile, "__init__", real_init)
+    assert store.load().unmanaged == {"0000:02:00.0"}
+    assert temp_files(store) == []
