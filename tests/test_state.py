@@ -40,7 +40,6 @@ from gpulib.state import (
     validate_uuid,
     validate_vm_name,
 )
-from gpulib.validate import check_pci_address, check_type_id
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "state_worker.py"
 FORK = multiprocessing.get_context("fork")
@@ -313,33 +312,6 @@ def test_the_quick_vm_name_check_accepts_only_good_names(name: str) -> None:
 
     if validate.is_plain_vm_name(name):
         assert validate.vm_name_checks(name) == name
-
-
-near_ids = st.text(alphabet="0123456789abcdefAF-:. g\n+_/", min_size=10, max_size=38) | \
-    st.text(alphabet="aZ1-._:+/ ", max_size=8) | \
-    uuids_text | pci_texts | uuids_text.map(str.upper) | \
-    uuids_text.map(lambda u: u[:8] + u[9:] + "-")
-
-
-@settings(max_examples=500, deadline=None)
-@given(near_ids)
-def test_the_quick_id_checks_accept_only_what_the_checked_ones_accept(text: str) -> None:
-    from gpulib import state as mod
-
-    if mod._is_uuid(text):
-        assert validate_uuid(text) == text
-    if mod._is_pci(text):
-        assert check_pci_address(text) == text
-    if mod._is_type_id(text):
-        assert check_type_id(text) == text
-
-
-def test_the_quick_id_checks_take_the_common_forms() -> None:
-    from gpulib import state as mod
-
-    assert mod._is_uuid("6f3a1c2e-0b1d-4c5e-9f00-112233445566")
-    assert not mod._is_uuid("6F3A1C2E-0B1D-4C5E-9F00-112233445566")
-    assert mod._is_pci("0000:41:1f.7") and not mod._is_pci("0000:41:20.0")
 
 
 def test_bad_records_in_a_state_file_are_still_named(store: StateStore) -> None:

@@ -1,11 +1,13 @@
 """One rule each for UUIDs, mdev type ids, PCI addresses and VM names: every
 entry point (domain XML, the CLI, the state file, mdevctl definitions) accepts
-and refuses the same strings, and they agree with gpulib.validate."""
+and refuses the same strings, and they agree with gpulib.validate, whose
+checks agree with the rules written as regular expressions."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -30,6 +32,11 @@ from gpulib.validate import (
     check_type_id,
     check_uuid,
     check_vm_name,
+    is_canonical_pci_address,
+    is_canonical_uuid,
+    is_type_id,
+    is_uuid,
+    pci_address_parts,
 )
 from tests.hosts import t4_farm
 
@@ -80,6 +87,96 @@ pci_addresses = _mutations(
     "0123456789abcdefABCDEFg:. ")
 vm_names = _mutations(st.from_regex(r"[ir]-[0-9]{1,4}-VM", fullmatch=True),
                       "ab-_.\n\t/\u2028 \u00e9")
+
+
+# The rules as regular expressions, an independent statement of the languages
+# gpulib.validate decides with string methods.
+REF_UUID = re.compile(
+    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+REF_STORED_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+REF_HEX32 = re.compile(r"[0-9a-fA-F]{32}")
+REF_TYPE_ID = re.compile(r"[A-Za-z0-9_.:+]+-[A-Za-z0-9_.:+-]+")
+REF_PCI = re.compile(r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])")
+# As sysfs names a device: a domain of four digits, or of up to eight without
+# a leading zero; a slot up to 1f.
+REF_STORED_PCI = re.compile(
+    r"(?:[0-9a-f]{4}|[1-9a-f][0-9a-f]{4,7}):[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
+
+
+def ref_pci_parts(text: str) -> Optional[tuple[int, int, int, int]]:
+    m = REF_PCI.fullmatch(text)
+    if m is None or int(m.group(3), 16) > 0x1F:
+        return None
+    return (int(m.group(1) or "0", 16), int(m.group(2), 16), int(m.group(3), 16),
+            int(m.group(4)))
+
+
+def ref_domain_uuid(text: str) -> bool:
+    plain = text.strip()
+    return bool(REF_HEX32.fullmatch(plain) or REF_UUID.fullmatch(plain))
+
+
+def ref_type_id(text: str) -> bool:
+    return len(text) <= 128 and ".." not in text and bool(REF_TYPE_ID.fullmatch(text))
+
+
+any_ids = st.one_of(
+    uuids, type_ids, pci_addresses,
+    st.from_regex(REF_UUID, fullmatch=True), st.from_regex(REF_PCI, fullmatch=True),
+    st.from_regex(REF_STORED_PCI, fullmatch=True), st.from_regex(REF_TYPE_ID, fullmatch=True),
+    st.text(alphabet="0123456789abcdefAF-:. g\n+_/\u0660", max_size=40),
+    st.uuids().map(lambda u: str(u)[:8] + str(u)[9:] + "-"),
+    st.uuids().map(lambda u: f" {u.hex.upper()}\t"))
+
+
+def _parts(text: str) -> Optional[tuple[int, int, int, int]]:
+    try:
+        return pci_address_parts(text)
+    except InputError:
+        return None
+
+
+@settings(max_examples=1500, deadline=None)
+@given(text=any_ids)
+@example(text="0:0.0")
+@example(text="ffffffff:ff:1f.7")
+@example(text="0ffff:00:00.0")
+@example(text="0000:3b:00.0\n")
+@example(text="a-" + "b" * 126)
+@example(text="a-" + "b" * 127)
+@example(text="6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5\u0661")
+def test_the_checks_accept_what_the_regular_expressions_accept(text: str) -> None:
+    assert is_uuid(text) == bool(REF_UUID.fullmatch(text))
+    assert _accepts(check_uuid, text) == is_uuid(text)
+    assert is_canonical_uuid(text) == bool(REF_STORED_UUID.fullmatch(text))
+    assert _accepts(check_domain_uuid, text) == ref_domain_uuid(text)
+    assert is_type_id(text) == ref_type_id(text) == _accepts(check_type_id, text)
+    parts = ref_pci_parts(text)
+    assert _parts(text) == parts
+    assert is_canonical_pci_address(text) == bool(REF_STORED_PCI.fullmatch(text))
+    # What gpulib stores is exactly what its checks return unchanged.
+    assert is_canonical_uuid(text) == (is_uuid(text) and check_uuid(text) == text)
+    assert is_canonical_pci_address(text) == (parts is not None
+                                              and check_pci_address(text) == text)
+
+
+@pytest.mark.parametrize("value", [None, 1, b"0000:3b:00.0", ["nvidia-1"]])
+def test_the_checks_refuse_what_is_not_text(value: Any) -> None:
+    assert not (is_uuid(value) or is_canonical_uuid(value) or is_type_id(value)
+                or is_canonical_pci_address(value))
+    for check in (check_uuid, check_domain_uuid, check_type_id, check_pci_address):
+        with pytest.raises(InputError):
+            check(value)
+
+
+def test_the_stored_forms_are_the_common_ones() -> None:
+    assert is_canonical_uuid("6f3a1c2e-0b1d-4c5e-9f00-112233445566")
+    assert not is_canonical_uuid("6F3A1C2E-0B1D-4C5E-9F00-112233445566")
+    assert is_canonical_pci_address("0000:41:1f.7")
+    assert is_canonical_pci_address("10000:01:00.0")
+    assert not is_canonical_pci_address("0000:41:20.0")
+    assert not is_canonical_pci_address("41:00.0")
+    assert not is_canonical_pci_address("00000:41:00.0")
 
 
 @pytest.fixture(scope="module")
