@@ -95,19 +95,6 @@ class CorruptStateError(StateError):
     """The state document cannot be understood (bad JSON, bad shape, bad values)."""
 
 
-# --------------------------------------------------------------------------
-# Input validation at the boundary (DESIGN section 8).
-
-
-validate_uuid = check_uuid
-
-
-def validate_vm_name(name: str) -> str:
-    """Return `name` if it is usable as a VM name, else raise InputError
-    (the rule is gpulib.validate's, shared by every entry point)."""
-    return check_vm_name(name)
-
-
 def utc_now() -> str:
     """The current time as ISO 8601 UTC with second precision (`...T12:00:00Z`)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -295,7 +282,7 @@ def _as_type_id(value: Any, path: str) -> str:
 
 
 def _as_vm(value: Any, path: str) -> str:
-    return _as_checked(value, path, validate_vm_name)
+    return _as_checked(value, path, check_vm_name)
 
 
 # Fast paths for the state's common shape. Each accepts only what the checked
@@ -1145,6 +1132,4 @@ __all__ = [
     "VgpuRecord",
     "dumps",
     "utc_now",
-    "validate_uuid",
-    "validate_vm_name",
 ]

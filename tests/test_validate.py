@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 from xml.sax.saxutils import quoteattr
@@ -354,3 +355,59 @@ def test_vm_names_agree(cli: Cli, text: str) -> None:
     assert _state_accepts({"allocations": {text: {
         "vm": text, "status": "active", "since": "x", "devices": []}}}) == valid
     assert cli.refuses(["release", "--", text], "VM name") != valid
+
+
+# -- the rules' own cases ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["i-2-10-VM", "a", "x" * 255, "vm with spaces", "ünï-côdé",
+                                  "r-1.2_3"])
+def test_valid_vm_names(name: str) -> None:
+    assert check_vm_name(name) == name
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("", "empty"),
+    ("a/b", "'/'"),
+    ("../etc", "'/'"),
+    ("vm\nname", "newline"),
+    ("vm\r", "newline"),
+    ("vm\x00", "NUL"),
+    ("vm\x1b[31m", "control"),
+    ("vm\x85", "control"),
+    ("vm\u2028x", "control"),
+    ("x" * 256, "longer than 255 characters"),
+    ("é" * 200, "longer than 255 bytes"),
+    ("vm\udcff", "not valid UTF-8"),
+    (".", "cannot be"),
+    ("..", "cannot be"),
+    ("x" * 50_000_000, "longer than 255"),
+])
+def test_bad_vm_names(name: str, problem: str) -> None:
+    with pytest.raises(InputError) as e:
+        check_vm_name(name)
+    assert problem in e.value.message
+    assert "\n" not in e.value.message and len(e.value.message) < 300
+
+
+def test_vm_name_not_text() -> None:
+    with pytest.raises(InputError, match="must be text"):
+        check_vm_name(b"vm")  # type: ignore[arg-type]
+
+
+@given(st.uuids())
+def test_check_uuid_canonicalises(u: uuid.UUID) -> None:
+    assert check_uuid(str(u)) == str(u)
+    assert check_uuid(str(u).upper()) == str(u)
+
+
+@pytest.mark.parametrize("text", [
+    "", "not-a-uuid", "6f3a1c2e0b1d4c5e9f00112233445566",
+    "{6f3a1c2e-0b1d-4c5e-9f00-112233445566}", "urn:uuid:6f3a1c2e-0b1d-4c5e-9f00-112233445566",
+    "6f3a1c2e-0b1d-4c5e-9f00-11223344556", "6f3a1c2e-0b1d-4c5e-9f00-1122334455667",
+    "6f3a1c2e-0b1d-4c5e-9f00-11223344556g", " 6f3a1c2e-0b1d-4c5e-9f00-112233445566",
+    "6f3a1c2e-0b1d-4c5e-9f00-112233445566\n", "../../../../etc/passwd", "x" * 1_000_000,
+])
+def test_bad_uuids(text: str) -> None:
+    with pytest.raises(InputError, match="not a UUID") as e:
+        check_uuid(text)
+    assert len(e.value.message) < 300
