@@ -90,6 +90,19 @@ vm_names = _mutations(st.from_regex(r"[ir]-[0-9]{1,4}-VM", fullmatch=True),
                       "ab-_.\n\t/\u2028 \u00e9")
 
 
+def strings(strategy: st.SearchStrategy[str], *examples: str, runs: int = 150
+            ) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A property test of `text`: drawn from `strategy`, and each of `examples`
+    every time."""
+    def wrap(test: Callable[..., None]) -> Callable[..., None]:
+        for text in reversed(examples):
+            test = example(text=text)(test)
+        return settings(max_examples=runs, deadline=None,
+                        suppress_health_check=[HealthCheck.function_scoped_fixture]
+                        )(given(text=strategy)(test))
+    return wrap
+
+
 # The rules as regular expressions, an independent statement of the languages
 # gpulib.validate decides with string methods.
 REF_UUID = re.compile(
@@ -137,15 +150,9 @@ def _parts(text: str) -> Optional[tuple[int, int, int, int]]:
         return None
 
 
-@settings(max_examples=1500, deadline=None)
-@given(text=any_ids)
-@example(text="0:0.0")
-@example(text="ffffffff:ff:1f.7")
-@example(text="0ffff:00:00.0")
-@example(text="0000:3b:00.0\n")
-@example(text="a-" + "b" * 126)
-@example(text="a-" + "b" * 127)
-@example(text="6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5\u0661")
+@strings(any_ids, "0:0.0", "ffffffff:ff:1f.7", "0ffff:00:00.0", "0000:3b:00.0\n",
+         "a-" + "b" * 126, "a-" + "b" * 127, "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5\u0661",
+         runs=1500)
 def test_the_checks_accept_what_the_regular_expressions_accept(text: str) -> None:
     assert is_uuid(text) == bool(REF_UUID.fullmatch(text))
     assert _accepts(check_uuid, text) == is_uuid(text)
@@ -247,15 +254,9 @@ def _file_name_ok(text: str) -> bool:
         and len(text.encode("utf-8", "surrogatepass")) < 255
 
 
-_SETTINGS = settings(max_examples=150, deadline=None,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@_SETTINGS
-@given(text=uuids)
-@example(text=GOOD_UUID.upper())
-@example(text=GOOD_UUID.replace("-", ""))
-@example(text=f"urn:uuid:{GOOD_UUID}")
+@strings(uuids, GOOD_UUID.upper(), GOOD_UUID.replace("-", ""), f"urn:uuid:{GOOD_UUID}")
 def test_uuids_agree(cli: Cli, text: str) -> None:
     valid = _accepts(check_uuid, text)
     xml = ("<domain><name>vm</name><devices><hostdev mode='subsystem' type='mdev'>"
@@ -280,14 +281,7 @@ def test_uuids_agree(cli: Cli, text: str) -> None:
         assert check_domain_uuid(text) == text.lower()
 
 
-@_SETTINGS
-@given(text=type_ids)
-@example(text="nvidia-231")
-@example(text="i915-GVTg_V5_4")
-@example(text="nvidia")
-@example(text="-231")
-@example(text="nvidia-..")
-@example(text="a-" + "b" * 127)
+@strings(type_ids, "nvidia-231", "i915-GVTg_V5_4", "nvidia", "-231", "nvidia-..", "a-" + "b" * 127)
 def test_type_ids_agree(cli: Cli, text: str) -> None:
     valid = _accepts(check_type_id, text)
     xml = ("<domain><name>vm</name><metadata><gpulib:gpus "
@@ -307,15 +301,8 @@ def test_type_ids_agree(cli: Cli, text: str) -> None:
         assert check_type_id(text) == text
 
 
-@_SETTINGS
-@given(text=pci_addresses)
-@example(text="000f:00:00.0")
-@example(text="10000:01:00.0")
-@example(text="ffffffff:ff:1f.7")
-@example(text="100000000:00:00.0")
-@example(text="0000:00:20.0")
-@example(text="3b:00.0")
-@example(text="0000:3B:00.0")
+@strings(pci_addresses, "000f:00:00.0", "10000:01:00.0", "ffffffff:ff:1f.7", "100000000:00:00.0",
+         "0000:00:20.0", "3b:00.0", "0000:3B:00.0")
 def test_pci_addresses_agree(cli: Cli, text: str) -> None:
     valid = _accepts(check_pci_address, text)
     assert _accepts(PciAddress.parse, text) == valid
@@ -334,12 +321,7 @@ def test_pci_addresses_agree(cli: Cli, text: str) -> None:
         assert doc.unmanaged == {canonical}
 
 
-@_SETTINGS
-@given(text=vm_names)
-@example(text="a/b")
-@example(text="..")
-@example(text="line\nbreak")
-@example(text="x" * 256)
+@strings(vm_names, "a/b", "..", "line\nbreak", "x" * 256)
 def test_vm_names_agree(cli: Cli, text: str) -> None:
     valid = _accepts(check_vm_name, text)
     if text.strip() and "\n" not in text and "\t" not in text and "\r" not in text:
