@@ -429,6 +429,31 @@ def test_doctor_accepts_a_split_gpu_that_offers_nothing_yet(tmp_path: Path) -> N
     assert [s for s, _ in agent_document_problems(doc)] == ["41:00.0"]
 
 
+def test_device_list_columns_line_up_whatever_the_address_width(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A T4 behind an Intel VMD (domain 10000) has a longer address than the
+    MI300X on domain 000f: every column of `gpulib device list` still starts
+    at one place, just past the longest address."""
+    host = wide_domain_host(str(tmp_path / "h"))
+    assert gpulib(host.root, ["device", "unmanage", MI300X], monkeypatch, capsys)[0] == 0
+    code, out = gpulib(host.root, ["device", "list"], monkeypatch, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    cells = [line.split(None, 3) for line in lines]  # address, kind, flag, device
+    assert [c[:3] for c in cells] == [[MI300X, "gpu", "UNMANAGED"], [VMD_T4, "gpu", "managed"]]
+    starts = []
+    for line, row in zip(lines, cells):
+        at, where = 0, []
+        for cell in row:
+            at = line.index(cell, at)
+            where.append(at)
+            at += len(cell)
+        starts.append(where)
+    assert starts[0] == starts[1]
+    assert starts[0][1] == len(VMD_T4) + 2
+
+
 # -- the agent starts what the report offers -------------------------------------------------
 
 def test_every_device_offered_free_is_accepted_and_prepared(real_host: FakeHost,
