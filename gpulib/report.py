@@ -21,6 +21,7 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from gpulib.discovery import Gpu, Inventory
@@ -111,6 +112,14 @@ def _instances(gpu: Gpu) -> str:
     return "-"
 
 
+def columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """The rows as lines of left-aligned columns two spaces apart, each column
+    as wide as its widest cell (the last one unpadded): addresses differ in
+    width (a PCI domain such as 10000 has five digits)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
+    return ["  ".join([*(c.ljust(w) for c, w in zip(r[:-1], widths)), *r[-1:]]) for r in rows]
+
+
 def table(inventory: Inventory, width: Optional[int] = None) -> str:
     header = ("ADDRESS", "DEVICE", "DRIVER", "MODE", "NUMA", "IOMMU", "INSTANCES", "USED BY")
     rows = [header]
@@ -122,8 +131,7 @@ def table(inventory: Inventory, width: Optional[int] = None) -> str:
                      str(g.fn.numa_node), str(g.fn.iommu_group if g.fn.iommu_group is not None
                                                else "-"),
                      _instances(g), ", ".join(users) or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = [line.rstrip() for line in columns(rows)]
     if not inventory.gpus:
         lines.append("(no GPUs found)")
     return "\n".join(lines) + "\n"

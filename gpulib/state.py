@@ -53,12 +53,15 @@ from gpulib.errors import InputError, LockTimeout, StateError
 from gpulib.lazyre import lazy
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 from gpulib.validate import (
-    TYPE_ID_MAX,
     check_pci_address,
     check_type_id,
     check_uuid,
     check_vm_name,
+    is_canonical_pci_address,
+    is_canonical_uuid,
     is_plain_vm_name,
+    is_type_id,
+    show,
 )
 
 if TYPE_CHECKING:
@@ -87,7 +90,6 @@ ALLOCATION_STATUSES = ("pending", "active")
 
 _MODEL_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{4}")
 _TYPE_NUMBER_RE = lazy(r"[0-9]+")
-_LOWER_HEX = "0123456789abcdef"
 
 
 class StateVersionError(StateError):
@@ -96,26 +98,6 @@ class StateVersionError(StateError):
 
 class CorruptStateError(StateError):
     """The state document cannot be understood (bad JSON, bad shape, bad values)."""
-
-
-# --------------------------------------------------------------------------
-# Input validation at the boundary (DESIGN section 8).
-
-
-def _show(text: str, limit: int = 64) -> str:
-    """A short, one-line rendering of untrusted text for an error message."""
-    if len(text) > limit:
-        return repr(text[:limit]) + f"... ({len(text)} characters)"
-    return repr(text)
-
-
-validate_uuid = check_uuid
-
-
-def validate_vm_name(name: str) -> str:
-    """Return `name` if it is usable as a VM name, else raise InputError
-    (the rule is gpulib.validate's, shared by every entry point)."""
-    return check_vm_name(name)
 
 
 def utc_now() -> str:
@@ -276,7 +258,7 @@ def _as_component(value: Any, path: str) -> str:
     """A name that ends up as one sysfs path component: no '/', no '..'."""
     text = _as_str(value, path)
     if not text or "/" in text or "\x00" in text or text in (".", ".."):
-        raise CorruptStateError(f"{path}: not a usable name: {_show(text)}")
+        raise CorruptStateError(f"{path}: not a usable name: {show(text)}")
     return text
 
 
@@ -305,7 +287,7 @@ def _as_type_id(value: Any, path: str) -> str:
 
 
 def _as_vm(value: Any, path: str) -> str:
-    return _as_checked(value, path, validate_vm_name)
+    return _as_checked(value, path, check_vm_name)
 
 
 # Fast paths for the state's common shape. Each accepts only what the checked
@@ -319,40 +301,13 @@ def _is_component(text: Any) -> bool:
         and text != "." and text != ".."
 
 
-# No regular expressions here: compiling one costs more than parsing a whole
-# state, and the first use would often be with the lock held.
-def _is_uuid(text: Any) -> bool:
-    """A canonical (lowercase 8-4-4-4-12) UUID."""
-    return type(text) is str and len(text) == 36 and text[8] == "-" and text[13] == "-" \
-        and text[18] == "-" and text[23] == "-" and text.count("-") == 4 \
-        and not text.replace("-", "").strip(_LOWER_HEX)
-
-
-def _is_pci(text: Any) -> bool:
-    """`dddd:bb:ss.f` in lowercase hex, slot <= 0x1f (longer domains: _as_pci)."""
-    return type(text) is str and len(text) == 12 and text[4] == ":" and text[7] == ":" \
-        and text[10] == "." and text[8] in "01" and text[11] in "01234567" \
-        and not (text[:4] + text[5:7] + text[9]).strip(_LOWER_HEX)
-
-
-_TYPE_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:+-")
-
-
-def _is_type_id(text: Any) -> bool:
-    """gpulib.validate's type id rule (`<driver>-<name>`), without its regex."""
-    if type(text) is not str or len(text) > TYPE_ID_MAX or ".." in text:
-        return False
-    dash = text.find("-")
-    return 1 <= dash < len(text) - 1 and _TYPE_ID_CHARS.issuperset(text)
-
-
 def _vgpu_fast(d: Any) -> Optional[VgpuRecord]:
     if type(d) is not dict:
         return None
     parent: Any = d.get("parent")
     type_id: Any = d.get("type_id")
     created, pool, on_demand = d.get("created"), d.get("pool"), d.get("on_demand", False)
-    if _is_component(parent) and _is_type_id(type_id) and type(created) is str and \
+    if _is_component(parent) and is_type_id(type_id) and type(created) is str and \
             (pool is None or type(pool) is str) and (on_demand is True or on_demand is False):
         return VgpuRecord(parent, type_id, pool, on_demand, created)
     return None
@@ -365,8 +320,8 @@ def _device_fast(d: Any) -> Optional[Device]:
     kind, on_demand = d.get("kind"), d.get("on_demand", False)
     if not (on_demand is True or on_demand is False):
         return None
-    if (kind == "mdev" and _is_uuid(ident)) or \
-            ((kind == "pci" or kind == "vf") and _is_pci(ident)):
+    if (kind == "mdev" and is_canonical_uuid(ident)) or \
+            ((kind == "pci" or kind == "vf") and is_canonical_pci_address(ident)):
         return Device(kind, ident, on_demand)
     return None
 
@@ -379,7 +334,7 @@ def _allocation_fast(d: Any, key: str) -> Optional[Allocation]:
             not (status == "pending" or status == "active"):
         return None
     domain_uuid, boot_id, uptime = d.get("domain_uuid"), d.get("boot_id"), d.get("uptime")
-    if (domain_uuid is not None and not _is_uuid(domain_uuid)) or \
+    if (domain_uuid is not None and not is_canonical_uuid(domain_uuid)) or \
             (boot_id is not None and type(boot_id) is not str):
         return None
     if uptime is not None:
@@ -438,7 +393,7 @@ def _choice_and_id(d: dict[str, Any], path: str, key: str, allowed: tuple[str, .
     `uuid_for` (an mdev), else a PCI address."""
     choice = _as_str(_get(d, key, path), _where(path, key))
     if choice not in allowed:
-        raise CorruptStateError(f"{_where(path, key)}: unknown {what} {_show(choice)}")
+        raise CorruptStateError(f"{_where(path, key)}: unknown {what} {show(choice)}")
     raw_id, where = _get(d, "id", path), _where(path, "id")
     return choice, (_as_uuid(raw_id, where) if choice == uuid_for else _as_pci(raw_id, where))
 
@@ -455,11 +410,11 @@ def _allocation_from_json(value: Any, path: str, key: str) -> Allocation:
     d = _as_dict(value, path)
     vm = _as_vm(_get(d, "vm", path), _where(path, "vm"))
     if vm != key:
-        raise CorruptStateError(f"{path}: records VM {_show(vm)} under the key {_show(key)}")
+        raise CorruptStateError(f"{path}: records VM {show(vm)} under the key {show(key)}")
     domain_uuid = _get(d, "domain_uuid", path, None)
     status = _as_str(_get(d, "status", path), _where(path, "status"))
     if status not in ALLOCATION_STATUSES:
-        raise CorruptStateError(f"{_where(path, 'status')}: unknown status {_show(status)}")
+        raise CorruptStateError(f"{_where(path, 'status')}: unknown status {show(status)}")
     devices = _get(d, "devices", path)
     if not isinstance(devices, list):
         raise CorruptStateError(
@@ -613,7 +568,7 @@ class State(_Record):
 
         state = cls()
         for key, value in _as_dict(d.get("vgpus", {}), "vgpus").items():
-            record = _vgpu_fast(value) if _is_uuid(key) else None
+            record = _vgpu_fast(value) if is_canonical_uuid(key) else None
             if record is None:
                 path = _where("vgpus", key)
                 record = _vgpu_from_json(value, path)
@@ -1204,6 +1159,4 @@ __all__ = [
     "VgpuRecord",
     "dumps",
     "utc_now",
-    "validate_uuid",
-    "validate_vm_name",
 ]

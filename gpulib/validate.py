@@ -17,22 +17,25 @@ so they all accept and refuse the same strings (DESIGN sections 2 and 8):
 * a VM name: what libvirt can keep as `<name>.xml` and gpulib can print on
   one line (see `check_vm_name`).
 
-The patterns compile on first use (lazyre): the hooks import this module.
+No regular expressions: string methods decide each rule in about the time
+a compiled pattern takes, and compiling the patterns would cost a hook more
+than parsing a whole state file, which it does under the state lock.
 """
 
 from __future__ import annotations
 
 from gpulib.errors import InputError
-from gpulib.lazyre import lazy
 
-UUID_RE = lazy(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-HEX32_RE = lazy(r"[0-9a-fA-F]{32}")
-TYPE_ID_RE = lazy(r"[A-Za-z0-9_.:+]+-[A-Za-z0-9_.:+-]+")
-PCI_ADDRESS_RE = lazy(
-    r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])")
 TYPE_ID_MAX = 128
 MAX_PCI_DOMAIN = 0xFFFFFFFF
 VM_NAME_MAX = 255
+
+_HEX = "0123456789abcdefABCDEF"
+_LOWER_HEX = "0123456789abcdef"
+_UUID_CHARS = _HEX + "-"
+_LOWER_UUID_CHARS = _LOWER_HEX + "-"
+_TYPE_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:+-")
+_FUNCTIONS = "01234567"
 
 
 def show(text: str, limit: int = 64) -> str:
@@ -43,14 +46,26 @@ def show(text: str, limit: int = 64) -> str:
 
 
 def is_uuid(text: object) -> bool:
-    return isinstance(text, str) and UUID_RE.fullmatch(text) is not None
+    """8-4-4-4-12 hex digits, either case."""
+    # The dashes in their places and four in all: the other 32 characters are
+    # then exactly the ones strip() must find to be hex digits.
+    return isinstance(text, str) and len(text) == 36 and \
+        text[8] == text[13] == text[18] == text[23] == "-" and text.count("-") == 4 \
+        and not text.strip(_UUID_CHARS)
+
+
+def is_canonical_uuid(text: object) -> bool:
+    """A UUID in the form check_uuid returns it (lowercase): what gpulib stores."""
+    return isinstance(text, str) and len(text) == 36 and \
+        text[8] == text[13] == text[18] == text[23] == "-" and text.count("-") == 4 \
+        and not text.strip(_LOWER_UUID_CHARS)
 
 
 def check_uuid(text: object, what: str = "UUID") -> str:
     """`text` as a canonical lowercase UUID, else InputError."""
     if not isinstance(text, str):
         raise InputError(f"{what} must be text, not {type(text).__name__}")
-    if UUID_RE.fullmatch(text) is None:
+    if not is_uuid(text):
         raise InputError(f"not a {what}: {show(text)} (expected 8-4-4-4-12 hex digits)")
     return text.lower()
 
@@ -62,17 +77,21 @@ def check_domain_uuid(text: object, what: str = "domain UUID") -> str:
     if not isinstance(text, str):
         raise InputError(f"{what} must be text, not {type(text).__name__}")
     plain = text.strip()
-    if len(plain) == 32 and HEX32_RE.fullmatch(plain) is not None:
+    if len(plain) == 32 and not plain.strip(_HEX):
         h = plain.lower()
         return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-    if UUID_RE.fullmatch(plain) is None:
+    if not is_uuid(plain):
         raise InputError(f"{what} is not a UUID: {show(text)}")
     return plain.lower()
 
 
 def is_type_id(text: object) -> bool:
-    return isinstance(text, str) and len(text) <= TYPE_ID_MAX and ".." not in text and \
-        TYPE_ID_RE.fullmatch(text) is not None
+    """`<driver>-<name>`: a non-empty driver part without '-', then a '-' and at
+    least one more character, all of them letters, digits or '_.:+-'."""
+    if not isinstance(text, str) or len(text) > TYPE_ID_MAX or ".." in text:
+        return False
+    dash = text.find("-")
+    return 1 <= dash < len(text) - 1 and _TYPE_ID_CHARS.issuperset(text)
 
 
 def check_type_id(text: object) -> str:
@@ -85,17 +104,27 @@ def check_type_id(text: object) -> str:
     return text
 
 
+def _hex_field(text: str, most: int) -> bool:
+    return 0 < len(text) <= most and not text.strip(_HEX)
+
+
 def pci_address_parts(text: object) -> tuple[int, int, int, int]:
     """(domain, bus, slot, function) of a PCI address, else InputError."""
-    m = PCI_ADDRESS_RE.fullmatch(text) if isinstance(text, str) else None
-    if m is None:
+    fields: list[str] = []
+    if isinstance(text, str) and len(text) >= 5 and text[-2] == "." and text[-1] in _FUNCTIONS:
+        fields = text[:-2].split(":")
+        if len(fields) == 2:
+            fields.insert(0, "0")  # lspci's form: domain 0
+    if len(fields) != 3 or not (_hex_field(fields[0], 8) and _hex_field(fields[1], 2)
+                                and _hex_field(fields[2], 2)):
         shown = show(text) if isinstance(text, str) else type(text).__name__
         raise InputError(f"not a PCI address: {shown} (expected dddd:bb:ss.f)")
-    domain = int(m.group(1) or "0", 16)
-    slot = int(m.group(3), 16)
+    assert isinstance(text, str)
+    domain = int(fields[0], 16)
+    slot = int(fields[2], 16)
     if domain > MAX_PCI_DOMAIN or slot > 0x1F:
-        raise InputError(f"PCI address out of range: {show(str(text))}")
-    return domain, int(m.group(2), 16), slot, int(m.group(4))
+        raise InputError(f"PCI address out of range: {show(text)}")
+    return domain, int(fields[1], 16), slot, int(text[-1])
 
 
 def check_pci_address(text: object) -> str:
@@ -103,6 +132,16 @@ def check_pci_address(text: object) -> str:
     digits), else InputError."""
     domain, bus, slot, function = pci_address_parts(text)
     return f"{domain:04x}:{bus:02x}:{slot:02x}.{function:x}"
+
+
+def is_canonical_pci_address(text: object) -> bool:
+    """A PCI address in the form check_pci_address returns it: what gpulib stores."""
+    if not isinstance(text, str):
+        return False
+    d = len(text) - 8  # the domain's digits: 4, or 5 to 8 without a leading zero
+    return 4 <= d <= 8 and text[d] == ":" and text[d + 3] == ":" and text[d + 6] == "." \
+        and text[d + 4] in "01" and text[-1] in _FUNCTIONS and (d == 4 or text[0] != "0") \
+        and not (text[:d] + text[d + 1:d + 3] + text[d + 5]).strip(_LOWER_HEX)
 
 
 def is_plain_vm_name(name: object) -> bool:

@@ -16,7 +16,7 @@ import os
 import shutil
 import tarfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 from hypothesis import given, settings
@@ -54,6 +54,14 @@ def _base(root: str) -> FakeHost:
     return host
 
 
+def _behind_port(host: FakeHost, port: str, model: dict[str, Any], address: str, numa: int,
+                 driver: Optional[str] = None) -> None:
+    """One function of `model` below a root port `port`, each in an IOMMU group
+    of its own (as boards with ACS make them)."""
+    host.add_bridge(port, numa_node=numa, iommu_group=host.new_iommu_group())
+    add_model(host, model, address, numa, parent=port, driver=driver)
+
+
 A10 = "0000:3b:00.0"
 A100 = "0000:5e:00.0"
 T4 = "0000:b0:00.0"
@@ -75,13 +83,11 @@ def odd_vf_host(root: str) -> FakeHost:
     """
     m = models()
     host = _base(root)
-    host.add_bridge("0000:3a:00.0", numa_node=0, iommu_group=host.new_iommu_group())
-    add_model(host, m["a10"], A10, 0, parent="0000:3a:00.0")
+    _behind_port(host, "0000:3a:00.0", m["a10"], A10, 0)
     host.set_sriov_capability(A10, 32, m["a10"]["vf_device"], offset=4)
     types = {int(k): v for k, v in m["a10"]["nvidia_vf_types"].items()}
     host.enable_sriov(A10, 16, vf_driver="nvidia")
-    host.add_bridge("0000:5d:00.0", numa_node=0, iommu_group=host.new_iommu_group())
-    add_model(host, m["a100"], A100, 0, parent="0000:5d:00.0")
+    _behind_port(host, "0000:5d:00.0", m["a100"], A100, 0)
     host.set_sriov_capability(A100, 16, m["a100"]["vf_device"], offset=0x100, stride=2)
     a100_vfs = host.enable_sriov(A100, 12, vf_driver="nvidia")
     for vf in a100_vfs:
@@ -95,8 +101,7 @@ def odd_vf_host(root: str) -> FakeHost:
         host.add_nvidia_vf_types(vf, {}, current=593)
     for vf in vfs[:12]:
         host.add_nvidia_vf_types(vf, {593: types[593]})
-    host.add_bridge("0000:af:00.0", numa_node=1, iommu_group=host.new_iommu_group())
-    add_model(host, m["t4"], T4, 1, parent="0000:af:00.0", driver="vfio-pci")
+    _behind_port(host, "0000:af:00.0", m["t4"], T4, 1, driver="vfio-pci")
     host.set_sriov_capability(T4, 16, 0, offset=4)
     host.add_bridge("0000:c0:01.1", numa_node=1, iommu_group=host.new_iommu_group())
     vfs = add_sriov_gpu(host, m["v620"], V620, 1, "0000:c0:01.1", 4)
@@ -138,8 +143,7 @@ def nameless_types_host(root: str) -> FakeHost:
     gvt = [dict(t, name=None) for t in m["uhd630"]["mdev_types"]]
     gvt[1]["description"] = ""
     host.populate_mdev_parent(IGPU, gvt)
-    host.add_bridge("0000:af:00.0", numa_node=1, iommu_group=host.new_iommu_group())
-    add_model(host, m["t4"], T4, 1, parent="0000:af:00.0")
+    _behind_port(host, "0000:af:00.0", m["t4"], T4, 1)
     host.populate_mdev_parent(T4, [dict(t, name=None) for t in m["t4"]["mdev_types"]])
     return host
 
@@ -171,8 +175,7 @@ def shared_group_host(root: str) -> FakeHost:
               driver="vfio-pci")
     add_model(host, m["mi210"], MI210_B, 0, parent="0000:60:00.0", group=pair,
               driver="vfio-pci")
-    host.add_bridge("0000:64:00.0", numa_node=0, iommu_group=host.new_iommu_group())
-    add_model(host, m["t4"], LONE_T4, 0, parent="0000:64:00.0", driver="vfio-pci")
+    _behind_port(host, "0000:64:00.0", m["t4"], LONE_T4, 0, driver="vfio-pci")
     return host
 
 
@@ -187,13 +190,10 @@ def wide_domain_host(root: str, nic_at_mangled: bool = False) -> FakeHost:
     0000:0f:01.0, the address a 4.21 agent's rendering of 000f:01:00.0 reads as."""
     m = models()
     host = _base(root)
-    host.add_bridge("000f:00:01.0", numa_node=0, iommu_group=host.new_iommu_group())
-    add_model(host, m["mi300x"], MI300X, 0, parent="000f:00:01.0")
-    host.add_bridge("10000:00:02.0", numa_node=1, iommu_group=host.new_iommu_group())
-    add_model(host, m["t4"], VMD_T4, 1, parent="10000:00:02.0", driver="vfio-pci")
+    _behind_port(host, "000f:00:01.0", m["mi300x"], MI300X, 0)
+    _behind_port(host, "10000:00:02.0", m["t4"], VMD_T4, 1, driver="vfio-pci")
     if nic_at_mangled:
-        host.add_bridge("0000:0e:00.0", numa_node=0, iommu_group=host.new_iommu_group())
-        add_model(host, m["x710"], NIC_AT_MANGLED, 0, parent="0000:0e:00.0")
+        _behind_port(host, "0000:0e:00.0", m["x710"], NIC_AT_MANGLED, 0)
     return host
 
 
@@ -429,6 +429,31 @@ def test_doctor_accepts_a_split_gpu_that_offers_nothing_yet(tmp_path: Path) -> N
     assert [s for s, _ in agent_document_problems(doc)] == ["41:00.0"]
 
 
+def test_device_list_columns_line_up_whatever_the_address_width(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A T4 behind an Intel VMD (domain 10000) has a longer address than the
+    MI300X on domain 000f: every column of `gpulib device list` still starts
+    at one place, just past the longest address."""
+    host = wide_domain_host(str(tmp_path / "h"))
+    assert gpulib(host.root, ["device", "unmanage", MI300X], monkeypatch, capsys)[0] == 0
+    code, out = gpulib(host.root, ["device", "list"], monkeypatch, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    cells = [line.split(None, 3) for line in lines]  # address, kind, flag, device
+    assert [c[:3] for c in cells] == [[MI300X, "gpu", "UNMANAGED"], [VMD_T4, "gpu", "managed"]]
+    starts = []
+    for line, row in zip(lines, cells):
+        at, where = 0, []
+        for cell in row:
+            at = line.index(cell, at)
+            where.append(at)
+            at += len(cell)
+        starts.append(where)
+    assert starts[0] == starts[1]
+    assert starts[0][1] == len(VMD_T4) + 2
+
+
 # -- the agent starts what the report offers -------------------------------------------------
 
 def test_every_device_offered_free_is_accepted_and_prepared(real_host: FakeHost,
@@ -515,9 +540,7 @@ def test_agent421_rendering_never_hands_over_the_device_it_misreads_as(
     """A GPU at 000f:01:00.0 and another at 0000:0f:01.0: 4.21's rendering of
     the first reads as the second, so it is ambiguous and refused."""
     host = wide_domain_host(str(tmp_path / "h"))
-    m = models()["t4"]
-    host.add_bridge("0000:0e:00.0", numa_node=0, iommu_group=host.new_iommu_group())
-    add_model(host, m, NIC_AT_MANGLED, 0, parent="0000:0e:00.0", driver="vfio-pci")
+    _behind_port(host, "0000:0e:00.0", models()["t4"], NIC_AT_MANGLED, 0, driver="vfio-pci")
     before = tree_contents(host.root)
     code, out, err = transform(host.root, pci_xml(VM, VM_UUID, agent421_source(MI300X)),
                                monkeypatch, capfd)

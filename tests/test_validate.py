@@ -1,13 +1,16 @@
 """One rule each for UUIDs, mdev type ids, PCI addresses and VM names: every
 entry point (domain XML, the CLI, the state file, mdevctl definitions) accepts
-and refuses the same strings, and they agree with gpulib.validate."""
+and refuses the same strings, and they agree with gpulib.validate, whose
+checks agree with the rules written as regular expressions."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 from xml.sax.saxutils import quoteattr
@@ -30,6 +33,11 @@ from gpulib.validate import (
     check_type_id,
     check_uuid,
     check_vm_name,
+    is_canonical_pci_address,
+    is_canonical_uuid,
+    is_type_id,
+    is_uuid,
+    pci_address_parts,
 )
 from tests.hosts import t4_farm
 
@@ -80,6 +88,103 @@ pci_addresses = _mutations(
     "0123456789abcdefABCDEFg:. ")
 vm_names = _mutations(st.from_regex(r"[ir]-[0-9]{1,4}-VM", fullmatch=True),
                       "ab-_.\n\t/\u2028 \u00e9")
+
+
+def strings(strategy: st.SearchStrategy[str], *examples: str, runs: int = 150
+            ) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A property test of `text`: drawn from `strategy`, and each of `examples`
+    every time."""
+    def wrap(test: Callable[..., None]) -> Callable[..., None]:
+        for text in reversed(examples):
+            test = example(text=text)(test)
+        return settings(max_examples=runs, deadline=None,
+                        suppress_health_check=[HealthCheck.function_scoped_fixture]
+                        )(given(text=strategy)(test))
+    return wrap
+
+
+# The rules as regular expressions, an independent statement of the languages
+# gpulib.validate decides with string methods.
+REF_UUID = re.compile(
+    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+REF_STORED_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+REF_HEX32 = re.compile(r"[0-9a-fA-F]{32}")
+REF_TYPE_ID = re.compile(r"[A-Za-z0-9_.:+]+-[A-Za-z0-9_.:+-]+")
+REF_PCI = re.compile(r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])")
+# As sysfs names a device: a domain of four digits, or of up to eight without
+# a leading zero; a slot up to 1f.
+REF_STORED_PCI = re.compile(
+    r"(?:[0-9a-f]{4}|[1-9a-f][0-9a-f]{4,7}):[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
+
+
+def ref_pci_parts(text: str) -> Optional[tuple[int, int, int, int]]:
+    m = REF_PCI.fullmatch(text)
+    if m is None or int(m.group(3), 16) > 0x1F:
+        return None
+    return (int(m.group(1) or "0", 16), int(m.group(2), 16), int(m.group(3), 16),
+            int(m.group(4)))
+
+
+def ref_domain_uuid(text: str) -> bool:
+    plain = text.strip()
+    return bool(REF_HEX32.fullmatch(plain) or REF_UUID.fullmatch(plain))
+
+
+def ref_type_id(text: str) -> bool:
+    return len(text) <= 128 and ".." not in text and bool(REF_TYPE_ID.fullmatch(text))
+
+
+any_ids = st.one_of(
+    uuids, type_ids, pci_addresses,
+    st.from_regex(REF_UUID, fullmatch=True), st.from_regex(REF_PCI, fullmatch=True),
+    st.from_regex(REF_STORED_PCI, fullmatch=True), st.from_regex(REF_TYPE_ID, fullmatch=True),
+    st.text(alphabet="0123456789abcdefAF-:. g\n+_/\u0660", max_size=40),
+    st.uuids().map(lambda u: str(u)[:8] + str(u)[9:] + "-"),
+    st.uuids().map(lambda u: f" {u.hex.upper()}\t"))
+
+
+def _parts(text: str) -> Optional[tuple[int, int, int, int]]:
+    try:
+        return pci_address_parts(text)
+    except InputError:
+        return None
+
+
+@strings(any_ids, "0:0.0", "ffffffff:ff:1f.7", "0ffff:00:00.0", "0000:3b:00.0\n",
+         "a-" + "b" * 126, "a-" + "b" * 127, "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5\u0661",
+         runs=1500)
+def test_the_checks_accept_what_the_regular_expressions_accept(text: str) -> None:
+    assert is_uuid(text) == bool(REF_UUID.fullmatch(text))
+    assert _accepts(check_uuid, text) == is_uuid(text)
+    assert is_canonical_uuid(text) == bool(REF_STORED_UUID.fullmatch(text))
+    assert _accepts(check_domain_uuid, text) == ref_domain_uuid(text)
+    assert is_type_id(text) == ref_type_id(text) == _accepts(check_type_id, text)
+    parts = ref_pci_parts(text)
+    assert _parts(text) == parts
+    assert is_canonical_pci_address(text) == bool(REF_STORED_PCI.fullmatch(text))
+    # What gpulib stores is exactly what its checks return unchanged.
+    assert is_canonical_uuid(text) == (is_uuid(text) and check_uuid(text) == text)
+    assert is_canonical_pci_address(text) == (parts is not None
+                                              and check_pci_address(text) == text)
+
+
+@pytest.mark.parametrize("value", [None, 1, b"0000:3b:00.0", ["nvidia-1"]])
+def test_the_checks_refuse_what_is_not_text(value: Any) -> None:
+    assert not (is_uuid(value) or is_canonical_uuid(value) or is_type_id(value)
+                or is_canonical_pci_address(value))
+    for check in (check_uuid, check_domain_uuid, check_type_id, check_pci_address):
+        with pytest.raises(InputError):
+            check(value)
+
+
+def test_the_stored_forms_are_the_common_ones() -> None:
+    assert is_canonical_uuid("6f3a1c2e-0b1d-4c5e-9f00-112233445566")
+    assert not is_canonical_uuid("6F3A1C2E-0B1D-4C5E-9F00-112233445566")
+    assert is_canonical_pci_address("0000:41:1f.7")
+    assert is_canonical_pci_address("10000:01:00.0")
+    assert not is_canonical_pci_address("0000:41:20.0")
+    assert not is_canonical_pci_address("41:00.0")
+    assert not is_canonical_pci_address("00000:41:00.0")
 
 
 @pytest.fixture(scope="module")
@@ -149,15 +254,9 @@ def _file_name_ok(text: str) -> bool:
         and len(text.encode("utf-8", "surrogatepass")) < 255
 
 
-_SETTINGS = settings(max_examples=150, deadline=None,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@_SETTINGS
-@given(text=uuids)
-@example(text=GOOD_UUID.upper())
-@example(text=GOOD_UUID.replace("-", ""))
-@example(text=f"urn:uuid:{GOOD_UUID}")
+@strings(uuids, GOOD_UUID.upper(), GOOD_UUID.replace("-", ""), f"urn:uuid:{GOOD_UUID}")
 def test_uuids_agree(cli: Cli, text: str) -> None:
     valid = _accepts(check_uuid, text)
     xml = ("<domain><name>vm</name><devices><hostdev mode='subsystem' type='mdev'>"
@@ -182,14 +281,7 @@ def test_uuids_agree(cli: Cli, text: str) -> None:
         assert check_domain_uuid(text) == text.lower()
 
 
-@_SETTINGS
-@given(text=type_ids)
-@example(text="nvidia-231")
-@example(text="i915-GVTg_V5_4")
-@example(text="nvidia")
-@example(text="-231")
-@example(text="nvidia-..")
-@example(text="a-" + "b" * 127)
+@strings(type_ids, "nvidia-231", "i915-GVTg_V5_4", "nvidia", "-231", "nvidia-..", "a-" + "b" * 127)
 def test_type_ids_agree(cli: Cli, text: str) -> None:
     valid = _accepts(check_type_id, text)
     xml = ("<domain><name>vm</name><metadata><gpulib:gpus "
@@ -209,15 +301,8 @@ def test_type_ids_agree(cli: Cli, text: str) -> None:
         assert check_type_id(text) == text
 
 
-@_SETTINGS
-@given(text=pci_addresses)
-@example(text="000f:00:00.0")
-@example(text="10000:01:00.0")
-@example(text="ffffffff:ff:1f.7")
-@example(text="100000000:00:00.0")
-@example(text="0000:00:20.0")
-@example(text="3b:00.0")
-@example(text="0000:3B:00.0")
+@strings(pci_addresses, "000f:00:00.0", "10000:01:00.0", "ffffffff:ff:1f.7", "100000000:00:00.0",
+         "0000:00:20.0", "3b:00.0", "0000:3B:00.0")
 def test_pci_addresses_agree(cli: Cli, text: str) -> None:
     valid = _accepts(check_pci_address, text)
     assert _accepts(PciAddress.parse, text) == valid
@@ -236,12 +321,7 @@ def test_pci_addresses_agree(cli: Cli, text: str) -> None:
         assert doc.unmanaged == {canonical}
 
 
-@_SETTINGS
-@given(text=vm_names)
-@example(text="a/b")
-@example(text="..")
-@example(text="line\nbreak")
-@example(text="x" * 256)
+@strings(vm_names, "a/b", "..", "line\nbreak", "x" * 256)
 def test_vm_names_agree(cli: Cli, text: str) -> None:
     valid = _accepts(check_vm_name, text)
     if text.strip() and "\n" not in text and "\t" not in text and "\r" not in text:
@@ -257,3 +337,59 @@ def test_vm_names_agree(cli: Cli, text: str) -> None:
     assert _state_accepts({"allocations": {text: {
         "vm": text, "status": "active", "since": "x", "devices": []}}}) == valid
     assert cli.refuses(["release", "--", text], "VM name") != valid
+
+
+# -- the rules' own cases ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["i-2-10-VM", "a", "x" * 255, "vm with spaces", "ünï-côdé",
+                                  "r-1.2_3"])
+def test_valid_vm_names(name: str) -> None:
+    assert check_vm_name(name) == name
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("", "empty"),
+    ("a/b", "'/'"),
+    ("../etc", "'/'"),
+    ("vm\nname", "newline"),
+    ("vm\r", "newline"),
+    ("vm\x00", "NUL"),
+    ("vm\x1b[31m", "control"),
+    ("vm\x85", "control"),
+    ("vm\u2028x", "control"),
+    ("x" * 256, "longer than 255 characters"),
+    ("é" * 200, "longer than 255 bytes"),
+    ("vm\udcff", "not valid UTF-8"),
+    (".", "cannot be"),
+    ("..", "cannot be"),
+    ("x" * 50_000_000, "longer than 255"),
+])
+def test_bad_vm_names(name: str, problem: str) -> None:
+    with pytest.raises(InputError) as e:
+        check_vm_name(name)
+    assert problem in e.value.message
+    assert "\n" not in e.value.message and len(e.value.message) < 300
+
+
+def test_vm_name_not_text() -> None:
+    with pytest.raises(InputError, match="must be text"):
+        check_vm_name(b"vm")  # type: ignore[arg-type]
+
+
+@given(st.uuids())
+def test_check_uuid_canonicalises(u: uuid.UUID) -> None:
+    assert check_uuid(str(u)) == str(u)
+    assert check_uuid(str(u).upper()) == str(u)
+
+
+@pytest.mark.parametrize("text", [
+    "", "not-a-uuid", "6f3a1c2e0b1d4c5e9f00112233445566",
+    "{6f3a1c2e-0b1d-4c5e-9f00-112233445566}", "urn:uuid:6f3a1c2e-0b1d-4c5e-9f00-112233445566",
+    "6f3a1c2e-0b1d-4c5e-9f00-11223344556", "6f3a1c2e-0b1d-4c5e-9f00-1122334455667",
+    "6f3a1c2e-0b1d-4c5e-9f00-11223344556g", " 6f3a1c2e-0b1d-4c5e-9f00-112233445566",
+    "6f3a1c2e-0b1d-4c5e-9f00-112233445566\n", "../../../../etc/passwd", "x" * 1_000_000,
+])
+def test_bad_uuids(text: str) -> None:
+    with pytest.raises(InputError, match="not a UUID") as e:
+        check_uuid(text)
+    assert len(e.value.message) < 300

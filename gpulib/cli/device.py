@@ -27,7 +27,7 @@ def device_list(env: Env, as_json: bool) -> None:
     """GPUs and VFs with their managed flag."""
     state = open_store(env.ctx, env.config).load()
     inv = discover_host(env.ctx, env.config, state=state, learn=False)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for g in inv.gpus:
         rows.append({"address": str(g.address), "kind": "gpu", "device": g.device_name,
                      "managed": str(g.address) not in state.unmanaged, "used_by": g.used_by})
@@ -38,9 +38,11 @@ def device_list(env: Env, as_json: bool) -> None:
     if as_json:
         emit_json(rows)
         return
-    for r in rows:
-        click.echo(f"{r['address']}  {r['kind']:3s}  {'managed  ' if r['managed'] else 'UNMANAGED'}"
-                   f"  {r['device']}")
+    # The flag keeps one width whether or not any device is unmanaged.
+    for line in report.columns([
+            (r["address"], r["kind"], "managed  " if r["managed"] else "UNMANAGED", r["device"])
+            for r in rows]):
+        click.echo(line)
 
 
 def _set_managed(env: Env, address: str, managed: bool) -> None:

@@ -9,7 +9,7 @@ from gpulib.allocator import release as release_vm
 from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.lifecycle import Outcome, open_store, reconcile, restore
 from gpulib.runtime import discover_host
-from gpulib.state import validate_vm_name
+from gpulib.validate import check_vm_name
 
 
 def _report(outcomes: list[Outcome], as_json: bool, empty: str) -> None:
@@ -89,7 +89,7 @@ def reconcile_cmd(env: Env, as_json: bool) -> None:
 @click.pass_obj
 def release_cmd(env: Env, vm: str) -> None:
     """Release what VM holds (as its stop hook does)."""
-    vm = validate_vm_name(vm)
+    vm = check_vm_name(vm)
     with open_store(env.ctx, env.config).transaction() as state:
         actions = release_vm(env.ctx.sysfs, state, vm,
                              destroy_on_demand=env.config.get_bool("release",

@@ -69,9 +69,10 @@ from gpulib.plan import (
     UseVf,
     plan_named,
 )
-from gpulib.state import Device, State, VgpuRecord, utc_now, validate_vm_name
+from gpulib.state import Device, State, VgpuRecord, utc_now
 from gpulib.sysfs import ReadFailure
 from gpulib.usage import DomainDevices, running_domains
+from gpulib.validate import check_vm_name
 
 if TYPE_CHECKING:
     from gpulib.discovery import Inventory
@@ -108,7 +109,7 @@ class Preparer:
         self.edit_xml = edit_xml
         self.allow_metadata = allow_metadata
         # Bad input is exit 2 and found before anything is read or written.
-        self.vm = validate_vm_name(dom.name_checked())
+        self.vm = check_vm_name(dom.name_checked())
         self.domain_uuid = dom.uuid_checked() if dom.uuid else None
         self.store = open_store(ctx, config)
         self._gpu_cache: dict[PciAddress, bool] = {}

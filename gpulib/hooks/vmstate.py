@@ -57,9 +57,9 @@ def change(program: str, vm_arg: str, started: bool) -> str:
     The start/stop hook and libvirt's `started`/`release` operations share it.
     """
     from gpulib.hooks.common import start
-    from gpulib.state import validate_vm_name
+    from gpulib.validate import check_vm_name
 
-    vm = validate_vm_name(vm_arg)
+    vm = check_vm_name(vm_arg)
     ctx, config = start(program)
     if started:
         return "allocation active" if activate(ctx, config, vm) else "nothing held"
