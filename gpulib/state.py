@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 from gpulib import atomicfile
 from gpulib.errors import InputError, LockTimeout, StateError
-from gpulib.lazyre import lazy
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 from gpulib.validate import (
     check_pci_address,
@@ -88,8 +87,17 @@ DEVICE_KINDS = ("mdev", "vf", "pci")
 INTENT_ACTIONS = ("create-mdev", "set-vf-type")
 ALLOCATION_STATUSES = ("pending", "active")
 
-_MODEL_RE = lazy(r"[0-9a-f]{4}:[0-9a-f]{4}")
-_TYPE_NUMBER_RE = lazy(r"[0-9]+")
+_LOWER_HEX = frozenset("0123456789abcdef")
+_DIGITS = frozenset("0123456789")
+
+
+def _is_model(key: str) -> bool:
+    """`vvvv:dddd`, lower-case hex (no regex: it would be compiled under the lock)."""
+    return len(key) == 9 and key[4] == ":" and _LOWER_HEX.issuperset(key[:4] + key[5:])
+
+
+def _is_type_number(text: str) -> bool:
+    return bool(text) and _DIGITS.issuperset(text)
 
 
 class StateVersionError(StateError):
@@ -579,11 +587,11 @@ class State(_Record):
             state.vf_types[_as_pci(key, path)] = _vf_from_json(value, path)
         for key, value in _as_dict(d.get("type_names", {}), "type_names").items():
             path = _where("type_names", key)
-            if not _MODEL_RE.fullmatch(key):
+            if not _is_model(key):
                 raise CorruptStateError(f"{path}: not a GPU model vvvv:dddd")
             names: dict[str, str] = {}
             for number, name in _as_dict(value, path).items():
-                if not _TYPE_NUMBER_RE.fullmatch(number):
+                if not _is_type_number(number):
                     raise CorruptStateError(f"{_where(path, number)}: not a numeric type id")
                 names[number] = _as_str(name, _where(path, number))
             state.type_names[key] = names

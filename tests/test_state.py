@@ -1140,3 +1140,17 @@ def test_no_space_for_a_prepared_file_still_writes_under_the_lock(
     monkeypatch.setattr(atomicfile.PreparedFile, "__init__", real_init)
     assert store.load().unmanaged == {"0000:02:00.0"}
     assert temp_files(store) == []
+
+
+@given(st.one_of(st.text(max_size=12),
+                 st.from_regex(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\n?", fullmatch=True),
+                 st.from_regex(r"[0-9]{1,6}", fullmatch=True)))
+def test_type_name_keys_are_checked_as_the_regexes_say(text: str) -> None:
+    import re
+
+    from gpulib.state import _is_model, _is_type_number
+
+    assert _is_model(text) == bool(re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{4}", text))
+    assert _is_type_number(text) == bool(re.fullmatch(r"[0-9]+", text, re.ASCII))
+    digits = text.strip("\n")
+    assert _is_type_number(digits) == bool(re.fullmatch(r"[0-9]+", digits, re.ASCII))
