@@ -635,6 +635,21 @@ class _Unusual(Exception):
 _INFINITY = float("inf")
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_FLAT_ENCODERS: dict[str, json.JSONEncoder] = {}
+
+
+def _flat_encoder(inner: str) -> json.JSONEncoder:
+    """json's C encoder (used when indent is None) rendering a flat container's
+    items one per line at `inner`."""
+    encoder = _FLAT_ENCODERS.get(inner)
+    if encoder is None:
+        encoder = json.JSONEncoder(sort_keys=True, ensure_ascii=True, allow_nan=False,
+                                   separators=(",\n" + inner, ": "))
+        _FLAT_ENCODERS[inner] = encoder
+    return encoder
+
+
 def _render(value: Any, indent: str) -> str:
     """`value` as json.dumps(sort_keys=True, indent=1, ensure_ascii=True,
     allow_nan=False) renders it, nested at `indent`. Python's json renders an
@@ -661,6 +676,11 @@ def _render(value: Any, indent: str) -> str:
             return "{}"
         if not all(type(k) is str for k in value):
             raise _Unusual()
+        if all(type(v) in _SCALARS for v in value.values()):
+            # A record of plain values (most of the file): one call into the C
+            # encoder, whose item separator carries the newline and indent.
+            flat = _flat_encoder(inner).encode(value)
+            return "{\n" + inner + flat[1:-1] + "\n" + indent + "}"
         return "{\n" + inner + (",\n" + inner).join(
             [_json_string(k) + ": " + _render(v, inner) for k, v in sorted(value.items())]
         ) + "\n" + indent + "}"
