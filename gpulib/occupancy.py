@@ -22,6 +22,12 @@ GPU against its VFs and the vGPUs on either, both ways), and when both are
 whole PCI functions in one IOMMU group (vfio gives a group to one VM: a
 passthrough GPU's companions). Two vGPUs on one parent, or two VFs of one PF,
 do not conflict. A VM never conflicts with itself.
+
+A device gpulib makes ready at start (a known vGPU to recreate, a vendor VF
+to type) may be one its GPU cannot make now (`Tree.blocked`: a GPU runs one
+vGPU type at a time, capacity runs out, the parent is gone). The VMs whose
+devices on that GPU keep it hold it too; when none does (a stray vGPU, an
+idle pool member keeps it) it is `unavailable`: not offered, and refused.
 """
 
 from __future__ import annotations
@@ -105,7 +111,6 @@ class Tree:
         self.vf_types = dict(vf_types or {})
         self._chains: dict[str, list[str]] = {}
         self._groups: dict[str, Optional[int]] = {}
-        self._blocked: dict[str, Optional[Blocked]] = {}
         self._vf_seen: dict[str, tuple[int, dict[int, str]]] = {}
 
     def parent(self, node: str) -> Optional[str]:
@@ -147,11 +152,12 @@ class Tree:
     def _vf_state(self, vf: str) -> Optional[tuple[int, dict[int, str]]]:
         seen = self._vf_seen.get(vf)
         if seen is None:
+            # Read each time asked: a start that sets a type changes its siblings' lists.
             address = PciAddress.parse(vf)
             current = nvidia.current_type(self.sysfs, address)
             if current is None:
                 return None  # not a vendor VF (or its type cannot be read: not ours to judge)
-            seen = self._vf_seen[vf] = (current, nvidia.creatable_types(self.sysfs, address))
+            seen = (current, nvidia.creatable_types(self.sysfs, address))
         return seen
 
     def blocked(self, node: str) -> Optional[Blocked]:
@@ -160,12 +166,9 @@ class Tree:
         create (the parent is gone, does not offer the type, or has no instance
         of it left: another type is live on the GPU, or the type is full), or an
         NVIDIA vendor VF without a type whose recorded type its GPU cannot give
-        it now. None when the device is live, typed, unknown or can be made."""
-        if node in self._blocked:
-            return self._blocked[node]
-        found = self._mdev_blocked(node) if not _is_pci(node) else self._vf_blocked(node)
-        self._blocked[node] = found
-        return found
+        it now. None when the device is live, typed, unknown or can be made.
+        Asked afresh each time (a start's own writes change the answer)."""
+        return self._mdev_blocked(node) if not _is_pci(node) else self._vf_blocked(node)
 
     def _mdev_blocked(self, node: str) -> Optional[Blocked]:
         parent, type_id = self.mdev_parents.get(node), self.mdev_types.get(node)
@@ -273,6 +276,10 @@ class Occupancy:
     # -- the questions --------------------------------------------------------------
     def conflicts(self, node: str, vm: Optional[str] = None) -> list[Hold]:
         """Holds of VMs other than `vm` that exclude `node` (all holds when vm is None)."""
+        return self._conflicts(node, vm, self.tree.blocked(node))
+
+    def _conflicts(self, node: str, vm: Optional[str], blocked: Optional[Blocked]
+                   ) -> list[Hold]:
         found: list[Hold] = []
         for n in self.tree.chain(node):
             found += self._exact.get(n, ())
@@ -287,7 +294,6 @@ class Occupancy:
         # now is kept from `vm` by the other VMs' vGPUs and VFs on that GPU (a
         # GPU runs one vGPU type at a time): reported used by them, refused
         # naming them. Kept by nothing a VM holds, it is `unavailable`.
-        blocked = self.tree.blocked(node)
         if blocked is not None:
             for scope in blocked.scopes:
                 self._indexed(scope)
@@ -323,7 +329,8 @@ class Occupancy:
                 return True
         # A vGPU to recreate (a vendor VF to type) may be kept by the VMs of its
         # GPU's other vGPUs (VFs).
-        return self.tree.blocked(node) is not None and bool(self.conflicts(node, vm))
+        blocked = self.tree.blocked(node)
+        return blocked is not None and bool(self._conflicts(node, vm, blocked))
 
     def holder(self, node: str) -> Optional[Hold]:
         """Who keeps `node` from anyone else (None: free)."""
@@ -366,10 +373,11 @@ class Occupancy:
             node = node_id(kind, ident)
         except InputError:
             return None, True
-        hold = self.holder(node)
-        if hold is not None:
-            return hold.vm, True
-        return None, self.unavailable(node) is None
+        blocked = self.tree.blocked(node)
+        found = self._conflicts(node, None, blocked)
+        if found:
+            return found[0].vm, True
+        return None, blocked is None
 
     def free_for(self, node: str, vm: str) -> bool:
         """Whether `vm` may take `node` now."""
