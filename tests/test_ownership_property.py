@@ -389,16 +389,22 @@ def test_registry_vgpu_kept_by_vgpus_no_vm_holds_is_not_offered(keeper: str) -> 
         machine.teardown()
 
 
-def test_registry_vgpu_of_a_type_its_parent_does_not_offer_is_not_offered() -> None:
+@pytest.mark.parametrize("parent,type_id,why", [
+    (T4, "nvidia-999", f"{T4} does not offer mdev type nvidia-999"),
+    ("0000:af:00.4", "nvidia-232", "no PCI device 0000:af:00.4"),
+])
+def test_registry_vgpu_its_parent_cannot_recreate_is_not_offered(parent: str, type_id: str,
+                                                                 why: str) -> None:
     """A registry vGPU whose parent no longer offers its type (the driver
-    changed, the record was edited): not in the report, refused by name."""
+    changed, the record was edited) or is gone (its VFs were disabled): not
+    in the report, refused by name; the GPU's other vGPUs are still offered."""
     machine = _machine(t4=True)
     try:
         path = machine.ctx.path("var/lib/gpulib/state.json")
         with open(path) as fh:
             doc = json.load(fh)
         gone = "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4cff"
-        doc["vgpus"][gone] = {"parent": T4, "type_id": "nvidia-999", "pool": None,
+        doc["vgpus"][gone] = {"parent": parent, "type_id": type_id, "pool": None,
                               "on_demand": False, "created": "2026-01-01T00:00:00Z"}
         with open(path, "w") as fh:
             json.dump(doc, fh)
@@ -407,7 +413,7 @@ def test_registry_vgpu_of_a_type_its_parent_does_not_offer_is_not_offered() -> N
         error = machine._prepare(_xml("vm-1", _hostdev("mdev", gone)))
         assert error is not None
         assert error.message.startswith(f"mdev {gone} is not available: ")
-        assert "does not offer mdev type nvidia-999" in error.message
+        assert why in error.message
     finally:
         machine.teardown()
 
