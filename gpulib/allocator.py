@@ -114,7 +114,10 @@ class Allocator:
     def _pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
         out = []
         for uuid, rec in sorted(self.state.vgpus.items()):
-            if rec.pool is None or self._held(uuid, vm):
+            # A member its GPU cannot recreate now would fail the start: the
+            # hooks refuse it by name too (`Occupancy.unavailable`).
+            if rec.pool is None or self._held(uuid, vm) or \
+                    self.occ.unavailable(uuid) is not None:
                 continue
             try:
                 parent = PciAddress.parse(rec.parent)
@@ -136,7 +139,8 @@ class Allocator:
             out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),
                                  self._use_pool_mdev(uuid, rec, vm)))
         for addr, vrec in sorted(self.state.vf_types.items()):
-            if vrec.pool is None or self._held(addr, vm):
+            if vrec.pool is None or self._held(addr, vm) or \
+                    self.occ.unavailable(addr) is not None:
                 continue
             if not req.matches_vendor(vrec.type_id, vrec.name):
                 continue

@@ -261,13 +261,21 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
                 pending += 1
             k += 1
     first = k
-    free, offered, vendor_only = _vgpu_capacity(state, inv, change.vm, match)
+    free, offered, vendor_only, typed_free = _vgpu_capacity(state, inv, change.vm, match)
     if not offered:
-        if vendor_only:
+        if typed_free:
+            # A VF that already carries the profile (or gets it from gpulib's
+            # registry at start) needs no new type: attach it as it is.
             raise InputError(
-                f"vGPU {what} is offered only by NVIDIA vendor-specific VFs ({vendor_only[0]}): "
-                f"give a VF that type with gpulib vf set-type --keep ADDR TYPE, then "
-                f"gpulib attach {change.vm} --gpu ADDR")
+                f"vGPU {what} is offered only by NVIDIA vendor-specific VFs: VF "
+                f"{typed_free[0]} carries it and is free: gpulib attach {change.vm} "
+                f"--gpu {typed_free[0]}")
+        if vendor_only:
+            addr, tid = vendor_only[0]
+            raise InputError(
+                f"vGPU {what} is offered only by NVIDIA vendor-specific VFs ({addr}): "
+                f"give a VF that type with gpulib vf set-type --keep {addr} {tid}, then "
+                f"gpulib attach {change.vm} --gpu {addr}")
         raise InputError(f"no GPU on this host offers vGPU {what} "
                          "(gpulib mdev types lists the profiles)")
     need = wanted.count + pending
@@ -316,14 +324,19 @@ def _note_missing_hook(ctx: Context, change: Change) -> None:
                             "will create the vGPUs when the VM starts (see gpulib doctor)")
 
 
-def _vgpu_capacity(state: State, inv: Inventory, vm: str,
-                   match: VgpuRequest) -> tuple[dict[int, int], bool, list[str]]:
+def _vgpu_capacity(state: State, inv: Inventory, vm: str, match: VgpuRequest
+                   ) -> tuple[dict[int, int], bool, list[tuple[str, int]], list[str]]:
     """vGPUs of a type that can be created now, by NUMA node; whether any GPU
-    offers the type as an mdev type; the VFs offering it vendor-specifically."""
+    offers the type as an mdev type; the VFs offering it vendor-specifically;
+    the free vendor VFs that already carry it (their current type, or the one
+    gpulib's registry gives them at start)."""
     taken = {d.id for a in state.allocations.values() for d in a.devices}
     free: dict[int, int] = {}
     offered = False
-    vendor: list[str] = []
+    # Untyped VFs that can take it (free ones, then held ones), with the type id.
+    vendor: list[tuple[str, int]] = []
+    held: list[tuple[str, int]] = []
+    typed: list[str] = []
     for gpu in inv.gpus:
         usable = not _unmanaged(state, gpu) and not _whole_taken(state, inv, vm, gpu.address)
         types = [(t, usable) for t in gpu.mdev_types]
@@ -332,9 +345,20 @@ def _vgpu_capacity(state: State, inv: Inventory, vm: str,
                 not _whole_taken(state, inv, vm, vf.address) and \
                 not _unmanaged(state, gpu, vf.address)
             types.extend((t, vf_ok) for t in vf.mdev_types)
-            if vf.nvidia is not None and any(match.matches_vendor(tid, name)
-                                             for tid, name in vf.nvidia.creatable.items()):
-                vendor.append(str(vf.address))
+            nv = vf.nvidia
+            if nv is None:
+                continue
+            if nv.profile_type:
+                # Offered free by discovery: no VM holds it and its GPU can give
+                # it the type (the occupancy's one answer, as the hooks ask it).
+                if match.matches_vendor(nv.profile_type, nv.profile_name) and \
+                        vf.used_by is None and vf.available and vf_ok:
+                    typed.append(str(vf.address))
+            else:
+                fits = [(str(vf.address), tid) for tid, name in nv.creatable.items()
+                        if match.matches_vendor(tid, name)][:1]
+                # A VF nobody holds is the one to type: those come first.
+                (vendor if vf_ok and vf.used_by is None else held).extend(fits)
         for t, ok in types:
             if not match.matches_type(t.type_id, t.name):
                 continue
@@ -342,7 +366,7 @@ def _vgpu_capacity(state: State, inv: Inventory, vm: str,
             if ok:
                 node = gpu.fn.numa_node
                 free[node] = free.get(node, 0) + max(0, t.available_instances or 0)
-    return free, offered, vendor
+    return free, offered, vendor + held, typed
 
 
 def _attach_pci(ctx: Context, config: Config, change: Change, state: State, inv: Inventory,

@@ -93,7 +93,7 @@ def gpu_entry(gpu: Gpu) -> dict[str, Any]:
                 "libvirt_address": v.parent.libvirt(),
                 "used_by_vm": v.used_by,
             }
-            for v in gpu.vgpus
+            for v in gpu.offered_vgpus
         ],
         "vf_instances": [_vf_entry(vf) for vf in gpu.offered_vfs],
     }

@@ -103,6 +103,9 @@ class VirtualFunction:
         self.mdev_parent = False
         self.nvidia: Optional[NvidiaVf] = None
         self.used_by: Optional[str] = None
+        # False: no VM holds it, yet a start naming it would be refused (its
+        # GPU cannot give it its recorded type now): not offered (`Occupancy.offer`).
+        self.available = True
         self.device_name = ""
         self._types: Optional[list[mdev.MdevType]] = []
         # Until the types are asked for: the offered type ids, the same types
@@ -162,17 +165,21 @@ class VirtualFunction:
 
 
 class Vgpu:
-    """A live mdev on a GPU (on the PF or one of its VFs)."""
+    """A vGPU on a GPU (on the PF or one of its VFs): live, or gpulib's to
+    recreate when a VM starts."""
 
-    __slots__ = ("live", "mdev_type", "parent", "used_by", "uuid")
+    __slots__ = ("available", "live", "mdev_type", "parent", "used_by", "uuid")
 
     def __init__(self, uuid: str, parent: PciAddress, mdev_type: mdev.MdevType,
-                 used_by: Optional[str], live: bool = True) -> None:
+                 used_by: Optional[str], live: bool = True, available: bool = True) -> None:
         self.uuid = uuid
         self.parent = parent
         self.mdev_type = mdev_type
         self.used_by = used_by
         self.live = live
+        # False: no VM holds it, yet a start naming it would be refused (its
+        # GPU cannot recreate it now): not offered (`Occupancy.offer`).
+        self.available = available
 
 
 class Gpu:
@@ -214,10 +221,16 @@ class Gpu:
         """VFs offered as instances: a VF whose capacity is offered as mdev
         types is not also a free VF (its mdevs are the instances), and an
         NVIDIA vendor VF is offered only with a type it will really get (its
-        current type, or the one gpulib's registry gives it at VM start): the
-        hooks refuse an untyped one."""
-        return [vf for vf in self.vfs if not vf.mdev_parent
+        current type, or the one gpulib's registry gives it at VM start, when
+        its GPU can give it that type now): the hooks refuse the others."""
+        return [vf for vf in self.vfs if not vf.mdev_parent and vf.available
                 and (vf.nvidia is None or vf.nvidia.profile_type)]
+
+    @property
+    def offered_vgpus(self) -> list[Vgpu]:
+        """vGPUs offered as instances: all but those no VM holds that a start
+        would be refused (a registry vGPU its GPU cannot recreate now)."""
+        return [v for v in self.vgpus if v.available]
 
     @property
     def whole_refusal(self) -> Optional[str]:
@@ -303,7 +316,8 @@ class Discovery:
         usage = self.occupancy
         if usage is None:
             usage = Occupancy(Tree(sysfs, {u: p for u, (p, _) in self.registry.items()},
-                                   {u: t for u, (_, t) in self.registry.items()}))
+                                   {u: t for u, (_, t) in self.registry.items()},
+                                   {a: t for a, (t, _) in self.vf_types.items()}))
             for vm, devices in self.allocations.items():
                 for kind, ident in devices:
                     try:
@@ -399,8 +413,8 @@ class Discovery:
                 if found is None:
                     found = mdev.MdevType(self.sysfs, m.parent, m.type_id)
                     found.load()
-                gpu.vgpus.append(Vgpu(m.uuid, m.parent, found, usage.user("mdev", m.uuid),
-                                      m.live))
+                used_by, available = usage.offer("mdev", m.uuid)
+                gpu.vgpus.append(Vgpu(m.uuid, m.parent, found, used_by, m.live, available))
 
     def _names(self, gpu: Gpu) -> None:
         fn = gpu.fn
@@ -431,7 +445,6 @@ class Discovery:
         key = learned_names_key(gpu.fn.vendor_id, gpu.fn.device_id)
         fn = PciFunction.read(sysfs, address, vf_of=gpu.fn)
         vf = VirtualFunction(index, fn)
-        vf.used_by = usage.user("pci", str(address))
         vf.mdev_parent = mdev.is_parent(sysfs, address)
         if vf.mdev_parent:
             vf.offer_types(sysfs, _offered_types(gpu, address, sysfs, vf_types), vf_types)
@@ -457,6 +470,9 @@ class Discovery:
                 vf.nvidia.recorded_type = recorded[0]
                 if recorded[1]:
                     names.setdefault(recorded[0], recorded[1])
+            # The occupancy judges whether its GPU can type it from what was just read.
+            usage.tree.seed_vf(str(address), current, creatable)
+        vf.used_by, vf.available = usage.offer("pci", str(address))
         return vf
 
     def _vfs(self, gpu: Gpu, usage: Occupancy) -> None:

@@ -22,6 +22,12 @@ GPU against its VFs and the vGPUs on either, both ways), and when both are
 whole PCI functions in one IOMMU group (vfio gives a group to one VM: a
 passthrough GPU's companions). Two vGPUs on one parent, or two VFs of one PF,
 do not conflict. A VM never conflicts with itself.
+
+A device gpulib makes ready at start (a known vGPU to recreate, a vendor VF
+to type) may be one its GPU cannot make now (`Tree.blocked`: a GPU runs one
+vGPU type at a time, capacity runs out, the parent is gone). The VMs whose
+devices on that GPU keep it hold it too; when none does (a stray vGPU, an
+idle pool member keeps it) it is `unavailable`: not offered, and refused.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
-from gpulib import mdev
+from gpulib import mdev, nvidia
 from gpulib.errors import GpulibError, InputError
 from gpulib.pci import PciAddress, physical_function
 
@@ -82,17 +88,30 @@ def _is_mdev(node: str) -> bool:
     return len(node) == 36 and node.count("-") == 4
 
 
+class Blocked(NamedTuple):
+    """Why a device cannot be made ready now (`Tree.blocked`)."""
+
+    # The nodes whose holds (other VMs' vGPUs or VFs below them) keep the
+    # device: the first with any names them. Empty: nothing a VM holds does.
+    scopes: tuple[str, ...]
+    reason: str
+
+
 class Tree:
     """The PF/VF/mdev relations and IOMMU groups of the nodes asked about, read lazily."""
 
     def __init__(self, sysfs: Sysfs, mdev_parents: Optional[dict[str, str]] = None,
-                 mdev_types: Optional[dict[str, str]] = None) -> None:
+                 mdev_types: Optional[dict[str, str]] = None,
+                 vf_types: Optional[dict[str, int]] = None) -> None:
         self.sysfs = sysfs
         self.mdev_parents = dict(mdev_parents or {})
         # The type of each known vGPU: one not live is recreated with it.
         self.mdev_types = dict(mdev_types or {})
+        # The type gpulib's registry gives each NVIDIA vendor VF at VM start.
+        self.vf_types = dict(vf_types or {})
         self._chains: dict[str, list[str]] = {}
         self._groups: dict[str, Optional[int]] = {}
+        self._vf_seen: dict[str, tuple[int, dict[int, str]]] = {}
 
     def parent(self, node: str) -> Optional[str]:
         if not _is_pci(node):
@@ -125,20 +144,67 @@ class Tree:
                 found.extend(self.chain(parent)[:3])
         return found
 
-    def uncreatable(self, node: str) -> Optional[str]:
-        """The parent of a known vGPU that is not live and that its parent cannot
-        create now (no available instance of its type: another type is live
-        on it, or the type is full); None when live, unknown or creatable."""
+    def seed_vf(self, vf: str, current: int, creatable: dict[int, str]) -> None:
+        """What an NVIDIA vendor VF showed the caller (its current type, its
+        creatable list): `blocked` asks no file again (discovery reads them)."""
+        self._vf_seen[vf] = (current, creatable)
+
+    def _vf_state(self, vf: str) -> Optional[tuple[int, dict[int, str]]]:
+        seen = self._vf_seen.get(vf)
+        if seen is None:
+            # Read each time asked: a start that sets a type changes its siblings' lists.
+            address = PciAddress.parse(vf)
+            current = nvidia.current_type(self.sysfs, address)
+            if current is None:
+                return None  # not a vendor VF (or its type cannot be read: not ours to judge)
+            seen = (current, nvidia.creatable_types(self.sysfs, address))
+        return seen
+
+    def blocked(self, node: str) -> Optional[Blocked]:
+        """Why a device a VM may name cannot be made ready now, whoever holds
+        what: a known vGPU that is not live and that its recorded parent cannot
+        create (the parent is gone, does not offer the type, or has no instance
+        of it left: another type is live on the GPU, or the type is full), or an
+        NVIDIA vendor VF without a type whose recorded type its GPU cannot give
+        it now. None when the device is live, typed, unknown or can be made.
+        Asked afresh each time (a start's own writes change the answer)."""
+        return self._mdev_blocked(node) if not _is_pci(node) else self._vf_blocked(node)
+
+    def _mdev_blocked(self, node: str) -> Optional[Blocked]:
         parent, type_id = self.mdev_parents.get(node), self.mdev_types.get(node)
-        if parent is None or type_id is None or _is_pci(node) or \
+        if parent is None or type_id is None or \
                 self.sysfs.exists(f"{mdev.MDEV_DEVICES}/{node}"):
             return None
         try:
-            available = mdev.find_type(self.sysfs, PciAddress.parse(parent),
-                                       type_id).available_instances
-        except (GpulibError, OSError):
+            address = PciAddress.parse(parent)
+            available = mdev.find_type(self.sysfs, address, type_id).available_instances
+        except InputError:
             return None
-        return parent if available is not None and available <= 0 else None
+        except (GpulibError, OSError) as exc:
+            reason = exc.message if isinstance(exc, GpulibError) else str(exc)
+            return Blocked((), f"it cannot be recreated: {reason}")
+        if available is None or available > 0:
+            return None
+        # The VMs holding vGPUs on the parent keep it, else those on its GPU
+        # (an SR-IOV GPU's VFs run one type between them).
+        return Blocked(tuple(self.chain(parent)),
+                       f"it cannot be recreated: {parent} has no instance of {type_id} left "
+                       "(another vGPU type is live on the GPU, or the type is full)")
+
+    def _vf_blocked(self, node: str) -> Optional[Blocked]:
+        recorded = self.vf_types.get(node)
+        if not recorded:
+            return None
+        try:
+            seen = self._vf_state(node)
+        except InputError:
+            return None
+        if seen is None or seen[0] or recorded in seen[1]:
+            return None
+        pf = self.parent(node)
+        return Blocked((pf,) if pf is not None else (),
+                       f"its GPU cannot give it its vGPU type {recorded} now (the GPU's other "
+                       "VFs leave no room for it)")
 
     def group(self, node: str) -> Optional[int]:
         if node not in self._groups:
@@ -169,7 +235,8 @@ class Occupancy:
               ) -> Occupancy:
         """From gpulib's allocations and the running domains' devices."""
         tree = Tree(sysfs, {u: r.parent for u, r in state.vgpus.items()},
-                    {u: r.type_id for u, r in state.vgpus.items()})
+                    {u: r.type_id for u, r in state.vgpus.items()},
+                    {a: r.type_id for a, r in state.vf_types.items()})
         occ = cls(tree)
         for vm, alloc in state.allocations.items():
             for d in alloc.devices:
@@ -209,6 +276,10 @@ class Occupancy:
     # -- the questions --------------------------------------------------------------
     def conflicts(self, node: str, vm: Optional[str] = None) -> list[Hold]:
         """Holds of VMs other than `vm` that exclude `node` (all holds when vm is None)."""
+        return self._conflicts(node, vm, self.tree.blocked(node))
+
+    def _conflicts(self, node: str, vm: Optional[str], blocked: Optional[Blocked]
+                   ) -> list[Hold]:
         found: list[Hold] = []
         for n in self.tree.chain(node):
             found += self._exact.get(n, ())
@@ -218,21 +289,31 @@ class Occupancy:
             group = self.tree.group(node)
             if group is not None:
                 found += self._group.get(group, ())
-        else:
-            # A vGPU to recreate that its parent cannot create now is kept from
-            # `vm` by the other VMs' vGPUs on that parent (a GPU runs one vGPU
-            # type at a time): reported used by them, refused naming them.
-            blocked = self.tree.uncreatable(node)
-            if blocked is not None and self._indexed(blocked):
-                found += self._below.get(blocked, ())
+        out = self._unique(found, vm)
+        # A vGPU to recreate (or a vendor VF to type) that its GPU cannot make
+        # now is kept from `vm` by the other VMs' vGPUs and VFs on that GPU (a
+        # GPU runs one vGPU type at a time): reported used by them, refused
+        # naming them. Kept by nothing a VM holds, it is `unavailable`.
+        if blocked is not None:
+            for scope in blocked.scopes:
+                self._indexed(scope)
+                keeping = self._unique(self._below.get(scope, ()), vm)
+                if keeping:
+                    out = self._unique(out + keeping, vm)
+                    break
+        # Running and active holds first: they name who really has it.
+        out.sort(key=lambda h: (h.why == PENDING, h.vm, h.device))
+        return out
+
+    @staticmethod
+    def _unique(found: Iterable[Hold], vm: Optional[str]) -> list[Hold]:
+        """The holds of VMs other than `vm`, each once."""
         seen: set[int] = set()
         out = []
         for h in found:
             if h.vm != vm and id(h) not in seen:
                 seen.add(id(h))
                 out.append(h)
-        # Running and active holds first: they name who really has it.
-        out.sort(key=lambda h: (h.why == PENDING, h.vm, h.device))
         return out
 
     def is_held(self, node: str, vm: Optional[str] = None) -> bool:
@@ -244,9 +325,12 @@ class Occupancy:
             return True
         if _is_pci(node):
             group = self.tree.group(node)
-            return group is not None and any(h.vm != vm for h in self._group.get(group, ()))
-        # A vGPU to recreate may be blocked by its parent's other vGPUs.
-        return bool(self.conflicts(node, vm))
+            if group is not None and any(h.vm != vm for h in self._group.get(group, ())):
+                return True
+        # A vGPU to recreate (a vendor VF to type) may be kept by the VMs of its
+        # GPU's other vGPUs (VFs).
+        blocked = self.tree.blocked(node)
+        return blocked is not None and bool(self._conflicts(node, vm, blocked))
 
     def holder(self, node: str) -> Optional[Hold]:
         """Who keeps `node` from anyone else (None: free)."""
@@ -269,9 +353,35 @@ class Occupancy:
             out += [h for h in self._exact.get(n, ()) if h.vm != vm]
         return out
 
+    def unavailable(self, node: str) -> Optional[str]:
+        """Why no VM can take `node` now, whoever holds what (None: nothing
+        but holds keeps it): a vGPU its GPU cannot recreate, a vendor VF its GPU
+        cannot type (`Tree.blocked`). Such a device is not offered (when no VM
+        holds what keeps it, there is no one to report it used by) and a start
+        naming it is refused before any write: one answer for both."""
+        try:
+            blocked = self.tree.blocked(node)
+        except InputError:
+            return None
+        return blocked.reason if blocked is not None else None
+
+    def offer(self, kind: str, ident: str) -> tuple[Optional[str], bool]:
+        """What discovery reports of a device: the VM it is used by (None:
+        none), and whether it is offered at all (a device kept by nothing a VM
+        holds but that a start would be refused is not)."""
+        try:
+            node = node_id(kind, ident)
+        except InputError:
+            return None, True
+        blocked = self.tree.blocked(node)
+        found = self._conflicts(node, None, blocked)
+        if found:
+            return found[0].vm, True
+        return None, blocked is None
+
     def free_for(self, node: str, vm: str) -> bool:
         """Whether `vm` may take `node` now."""
-        return not self.conflicts(node, vm)
+        return not self.conflicts(node, vm) and self.unavailable(node) is None
 
     def held_by(self, vm: str) -> set[str]:
         return {h.device for h in self.holds if h.vm == vm}
@@ -286,10 +396,11 @@ def refusal(occ: Occupancy, kind: str, ident: str, vm: str) -> Optional[str]:
     """The one-line reason `vm` may not take a device, or None."""
     node = node_id(kind, ident)
     found = occ.conflicts(node, vm)
-    if not found:
-        return None
-    h = found[0]
     label = "mdev" if kind == "mdev" else "PCI device"
+    if not found:
+        why = occ.unavailable(node)
+        return f"{label} {ident} is not available: {why}" if why is not None else None
+    h = found[0]
     if h.device == node:
         return f"{label} {ident} is in use by {h.describe()}"
     return f"{label} {ident} conflicts with {h.device}, in use by {h.describe()}"

@@ -250,10 +250,19 @@ def _physfn(sysfs: Sysfs, rel: str) -> Optional[PciAddress]:
 
 
 def pci_root(sysfs: Sysfs, address: PciAddress) -> Optional[PciAddress]:
-    """The top-most PCI function above `address` (its root port), or itself.
+    """The root port above `address` (the function on its root bus), or itself.
 
     The canonical path looks like sys/devices/pci0000:80/0000:80:01.2/0000:82:00.0;
-    the first component below the host bridge is the root.
+    the first component below the host bridge is the root. Behind an Intel
+    VMD controller the path holds a second root bus, the VMD domain's
+    (sys/devices/pci0000:00/0000:00:0e.0/pci10000:e0/10000:e0:06.0/10000:e1:00.0):
+    the kernel makes it a root bus of its own and finds a device's root port
+    there (10000:e0:06.0, pcie_find_root_port), while the VMD controller is an
+    endpoint of the host's bus that every device of its domain sits behind.
+    So the root is the component below the last root bus: two GPUs on two VMD
+    root ports are not reported as sharing one, and their locality (NUMA node:
+    the kernel gives the domain the controller's node) is read from their own
+    `numa_node` as elsewhere.
     """
     # The bus link's own target names the chain ("../../../devices/pci0000:80/
     # 0000:80:01.2/0000:82:00.0"): one readlink instead of a realpath walk.
@@ -267,13 +276,14 @@ def pci_root(sysfs: Sysfs, address: PciAddress) -> Optional[PciAddress]:
         except ValueError:
             return None
     parts = target.split("/")
-    for i, part in enumerate(parts):
-        if part.startswith("pci") and ":" in part and i + 1 < len(parts):
-            try:
-                return PciAddress.parse(parts[i + 1])
-            except InputError:
-                return None
-    return address
+    below = [i + 1 for i, part in enumerate(parts[:-1])
+             if part.startswith("pci") and ":" in part]
+    if not below:
+        return address
+    try:
+        return PciAddress.parse(parts[below[-1]])
+    except InputError:
+        return None
 
 
 def _addresses_in(sysfs: Sysfs, rel: str) -> list[PciAddress]:

@@ -263,8 +263,11 @@ def test_nvidia_vendor_vf_with_a_recorded_type_goes_unmanaged(ctx: Context,
 REFUSALS = {
     "no such profile": (Wanted(profile="GRID T4-3Q"), InputError,
                         "no GPU on this host offers vGPU profile 'GRID T4-3Q'"),
-    "profile only on vendor VFs": (Wanted(profile="NVIDIA A10-6Q"), InputError,
-                                   "gpulib vf set-type --keep"),
+    "profile only on vendor VFs": (Wanted(profile="NVIDIA A10-4Q"), InputError,
+                                   "gpulib vf set-type --keep 0000:41:00.5 593"),
+    "profile a free typed vendor VF carries": (
+        Wanted(profile="NVIDIA A10-6Q"), InputError,
+        "VF 0000:41:00.4 carries it and is free: gpulib attach web1 --gpu 0000:41:00.4"),
     "no capacity left": (Wanted(profile="GRID T4-16Q", count=2), NotAvailableError,
                          "no capacity left for 2 vGPU(s) of profile 'GRID T4-16Q': 1 can"),
     "no such GPU model": (Wanted(gpu="10de:ffff"), InputError, "no GPU 10de:ffff on this host"),
@@ -370,6 +373,21 @@ def test_device_in_a_gpulib_allocation_is_refused(host: FakeHost, ctx: Context,
     with pytest.raises(DeviceError, match=f"PCI device {GEFORCE} is in use by starting VM "
                        r"db2 \(pending allocation\)"):
         attach(ctx, config, FakeLibvirt(domain()), VM, Wanted(gpu=GEFORCE))
+
+
+def test_profile_on_a_typed_vendor_vf_another_vm_holds_suggests_typing_a_free_one(
+        ctx: Context, config: Config) -> None:
+    """The A10-6Q VF gpulib records is taken: the next free VF is the one to type."""
+    from gpulib.lifecycle import open_store
+    from gpulib.state import Allocation, Device
+
+    with open_store(ctx, config).transaction() as state:
+        state.allocations["db2"] = Allocation("db2", None, "pending", "2026-01-01T00:00:00Z",
+                                              [Device("vf", "0000:41:00.4")])
+    with pytest.raises(InputError) as exc:
+        attach(ctx, config, FakeLibvirt(domain()), VM, Wanted(profile="NVIDIA A10-6Q"))
+    assert "gpulib vf set-type --keep 0000:41:00.5 594" in exc.value.message
+    assert "0000:41:00.4" not in exc.value.message
 
 
 def test_cloudstack_host_is_refused_unless_forced(host: FakeHost, ctx: Context,

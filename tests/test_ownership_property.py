@@ -33,6 +33,13 @@ from gpulib.sysfs import Sysfs
 
 VMS = [f"vm-{i}" for i in range(4)]
 UUIDS = {vm: f"00000000-0000-4000-8000-{i:012x}" for i, vm in enumerate(VMS)}
+T4 = "0000:af:00.0"
+# vGPUs no VM holds that keep the registry's T4-4Q from being recreated (a T4
+# runs one vGPU type at a time): a stray T4-1B nobody knows, a T4-1B pool member.
+STRAY_T4 = "5e1d2c3b-4a59-4687-9a5b-c4d3e2f1a000"
+POOL_T4_1B = "5e1d2c3b-4a59-4687-9a5b-c4d3e2f1a001"
+# Bits of `stray`: what else lives on the host when it is built.
+STRAY_VGPU, STRAY_POOL_VGPU, STRAY_VF_TYPE = 1, 2, 4
 
 
 class Crash(BaseException):
@@ -40,7 +47,7 @@ class Crash(BaseException):
 
 
 def build(root: str, rtx: int, t4: bool, a10_vfs: int, pool_live: int,
-          typed_vfs: int) -> FakeHost:
+          typed_vfs: int, stray: int = 0) -> FakeHost:
     host = FakeHost(root)
     host.add_iommu_unit("dmar0")
     m = models()
@@ -59,6 +66,9 @@ def build(root: str, rtx: int, t4: bool, a10_vfs: int, pool_live: int,
                            "pool": "desk", "on_demand": False, "created": "2026-01-01T00:00:00Z"}
             if k < pool_live:
                 host.add_mdev(u, "0000:af:00.0", "nvidia-232")
+        if stray & STRAY_POOL_VGPU:
+            registry[POOL_T4_1B] = {"parent": T4, "type_id": "nvidia-222", "pool": "thin",
+                                    "on_demand": False, "created": "2026-01-01T00:00:00Z"}
     vf_types: dict[str, Any] = {}
     if a10_vfs:
         vfs = add_sriov_gpu(host, m["a10"], "0000:41:00.0", 0, None, a10_vfs)
@@ -73,6 +83,32 @@ def build(root: str, rtx: int, t4: bool, a10_vfs: int, pool_live: int,
     host.write_file("etc/gpulib/gpulib.conf",
                     "[transformer]\nallow_metadata_requests = yes\n")
     return host
+
+
+def add_strays(ctx: Context, t4: bool, a10_vfs: int, typed_vfs: int, stray: int) -> None:
+    """Through the simulated kernel (which keeps the one-type rule): live vGPUs
+    and a VF type that no VM holds. One the GPU refuses now is left out."""
+    create = f"sys/class/mdev_bus/{T4}/mdev_supported_types/nvidia-222/create"
+    wanted = []
+    if t4 and stray & STRAY_VGPU:
+        wanted.append((create, STRAY_T4))
+    if t4 and stray & STRAY_POOL_VGPU:
+        wanted.append((create, POOL_T4_1B))
+    if stray & STRAY_VF_TYPE and a10_vfs > typed_vfs:
+        # The last VF, which gpulib never typed: an A10-8Q keeps the others'
+        # recorded A10-6Q from being set.
+        wanted.append((f"sys/bus/pci/devices/{_a10_vf(ctx, a10_vfs - 1)}"
+                       "/nvidia/current_vgpu_type", "595"))
+    for rel, value in wanted:
+        try:
+            ctx.sysfs.write(rel, value)
+        except OSError:
+            continue
+
+
+def _a10_vf(ctx: Context, index: int) -> str:
+    return os.path.basename(os.readlink(ctx.path(
+        f"sys/bus/pci/devices/0000:41:00.0/virtfn{index}")))
 
 
 def _hostdev(kind: str, ident: str) -> str:
@@ -104,13 +140,15 @@ class Ownership(RuleBasedStateMachine):
         self.tmp.cleanup()
 
     @initialize(rtx=st.integers(0, 2), t4=st.booleans(), a10_vfs=st.integers(0, 3),
-                pool_live=st.integers(0, 2), typed_vfs=st.integers(0, 3))
+                pool_live=st.integers(0, 2), typed_vfs=st.integers(0, 3),
+                stray=st.integers(0, 7))
     def make_host(self, rtx: int, t4: bool, a10_vfs: int, pool_live: int,
-                  typed_vfs: int) -> None:
+                  typed_vfs: int, stray: int = 0) -> None:
         self.host = build(os.path.join(self.tmp.name, "h"), rtx, t4, a10_vfs, pool_live,
-                          typed_vfs)
+                          typed_vfs, stray)
         self.ctx = Context.for_root(self.host.root, simulate=True)
         self.config = Config.load(self.ctx.config_path)
+        add_strays(self.ctx, t4, a10_vfs, typed_vfs, stray)
         self.first_live = self._live()
 
     def _live(self) -> set[str]:
@@ -304,5 +342,111 @@ def test_registry_vgpu_a_busy_gpu_cannot_recreate_is_reported_used(tmp_path: Any
         assert error is not None and "in use by" in error.message
         assert "vm-0" in error.message
         assert machine._live() == live
+    finally:
+        machine.teardown()
+
+
+def _machine(**kw: Any) -> Ownership:
+    machine = Ownership()
+    machine.make_host(**{"rtx": 0, "t4": False, "a10_vfs": 0, "pool_live": 0, "typed_vfs": 0,
+                         "stray": 0, **kw})
+    return machine
+
+
+def _offered(machine: Ownership, kind: str) -> dict[str, Optional[str]]:
+    return {ident: used_by for k, ident, used_by in machine._offers() if k == kind}
+
+
+REGISTRY_T4_4Q = "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c00"
+
+
+@pytest.mark.parametrize("keeper", [STRAY_T4, POOL_T4_1B])
+def test_registry_vgpu_kept_by_vgpus_no_vm_holds_is_not_offered(keeper: str) -> None:
+    """A T4-1B no VM holds (a stray nobody knows, or a pool member nobody was
+    given) keeps the registry's T4-4Q from being recreated, and there is no VM
+    to report it used by: it is left out of the report, and a VM naming it is
+    refused before any write. The T4-1B itself is offered free. Once it is
+    gone, the T4-4Q is offered free again and a start recreates it."""
+    machine = _machine(t4=True, stray=STRAY_VGPU if keeper == STRAY_T4 else STRAY_POOL_VGPU)
+    try:
+        offered = _offered(machine, "mdev")
+        assert REGISTRY_T4_4Q not in offered
+        assert offered[keeper] is None
+        live = machine._live()
+        error = machine._prepare(_xml("vm-1", _hostdev("mdev", REGISTRY_T4_4Q)))
+        assert error is not None
+        assert error.message.startswith(f"mdev {REGISTRY_T4_4Q} is not available: ")
+        assert f"{T4} has no instance of nvidia-232 left" in error.message
+        assert machine._live() == live
+        assert machine._prepare(_xml("vm-2", _hostdev("mdev", keeper))) is None
+
+        deactivate(machine.ctx, machine.config, "vm-2")
+        machine.ctx.sysfs.write(f"sys/bus/mdev/devices/{keeper}/remove", "1")
+        assert _offered(machine, "mdev")[REGISTRY_T4_4Q] is None
+        assert machine._prepare(_xml("vm-1", _hostdev("mdev", REGISTRY_T4_4Q))) is None
+        assert REGISTRY_T4_4Q in machine._live()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("parent,type_id,why", [
+    (T4, "nvidia-999", f"{T4} does not offer mdev type nvidia-999"),
+    ("0000:af:00.4", "nvidia-232", "no PCI device 0000:af:00.4"),
+])
+def test_registry_vgpu_its_parent_cannot_recreate_is_not_offered(parent: str, type_id: str,
+                                                                 why: str) -> None:
+    """A registry vGPU whose parent no longer offers its type (the driver
+    changed, the record was edited) or is gone (its VFs were disabled): not
+    in the report, refused by name; the GPU's other vGPUs are still offered."""
+    machine = _machine(t4=True)
+    try:
+        path = machine.ctx.path("var/lib/gpulib/state.json")
+        with open(path) as fh:
+            doc = json.load(fh)
+        gone = "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4cff"
+        doc["vgpus"][gone] = {"parent": parent, "type_id": type_id, "pool": None,
+                              "on_demand": False, "created": "2026-01-01T00:00:00Z"}
+        with open(path, "w") as fh:
+            json.dump(doc, fh)
+        offered = _offered(machine, "mdev")
+        assert gone not in offered and offered[REGISTRY_T4_4Q] is None
+        error = machine._prepare(_xml("vm-1", _hostdev("mdev", gone)))
+        assert error is not None
+        assert error.message.startswith(f"mdev {gone} is not available: ")
+        assert why in error.message
+    finally:
+        machine.teardown()
+
+
+def test_recorded_vf_type_its_gpu_cannot_give_is_offered_only_as_used() -> None:
+    """An A10 runs one vGPU type at a time. With an A10-8Q set on its third VF,
+    the A10-6Q gpulib records for the first two cannot be set: with no VM on
+    the A10-8Q they are left out and refused before any write; with a VM on
+    it, they are reported used by that VM and refused naming it. Cleared,
+    they are offered free and accepted."""
+    machine = _machine(a10_vfs=3, typed_vfs=2, stray=STRAY_VF_TYPE)
+    try:
+        recorded, stray = _a10_vf(machine.ctx, 0), _a10_vf(machine.ctx, 2)
+        current = machine.ctx.path(f"sys/bus/pci/devices/{recorded}/nvidia/current_vgpu_type")
+        offered = _offered(machine, "vf")
+        assert recorded not in offered and offered[stray] is None
+        error = machine._prepare(_xml("vm-1", _hostdev("vf", recorded)))
+        assert error is not None
+        assert error.message.startswith(f"PCI device {recorded} is not available: ")
+        assert "vGPU type 594" in error.message
+        with open(current) as fh:
+            assert fh.read().strip() == "0"
+
+        assert machine._prepare(_xml("vm-0", _hostdev("vf", stray))) is None
+        assert _offered(machine, "vf")[recorded] == "vm-0"
+        error = machine._prepare(_xml("vm-1", _hostdev("vf", recorded)))
+        assert error is not None and "in use by" in error.message and "vm-0" in error.message
+
+        deactivate(machine.ctx, machine.config, "vm-0")
+        machine.ctx.sysfs.write(f"sys/bus/pci/devices/{stray}/nvidia/current_vgpu_type", "0")
+        assert _offered(machine, "vf")[recorded] is None
+        assert machine._prepare(_xml("vm-1", _hostdev("vf", recorded))) is None
+        with open(current) as fh:
+            assert fh.read().strip() == "594"
     finally:
         machine.teardown()

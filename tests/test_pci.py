@@ -9,9 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpulib import cloudstack
+from gpulib.discovery import discover
 from gpulib.domain import DomainXmlError, parse_domain
 from gpulib.errors import InputError
-from gpulib.pci import PciAddress, libvirt_uint
+from gpulib.pci import PciAddress, libvirt_uint, pci_root
+from gpulib.sim.fakehost import FakeHost
+from gpulib.sim.hosts import add_model, models
+from gpulib.sysfs import Sysfs
 
 addresses = st.builds(PciAddress, st.integers(0, 0xFFFFFFFF), st.integers(0, 0xFF),
                       st.integers(0, 0x1F), st.integers(0, 7))
@@ -168,3 +173,48 @@ def test_the_session_guard_stops_reads_of_the_real_sys() -> None:
 
     with pytest.raises(AssertionError, match="touched the real host"):
         Sysfs("/").read("sys/bus/pci/devices/0000:00:00.0/vendor")
+
+
+VMD = "0000:00:0e.0"
+VMD_BUS = f"pci0000:00/{VMD}/pci10000:e0"
+
+
+def _vmd_host(root: Path) -> FakeHost:
+    """Two GPUs behind an Intel VMD controller (an endpoint on the host's bus,
+    class 0x010400), each on a root port of the VMD domain 10000, and one GPU
+    behind an ordinary root port: the paths the kernel gives them."""
+    host = FakeHost(str(root))
+    host.add_function(VMD, 0x8086, 0x467F, 0x010400, driver="vmd", numa_node=1)
+    m = models()
+    for port, gpu in [("10000:e0:06.0", "10000:e1:00.0"), ("10000:e0:07.0", "10000:e2:00.0")]:
+        host.add_function(port, 0x8086, 0x464D, 0x060400, driver="pcieport", numa_node=1,
+                          host_bridge=VMD_BUS)
+        add_model(host, m["rtx3070"], gpu, 1, port)
+    host.add_bridge("0000:80:01.2", numa_node=0)
+    add_model(host, m["rtx3070"], "0000:82:00.0", 0, "0000:80:01.2")
+    return host
+
+
+def test_a_gpu_behind_vmd_has_the_vmd_domain_root_port_as_its_root(tmp_path: Path) -> None:
+    host = _vmd_host(tmp_path / "h")
+    sysfs = Sysfs(host.root)
+    target = host.device_dir("10000:e1:00.0")
+    assert target.endswith(f"{VMD_BUS}/10000:e0:06.0/10000:e1:00.0")  # the kernel's shape
+    assert pci_root(sysfs, PciAddress.parse("10000:e1:00.0")) == \
+        PciAddress.parse("10000:e0:06.0")
+    assert pci_root(sysfs, PciAddress.parse("10000:e2:00.0")) == \
+        PciAddress.parse("10000:e0:07.0")
+    # Outside the VMD domain nothing changes; the root port itself is its own root.
+    assert pci_root(sysfs, PciAddress.parse("0000:82:00.0")) == PciAddress.parse("0000:80:01.2")
+    assert pci_root(sysfs, PciAddress.parse("10000:e0:06.0")) == \
+        PciAddress.parse("10000:e0:06.0")
+    assert pci_root(sysfs, PciAddress.parse(VMD)) == PciAddress.parse(VMD)
+
+
+def test_the_cloudstack_report_of_gpus_behind_vmd(tmp_path: Path) -> None:
+    host = _vmd_host(tmp_path / "h")
+    doc = cloudstack.render(discover(Sysfs(host.root)))
+    roots = {g["pci_address"]: (g["pci_root"], g["numa_node"]) for g in doc["gpus"]}
+    assert roots == {"10000:e1:00.0": ("10000:e0:06.0", 1),
+                     "10000:e2:00.0": ("10000:e0:07.0", 1),
+                     "82:00.0": ("0000:80:01.2", 0)}

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from gpulib.domain import VgpuRequest
 from gpulib.errors import DeviceError
-from gpulib.occupancy import ACTIVE, PENDING, Hold, Occupancy, Tree
+from gpulib.occupancy import ACTIVE, PENDING, Blocked, Hold, Occupancy, Tree
 from gpulib.plan import (
     CreateDerived,
     HostFacts,
@@ -57,7 +57,7 @@ class FactsTree(Tree):
     def group(self, node: str) -> Optional[int]:
         return GROUPS.get(node)
 
-    def uncreatable(self, node: str) -> Optional[str]:
+    def blocked(self, node: str) -> Optional[Blocked]:
         return None  # these facts do not model a GPU's capacity: every type fits
 
 
