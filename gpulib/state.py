@@ -810,6 +810,26 @@ class Repair(NamedTuple):
                 f"{len(st.allocations)} running VM allocation(s) ({vms}); what only the "
                 "old file knew (on-demand marks, learned names, unmanaged devices) is in "
                 f"{self.moved_to}")
+def _changed_part(doc: dict[str, Any], loaded: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The part of a state document that differs from `loaded` (the document
+    of a state read and checked before; None: all of it): the records of each
+    top-level mapping that are new or changed, and the other top-level values
+    that changed. State.from_json checks each record on its own, so checking
+    this part checks everything the whole document would."""
+    if loaded is None:
+        return doc
+    part: dict[str, Any] = {"version": doc.get("version")}
+    for key, value in doc.items():
+        old = loaded.get(key)
+        if value == old or key == "version":
+            continue
+        if isinstance(value, dict) and isinstance(old, dict):
+            part[key] = {k: v for k, v in value.items() if k not in old or old[k] != v}
+        else:
+            part[key] = value
+    return part
+
+
 def _hurry() -> Optional[int]:
     """Run ahead of the processes waiting for the lock while holding it.
 
@@ -1058,9 +1078,11 @@ class StateStore:
                     doc = state.to_json()
                     after = render_json(doc)
                     # What is written is checked (a final checkpoint was already);
-                    # the file as it was found needs no second look.
+                    # the file as it was found needs no second look, nor do the
+                    # records it already held.
                     if after != self._last_written and after != before:
-                        State.from_json(json.loads(after))
+                        loaded = self._loaded_doc if self._before_is_raw else None
+                        State.from_json(json.loads(json.dumps(_changed_part(doc, loaded))))
                 except (StateError, TypeError, ValueError) as e:
                     raise StateError(f"refusing to write an invalid state to "
                                      f"{self.state_path}: {e}") from e

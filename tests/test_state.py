@@ -720,6 +720,26 @@ def test_invalid_state_is_never_written(store: StateStore,
     assert read_bytes(store.state_path) == before
 
 
+@pytest.mark.parametrize("mutate", [
+    lambda s: setattr(s.vgpus["6f3a1c2e-0b1d-4c5e-9f00-112233445566"], "type_id", "../x"),
+    lambda s: setattr(s.allocations["i-2-10-VM"], "status", "paused"),
+    lambda s: s.allocations["i-2-10-VM"].devices.append(Device("mdev", "not-a-uuid")),
+    lambda s: s.type_names["10de:2236"].__setitem__("5x9", "NVIDIA A10-4Q"),
+    lambda s: s.vf_types.__setitem__("0000:41:00.5", VfRecord(type_id=-1, name=None)),
+])
+def test_a_changed_record_among_checked_ones_is_checked(
+        store: StateStore, mutate: Callable[[State], None]) -> None:
+    """Only what differs from the file as read is checked again before the
+    write: a bad change to one record of a full state is still refused."""
+    with store.transaction() as s:
+        s.assign(sample_state())
+    before = read_bytes(store.state_path)
+    with pytest.raises(StateError, match="refusing to write an invalid state"), \
+            store.transaction() as s:
+        mutate(s)
+    assert read_bytes(store.state_path) == before
+
+
 def test_transaction_is_not_reentrant(store: StateStore) -> None:
     with store.transaction(), pytest.raises(RuntimeError, match="not reentrant"), \
             store.transaction():
