@@ -17,7 +17,10 @@ Actions:
 * `CreateDerived` an on-demand vGPU whose UUID the domain's request derives;
 * `UseVf`         an NVIDIA vendor VF (with `set_type` when its type must be
                   set again);
-* `UsePci`        a GPU or one of its group peers, passed whole.
+* `UsePci`        a GPU or one of its group peers, passed whole;
+* `AddGroupPeer`  an endpoint of a named GPU's IOMMU group (its HDMI audio,
+                  say) the domain does not name: added to the XML beside the
+                  GPU, on the GPU's guest slot.
 """
 
 from __future__ import annotations
@@ -53,12 +56,25 @@ class PciFacts(NamedTuple):
     whole_refusal: Optional[str]  # why the GPU cannot be given whole
 
 
+class PeerFacts(NamedTuple):
+    """One other function of a GPU's IOMMU group."""
+
+    address: str
+    klass: Optional[int]  # its PCI class code (24 bits); None: unreadable
+    why: str  # why the class could not be read ("" when it was)
+    listed: bool  # a GPU or a GPU's VF: a device of its own, not a companion
+
+
 class HostFacts(NamedTuple):
     """The snapshot of the host a plan is made from."""
 
     mdevs: dict[str, MdevFacts]
     pci: dict[str, PciFacts]
     physfn: dict[str, Optional[str]]  # the PF of each named mdev's parent, when a VF
+    # The other functions of the IOMMU group of each display-class function the
+    # domain names, read only when group peers are to be added (the
+    # transformer, `add_group_functions`); absent: none to add.
+    groups: dict[str, tuple[PeerFacts, ...]] = {}
 
 
 class KeepMdev(NamedTuple):
@@ -91,7 +107,16 @@ class UsePci(NamedTuple):
     address: str
 
 
-Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci]
+class AddGroupPeer(NamedTuple):
+    """An endpoint of a GPU's IOMMU group that goes to the guest beside it."""
+
+    gpu: str
+    address: str
+
+
+Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci, AddGroupPeer]
+
+BRIDGE_BASE_CLASS = 0x06
 
 
 def unmanaged(state: State, facts: HostFacts, address: str) -> bool:
@@ -164,6 +189,7 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
             actions.append(KeepMdev(uuid, on_demand))
         else:
             actions.append(RecreateMdev(uuid, source[0], source[1], on_demand, attrs))
+    named = set(addresses)
     for at, addr in enumerate(addresses):
         pci = facts.pci[addr]
         if not pci.exists:
@@ -187,7 +213,44 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
         if pci.whole_gpu and pci.whole_refusal is not None:
             raise DeviceError(f"GPU {addr} cannot be given whole: {pci.whole_refusal}")
         actions.append(UsePci(at, addr))
+        members = facts.groups.get(addr)
+        if members:
+            peers = plan_group_peers(addr, members, named, refusals)
+            named.update(p.address for p in peers)
+            actions += peers
     return actions
+
+
+def plan_group_peers(gpu: str, members: tuple[PeerFacts, ...], named: set[str],
+                     refusals: Optional[Refusals]) -> list[AddGroupPeer]:
+    """The endpoints of `gpu`'s IOMMU group that go with it, in address order.
+
+    `named`: the PCI functions the domain has already (never added twice);
+    `refusals`: None only where nobody's holds are known (an offline edit).
+    A peer whose class cannot be read is an error, not a guess: a bridge must
+    never go to a guest.
+    """
+    out = []
+    for m in members:
+        if m.address == gpu or m.address in named:
+            continue
+        if m.klass is None:
+            raise DeviceError(
+                f"cannot read the PCI class of {m.address}, in the IOMMU group of {gpu}: "
+                f"{m.why} (set add_group_functions = no in [transformer] of gpulib.conf to "
+                "pass the GPU without its group)")
+        if m.klass >> 16 == BRIDGE_BASE_CLASS:
+            continue  # bridges stay with the host; only endpoints go along
+        if m.listed:
+            # Another GPU (or a GPU's VF) of a shared group is a device of its
+            # own that the agent tracks and may give to no one else while this
+            # VM runs (the occupancy's group index), not a companion to hand over.
+            continue
+        if refusals is not None:
+            refusals.check("pci", m.address)
+        out.append(AddGroupPeer(gpu, m.address))
+    # Canonical addresses (fixed-width lowercase hex) sort in address order.
+    return sorted(out, key=lambda p: p.address)
 
 
 def new_work(actions: list[Action]) -> list[Action]:

@@ -43,7 +43,7 @@ from gpulib.domain import (
     VgpuRequest,
     derive_uuid,
 )
-from gpulib.errors import DeviceError
+from gpulib.errors import DeviceError, InputError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, follow_definitions, open_store
@@ -58,15 +58,20 @@ from gpulib.pci import (
     physical_function,
 )
 from gpulib.plan import (
+    BRIDGE_BASE_CLASS,
     Action,
+    AddGroupPeer,
     CreateDerived,
     HostFacts,
     KeepMdev,
     MdevFacts,
     PciFacts,
+    PeerFacts,
     RecreateMdev,
     Refusals,
+    UsePci,
     UseVf,
+    plan_group_peers,
     plan_named,
 )
 from gpulib.state import Device, State, VgpuRecord, utc_now, validate_vm_name
@@ -78,7 +83,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BRIDGE_BASE_CLASS = 0x06
 # Guest slots gpulib uses for a GPU that has no fixed guest address but needs
 # its group peers beside it; low slots are left to the machine's own devices.
 FIRST_GUEST_SLOT = 0x10
@@ -238,20 +242,21 @@ class Preparer:
             self._gpu_cache[address] = found
         return found
 
-    def _is_listed(self, address: PciAddress) -> bool:
-        """A GPU or a GPU's VF: a device discovery reports in its own right."""
-        # A VF whose own `physfn` loops is still found by its PF's `virtfnN` links.
-        physfn = physical_function(self.sysfs, address)
+    def _is_listed(self, address: PciAddress, physfn: Optional[PciAddress]) -> bool:
+        """A GPU or a GPU's VF: a device discovery reports in its own right.
+
+        `physfn`: its PF, as `physical_function` finds it (a VF whose own
+        `physfn` loops is still found by its PF's `virtfnN` links)."""
         if physfn is not None:
             return self._is_gpu_fn(physfn)
         return self._is_gpu_fn(address)
 
-    def _is_gpulibs(self, address: PciAddress) -> bool:
+    def _is_gpulibs(self, address: PciAddress, physfn: Optional[PciAddress]) -> bool:
         """A GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group."""
-        if self._is_listed(address):
+        if self._is_listed(address, physfn):
             return True
-        if self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn") is not None:
-            return False
+        if physfn is not None:
+            return False  # a VF of a device that is no GPU
         group = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/iommu_group")
         if group is None or not group.isdigit():
             return False
@@ -359,10 +364,16 @@ class Preparer:
                 rec = state.vgpus.get(uuid)
                 parent = f.live[0] if f.live is not None else \
                     f.defined[0] if f.defined is not None else rec.parent if rec else None
-                if parent is not None:
-                    physfn[parent] = self.sysfs.link_name(
-                        f"sys/bus/pci/devices/{parent}/physfn")
+                if parent is not None and parent not in physfn:
+                    of_parent = None
+                    try:
+                        of_parent = physical_function(self.sysfs, PciAddress.parse(parent))
+                    except InputError:
+                        pass  # not an address: no PF either
+                    physfn[parent] = str(of_parent) if of_parent is not None else None
         pci: dict[str, PciFacts] = {}
+        groups: dict[str, tuple[PeerFacts, ...]] = {}
+        peers_wanted = self._peers_wanted()
         for addr in addresses:
             ident = str(addr)
             if ident in pci:
@@ -370,15 +381,45 @@ class Preparer:
             if not self.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
                 pci[ident] = PciFacts(False, False, None, None, False, None)
                 continue
-            gpulibs = self._is_gpulibs(addr)
-            pf = self.sysfs.link_name(f"sys/bus/pci/devices/{addr}/physfn")
+            physfn_of = physical_function(self.sysfs, addr)
+            pf = str(physfn_of) if physfn_of is not None else None
+            gpulibs = self._is_gpulibs(addr, physfn_of)
             vendor = None
             if gpulibs and nvidia.is_vendor_vf(self.sysfs, addr):
                 vendor = nvidia.current_type(self.sysfs, addr) or 0
             whole = gpulibs and vendor is None and pf is None and self._is_gpu_fn(addr)
             why = self._whole_gpu_refusal(state, addr) if whole else None
             pci[ident] = PciFacts(True, gpulibs, pf, vendor, whole, why)
-        return HostFacts(mdevs, pci, physfn)
+            if peers_wanted and gpulibs and vendor is None:
+                members = self._group_facts(addr, set(addresses))
+                if members:
+                    groups[ident] = members
+        return HostFacts(mdevs, pci, physfn, groups)
+
+    def _peers_wanted(self) -> bool:
+        return self.edit_xml and self.config.get_bool("transformer", "add_group_functions")
+
+    def _group_facts(self, address: PciAddress, named: set[PciAddress]
+                     ) -> Optional[tuple[PeerFacts, ...]]:
+        """The other functions of a display-class function's IOMMU group (those
+        the domain names aside: they are never added); None: not one, or no group."""
+        rel = f"sys/bus/pci/devices/{address}"
+        klass = self.sysfs.read_id(rel + "/class", 24)
+        if klass is None or klass >> 16 not in (0x03, 0x12):
+            return None
+        group = self.sysfs.link_name(rel + "/iommu_group")
+        if not group or not group.isdigit() or len(group) > 9:
+            return None
+        out = []
+        for member in iommu_group_members(self.sysfs, int(group)):
+            if member == address or member in named:
+                continue
+            peer_class, why = self._peer_class(member)
+            # Whether it is a device of its own matters only for an endpoint.
+            listed = peer_class is not None and peer_class >> 16 != BRIDGE_BASE_CLASS and \
+                self._is_listed(member, physical_function(self.sysfs, member))
+            out.append(PeerFacts(str(member), peer_class, why, listed))
+        return tuple(out)
 
     def _apply_named(self, state: State, occ: Occupancy, journal: Journal,
                      actions: list[Action], addresses: list[PciAddress],
@@ -418,12 +459,15 @@ class Preparer:
                     h.managed = False
                     log.info("%s: NVIDIA vGPU VF %s set to managed='no'", self.vm, addr)
                 devices.append(Device("vf", action.address, on_demand=action.on_demand))
-            else:
+            elif isinstance(action, UsePci):
                 h, addr = hostdevs[action.at], addresses[action.at]
                 self._display_note(h, addr)
                 devices.append(Device("pci", action.address))
-                if self.edit_xml and self.config.get_bool("transformer", "add_group_functions"):
-                    devices += self._add_group_peers(h, occ)
+                peers = [a.address for a in actions
+                         if isinstance(a, AddGroupPeer) and a.gpu == action.address]
+                if peers:
+                    devices += self._place_peers(h, peers)
+            # AddGroupPeer: placed with its GPU (above), on the GPU's guest slot.
         return devices
 
     def _display_note(self, h: PciHostdev, addr: PciAddress) -> None:
@@ -433,61 +477,48 @@ class Preparer:
 
     def _add_group_peers(self, h: PciHostdev, occ: Optional[Occupancy] = None
                          ) -> list[Device]:
-        fn = PciFunction.read(self.sysfs, h.address)
-        if fn.iommu_group is None or fn.class_code >> 8 not in (0x03, 0x12):
-            return []
+        """Plan and place the group peers of one GPU hostdev (`occ`: who holds
+        what; None where it is not known, as in an offline edit)."""
         named = {x.address for x in self.dom.pci_hostdevs()}
-        peers = []
-        for member in iommu_group_members(self.sysfs, fn.iommu_group):
-            if member == h.address or member in named:
-                continue
-            klass = self._peer_class(h.address, member)
-            if klass >> 16 == BRIDGE_BASE_CLASS:
-                continue  # bridges stay with the host; only endpoints go along
-            if self._is_listed(member):
-                # Another GPU (or a GPU's VF) of a shared group is a device of
-                # its own that the agent tracks and may give to no one else
-                # while this VM runs (the occupancy's group index), not a
-                # companion to hand over.
-                continue
-            if occ is not None:
-                self._refuse(occ, "pci", str(member))
-            peers.append(member)
-        if not peers:
+        members = self._group_facts(h.address, named)
+        if not members:
             return []
+        refusals = None if occ is None else Refusals(
+            occ, self.vm, strict=self.config.get_bool("transformer", "refuse_in_use"))
+        peers = plan_group_peers(str(h.address), members, {str(a) for a in named}, refusals)
+        return self._place_peers(h, [p.address for p in peers])
+
+    def _place_peers(self, h: PciHostdev, peers: list[str]) -> list[Device]:
+        """Add the peers beside their GPU: functions 1.. of its guest slot."""
         guest = h.guest_address or PciAddress(0, 0, self._free_guest_slot(), 0)
         if guest.function != 0 or len(peers) > 7:
             log.warning("%s: cannot place the group peers of %s beside it", self.vm, h.address)
             return []
         h.set_guest_address(guest, multifunction=True)
         out = []
-        for i, member in enumerate(sorted(peers), start=1):
-            self.dom.add_pci_hostdev(member, managed=h.managed,
+        for i, member in enumerate(peers, start=1):
+            self.dom.add_pci_hostdev(PciAddress.parse(member), managed=h.managed,
                                      guest_address=PciAddress(guest.domain, guest.bus,
                                                               guest.slot, i))
             log.info("%s: added %s, in the IOMMU group of %s", self.vm, member, h.address)
-            out.append(Device("pci", str(member)))
+            out.append(Device("pci", member))
         return out
 
-    def _peer_class(self, gpu: PciAddress, member: PciAddress) -> int:
-        """A group peer's class; a clear error when it cannot be known (a
-        bridge must never go to a guest, so an unknown class is not guessed)."""
+    def _peer_class(self, member: PciAddress) -> tuple[Optional[int], str]:
+        """A group peer's class, or None and why it cannot be known (the planner
+        refuses then: a bridge must never go to a guest, so it is not guessed)."""
         rel = f"sys/bus/pci/devices/{member}/class"
         raw = self.sysfs.read_result(rel)
         if isinstance(raw, ReadFailure):
-            reason = raw.reason
-        else:
-            text = raw.decode("ascii", "replace").strip()
-            try:
-                klass = int(text, 16) if len(text) <= 8 else -1
-            except ValueError:
-                klass = -1
-            if 0 <= klass <= 0xFFFFFF:
-                return klass
-            reason = "not a PCI class code"
-        raise DeviceError(f"cannot read the PCI class of {member}, in the IOMMU group of "
-                          f"{gpu}: {reason} (set add_group_functions = no in [transformer] "
-                          "of gpulib.conf to pass the GPU without its group)")
+            return None, raw.reason
+        text = raw.decode("ascii", "replace").strip()
+        try:
+            klass = int(text, 16) if len(text) <= 8 else -1
+        except ValueError:
+            klass = -1
+        if 0 <= klass <= 0xFFFFFF:
+            return klass, ""
+        return None, "not a PCI class code"
 
     def _free_guest_slot(self) -> int:
         used = set()
