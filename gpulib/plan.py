@@ -255,5 +255,5 @@ def plan_group_peers(gpu: str, members: tuple[PeerFacts, ...], named: set[str],
 
 def new_work(actions: list[Action]) -> list[Action]:
     """The actions that change the host (a plan of only these is a no-op)."""
-    return [a for a in actions if isinstance(a, (RecreateMdev, CreateDerived)) or
+    return [a for a in actions if isinstance(a, (RecreateMdev, CreateDerived, AddGroupPeer)) or
             (isinstance(a, UseVf) and a.set_type is not None)]
