@@ -107,6 +107,9 @@ class Allocator:
         self._types: dict[tuple[PciAddress, str], mdev.MdevType] = {}
         # Each GPU's load when this allocator started; what it gives is added_load.
         self._base_load: dict[PciAddress, int] = {}
+        # What it chose: never chosen again, even for the same VM (the occupancy
+        # only keeps a device from other VMs).
+        self._chosen: set[str] = set()
 
     def _held(self, node: str, vm: Optional[str] = None) -> bool:
         return self.occ.is_held(node, vm)
@@ -146,7 +149,7 @@ class Allocator:
     def _pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
         out = []
         for uuid, rec in sorted(self.state.vgpus.items()):
-            if rec.pool is None or self._held(uuid, vm):
+            if rec.pool is None or uuid in self._chosen or self._held(uuid, vm):
                 continue
             try:
                 parent = PciAddress.parse(rec.parent)
@@ -168,7 +171,7 @@ class Allocator:
             out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),
                                  AllocateVgpu(uuid, rec.parent, rec.type_id, False, rec.pool)))
         for addr, vrec in sorted(self.state.vf_types.items()):
-            if vrec.pool is None or self._held(addr, vm):
+            if vrec.pool is None or addr in self._chosen or self._held(addr, vm):
                 continue
             if not req.matches_vendor(vrec.type_id, vrec.name):
                 continue
@@ -204,7 +207,8 @@ class Allocator:
                                          self._load(gpu), action))
             for vf in gpu.vfs:
                 nv = vf.nvidia
-                if nv is None or nv.current_type or self._held(str(vf.address), vm) or \
+                if nv is None or nv.current_type or str(vf.address) in self._chosen or \
+                        self._held(str(vf.address), vm) or \
                         self._unmanaged(gpu, vf.address) or \
                         str(vf.address) in self.state.vf_types:
                     continue
@@ -242,7 +246,9 @@ class Allocator:
         action = chosen.action
         if isinstance(action, AllocateVgpu) and not action.uuid:
             action = action._replace(uuid=uuid_for())
-        self._hold(vm, action.uuid if isinstance(action, AllocateVgpu) else action.address)
+        ident = action.uuid if isinstance(action, AllocateVgpu) else action.address
+        self._chosen.add(ident)
+        self._hold(vm, ident)
         gpu_addr = chosen.gpu.address
         self.added_load[gpu_addr] = self.added_load.get(gpu_addr, 0) + 1
         return action
@@ -273,9 +279,11 @@ class Allocator:
             if len(out) == req.count:
                 break
             if not gpu_matches(req, gpu) or self._unmanaged(gpu) or \
+                    str(gpu.address) in self._chosen or \
                     self._held(str(gpu.address), vm) or not gpu.passthrough_enabled or \
                     not self._numa_ok(gpu, req.numa):
                 continue
+            self._chosen.add(str(gpu.address))
             self._hold(vm, str(gpu.address))
             out.append(AllocatePci(str(gpu.address)))
         if len(out) < req.count:
