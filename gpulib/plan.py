@@ -21,6 +21,10 @@ Actions:
 * `AddGroupPeer`  an endpoint of a named GPU's IOMMU group (its HDMI audio,
                   say) the domain does not name: added to the XML beside the
                   GPU, on the GPU's guest slot.
+
+A gpulib metadata request is served by what the VM holds first (`unmet`
+decides what is left, from `HeldFacts`); the rest the allocator
+(`gpulib.allocator`) chooses as `AllocateVgpu` / `AllocateVf` / `AllocatePci`.
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
+from gpulib.domain import GpuRequest, VgpuRequest
 from gpulib.errors import DeviceError
 from gpulib.occupancy import Occupancy, refusal
 
 if TYPE_CHECKING:
-    from gpulib.domain import VgpuRequest
     from gpulib.state import State
 
 log = logging.getLogger(__name__)
@@ -257,3 +261,48 @@ def new_work(actions: list[Action]) -> list[Action]:
     """The actions that change the host (a plan of only these is a no-op)."""
     return [a for a in actions if isinstance(a, (RecreateMdev, CreateDerived, AddGroupPeer)) or
             (isinstance(a, UseVf) and a.set_type is not None)]
+
+
+class HeldFacts(NamedTuple):
+    """One device a VM holds (named or kept), as a request sees it: at most one
+    of the three is set (none: it serves nothing, a group peer say)."""
+
+    id: str
+    mdev_type: Optional[tuple[str, Optional[str]]] = None  # a vGPU's type id and name
+    vf_type: Optional[tuple[int, Optional[str]]] = None  # an NVIDIA VF's type id and name
+    gpu: Optional[tuple[int, int, str]] = None  # a whole GPU's vendor, device, name
+
+
+def unmet(request: GpuRequest, derived: dict[str, int], held: list[HeldFacts]) -> GpuRequest:
+    """What of `request` the devices a VM holds do not serve yet.
+
+    `derived`: the UUIDs the domain's request derives, with the index of the
+    item each serves. Any other held vGPU or VF serves the first item of its
+    type with room left, a whole GPU the first passthrough item of its model.
+    So a domain that holds what it asks for asks for nothing more.
+    """
+    left = [item.count for item in request.items]
+    for d in held:
+        fits: list[int] = []
+        if d.id in derived:
+            fits = [derived[d.id]]
+        elif d.mdev_type is not None:
+            tid, name = d.mdev_type
+            fits = [i for i, item in enumerate(request.items)
+                    if isinstance(item, VgpuRequest) and item.matches_type(tid, name)]
+        elif d.vf_type is not None:
+            vtid, vname = d.vf_type
+            fits = [i for i, item in enumerate(request.items)
+                    if isinstance(item, VgpuRequest) and vtid and
+                    item.matches_vendor(vtid, vname)]
+        elif d.gpu is not None:
+            vendor, device, model = d.gpu
+            fits = [i for i, item in enumerate(request.items)
+                    if not isinstance(item, VgpuRequest) and
+                    item.matches_device(vendor, device, model)]
+        for i in fits:
+            if left[i] > 0:
+                left[i] -= 1
+                break
+    return GpuRequest(tuple(item._replace(count=n)
+                            for item, n in zip(request.items, left) if n > 0))

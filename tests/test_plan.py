@@ -12,13 +12,14 @@ from typing import Any, Optional
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from gpulib.domain import VgpuRequest
+from gpulib.domain import GpuRequest, PassthroughRequest, VgpuRequest
 from gpulib.errors import DeviceError
 from gpulib.occupancy import ACTIVE, PENDING, Hold, Occupancy, Tree
 from gpulib.plan import (
     Action,
     AddGroupPeer,
     CreateDerived,
+    HeldFacts,
     HostFacts,
     KeepMdev,
     MdevFacts,
@@ -30,6 +31,7 @@ from gpulib.plan import (
     UseVf,
     new_work,
     plan_named,
+    unmet,
 )
 from gpulib.state import Allocation, Device, State, VfRecord, VgpuRecord
 
@@ -236,3 +238,69 @@ def test_group_peers_are_the_named_gpus_unnamed_endpoints(host: Any) -> None:
     for gpu in used:
         if facts.groups.get(gpu) and AUDIO[gpu] not in addresses:
             assert AddGroupPeer(gpu, AUDIO[gpu]) in peers
+
+
+# -- what of a metadata request the VM's devices do not serve yet --------------------------------
+
+PROFILES = ["GRID T4-1Q", "GRID T4-2Q"]
+ITEM = st.one_of(
+    st.builds(VgpuRequest, st.sampled_from(PROFILES), st.none(), st.integers(1, 3)),
+    st.builds(PassthroughRequest, st.sampled_from(["10de:1eb8", "tesla"]), st.integers(1, 2)))
+
+
+def _serving(item: Any, n: int, tag: str) -> list[HeldFacts]:
+    """`n` held devices that serve `item`: vGPUs (mdev or vendor VF) or whole GPUs."""
+    if isinstance(item, VgpuRequest):
+        return [HeldFacts(f"{tag}{k}", mdev_type=("nvidia-1", item.profile)) if k % 2 else
+                HeldFacts(f"{tag}{k}", vf_type=(558, item.profile)) for k in range(n)]
+    return [HeldFacts(f"{tag}{k}", gpu=(0x10DE, 0x1EB8, "TU104GL [Tesla T4]"))
+            for k in range(n)]
+
+
+def _key(item: Any) -> str:
+    return item.profile if isinstance(item, VgpuRequest) else "gpu"
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(ITEM, min_size=1, max_size=4), data=st.data())
+def test_unmet_is_what_the_held_devices_leave_and_nothing_once_served(items: Any,
+                                                                     data: Any) -> None:
+    request = GpuRequest(tuple(items))
+    held: list[HeldFacts] = []
+    for i, item in enumerate(items):
+        held += _serving(item, data.draw(st.integers(0, item.count + 1)), f"h{i}-")
+    # Devices that serve nothing: a group peer, a vGPU of a type not asked for,
+    # an untyped VF.
+    held += data.draw(st.lists(st.sampled_from([
+        HeldFacts("peer"), HeldFacts("other", mdev_type=("nvidia-9", "GRID T4-16Q")),
+        HeldFacts("untyped", vf_type=(0, None))]), unique=True))
+    held = data.draw(st.permutations(held))
+    left = unmet(request, {}, held)
+    # Per kind of device, what is asked minus what serves it (never below 0).
+    asked: dict[str, int] = {}
+    for item in items:
+        asked[_key(item)] = asked.get(_key(item), 0) + item.count
+    served = {"gpu": sum(1 for h in held if h.gpu is not None)}
+    for p in PROFILES:
+        served[p] = sum(1 for h in held if (h.mdev_type or h.vf_type or (0, None))[1] == p)
+    wanted: dict[str, int] = {}
+    for item in left.items:
+        assert item.count > 0
+        wanted[_key(item)] = wanted.get(_key(item), 0) + item.count
+    assert wanted == {k: n - served[k] for k, n in asked.items() if n > served[k]}
+    # What is left, once held too, leaves nothing: the transformer run on its
+    # own output allocates nothing more.
+    more = [h for i, item in enumerate(left.items) for h in _serving(item, item.count, f"n{i}-")]
+    assert unmet(request, {}, held + more) == GpuRequest(())
+
+
+@given(counts=st.lists(st.integers(1, 3), min_size=1, max_size=3), data=st.data())
+def test_a_derived_uuid_serves_its_own_item(counts: list[int], data: Any) -> None:
+    """Even when it is of another item's type: its place in the request decides."""
+    items = tuple(VgpuRequest(PROFILES[0], None, n) for n in counts)
+    derived = {f"d{k}": i for i, n in enumerate(counts) for k in range(sum(counts[:i]),
+                                                                      sum(counts[:i]) + n)}
+    chosen = data.draw(st.lists(st.sampled_from(sorted(derived)), unique=True))
+    left = unmet(GpuRequest(items), derived, [HeldFacts(u) for u in chosen])
+    expect = [n - sum(1 for u in chosen if derived[u] == i) for i, n in enumerate(counts)]
+    assert [item.count for item in left.items] == [n for n in expect if n > 0]

@@ -32,7 +32,7 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev, nvidia
-from gpulib.allocator import Allocator, gpu_matches, record, release
+from gpulib.allocator import Allocator, record, release
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
 from gpulib.domain import (
@@ -62,6 +62,7 @@ from gpulib.plan import (
     Action,
     AddGroupPeer,
     CreateDerived,
+    HeldFacts,
     HostFacts,
     KeepMdev,
     MdevFacts,
@@ -73,6 +74,7 @@ from gpulib.plan import (
     UseVf,
     plan_group_peers,
     plan_named,
+    unmet,
 )
 from gpulib.state import Device, State, VgpuRecord, utc_now, validate_vm_name
 from gpulib.sysfs import ReadFailure
@@ -671,13 +673,8 @@ class Preparer:
 
     def _unmet(self, state: State, occ: Occupancy, request: GpuRequest,
                held: list[Device]) -> GpuRequest:
-        """What of `request` the devices this VM holds do not serve yet.
-
-        A derived UUID serves the item its index falls in; any other held vGPU
-        or VF serves the first item of its type with room left, a whole GPU the
-        first passthrough item of its model. Group peers serve nothing.
-        """
-        left = [item.count for item in request.items]
+        """What of `request` the devices this VM holds do not serve yet (the
+        planner's `unmet`, from the held devices' types read now)."""
         index: dict[str, int] = {}
         if self.domain_uuid is not None:
             k = 0
@@ -686,43 +683,43 @@ class Preparer:
                     for _ in range(item.count):
                         index[derive_uuid(self.domain_uuid, k)] = i
                         k += 1
+        return unmet(request, index, self._held_facts(state, occ, request, held, index))
+
+    def _held_facts(self, state: State, occ: Occupancy, request: GpuRequest,
+                    held: list[Device], derived: dict[str, int]) -> list[HeldFacts]:
+        """What a request needs to know of the devices a VM holds: a vGPU's or a
+        VF's type, a whole GPU's model (read only when the request asks for one)."""
+        out = []
         inventory: Optional[Inventory] = None
         for d in held:
-            fits: list[int] = []
-            if d.id in index:
-                fits = [index[d.id]]
+            if d.id in derived:
+                out.append(HeldFacts(d.id))
             elif d.kind == "mdev":
                 m = mdev.read_mdev(self.sysfs, d.id)
                 rec = state.vgpus.get(d.id)
                 source = (m.parent, m.type_id) if m is not None else \
                     (PciAddress.parse(rec.parent), rec.type_id) if rec is not None else None
-                if source is not None:
-                    t = mdev.MdevType(self.sysfs, source[0], source[1])
-                    fits = [i for i, item in enumerate(request.items)
-                            if isinstance(item, VgpuRequest) and
-                            item.matches_type(t.type_id, t.name)]
+                if source is None:
+                    out.append(HeldFacts(d.id))
+                    continue
+                t = mdev.MdevType(self.sysfs, source[0], source[1])
+                out.append(HeldFacts(d.id, mdev_type=(t.type_id, t.name)))
             elif d.kind == "vf":
                 rec_v = state.vf_types.get(d.id)
                 tid = rec_v.type_id if rec_v is not None else \
                     nvidia.current_type(self.sysfs, PciAddress.parse(d.id))
-                name = rec_v.name if rec_v is not None else None
-                fits = [i for i, item in enumerate(request.items)
-                        if isinstance(item, VgpuRequest) and tid and
-                        item.matches_vendor(tid, name)]
+                out.append(HeldFacts(d.id, vf_type=(tid or 0,
+                                                    rec_v.name if rec_v is not None else None)))
             elif request.passthrough and self._is_gpu(d.id):
                 if inventory is None:
                     inventory = self._inventory(state, occ)
                 owner = inventory.owner_of(PciAddress.parse(d.id))
-                if owner is not None and owner[1] is None:
-                    fits = [i for i, item in enumerate(request.items)
-                            if not isinstance(item, VgpuRequest) and
-                            gpu_matches(item, owner[0])]
-            for i in fits:
-                if left[i] > 0:
-                    left[i] -= 1
-                    break
-        return GpuRequest(tuple(item._replace(count=n)
-                                for item, n in zip(request.items, left) if n > 0))
+                gpu = owner[0] if owner is not None and owner[1] is None else None
+                out.append(HeldFacts(d.id, gpu=None if gpu is None else (
+                    gpu.fn.vendor_id, gpu.fn.device_id, gpu.device_name)))
+            else:
+                out.append(HeldFacts(d.id))
+        return out
 
     def _insert(self, devices: list[Device], occ: Occupancy) -> list[Device]:
         """Put devices into the XML; returns the group peers added beside GPUs."""
