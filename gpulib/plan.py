@@ -24,7 +24,9 @@ Actions:
 
 A gpulib metadata request is served by what the VM holds first (`unmet`
 decides what is left, from `HeldFacts`); the rest the allocator
-(`gpulib.allocator`) chooses as `AllocateVgpu` / `AllocateVf` / `AllocatePci`.
+(`gpulib.allocator`) chooses as `AllocateVgpu` / `AllocateVf` / `AllocatePci`,
+one instance at a time, each applied before the next is chosen (the next
+reads the capacity the last one used).
 """
 
 from __future__ import annotations

@@ -16,12 +16,17 @@ A start is planned, then applied, inside one state transaction:
   IOMMU group, is refused; so is a whole GPU whose vGPU use is declared or
   whose VFs are enabled. PCI devices that are neither GPUs nor a GPU's VFs
   nor a GPU's group peers are not gpulib's: left alone, recorded nowhere.
+  The planner also picks a named GPU's IOMMU-group companions
+  (`AddGroupPeer`) and, for a metadata request, what the VM's devices leave
+  unmet (`unmet`, from `HeldFacts`).
 * apply: mdevs not live but known (registry, mdevctl) are created again, an
-  NVIDIA vendor VF gets its recorded type, on-demand vGPUs whose UUID the
-  XML fixes are created, gpulib metadata requests are allocated and
-  inserted; every sysfs write goes through a Journal (write-ahead intent in
-  the state, undo in reverse order on any failure, then the first error's
-  exit code);
+  NVIDIA vendor VF gets its recorded type, group peers are placed beside
+  their GPU, on-demand vGPUs whose UUID the XML fixes are created, and what
+  a metadata request still needs is chosen by the allocator (a typed
+  choice per instance, applied before the next is chosen: the next reads
+  the capacity the last one used) and inserted; every sysfs write goes
+  through a Journal (write-ahead intent in the state, undo in reverse order
+  on any failure, then the first error's exit code);
 * the allocation is recorded pending (with this boot's id and clock);
   onStart (or the VM showing up running) makes it active.
 """
