@@ -53,7 +53,7 @@ from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, follow_definitions, open_store
 from gpulib.mdevctl import Definition, read_definitions
-from gpulib.occupancy import Occupancy, declaring_pools, refusal, whole_gpu_refusal
+from gpulib.occupancy import Occupancy, declaring_pools, whole_gpu_refusal
 from gpulib.pci import (
     PciAddress,
     PciFunction,
@@ -222,21 +222,6 @@ class Preparer:
                        clock=boot_clock(self.ctx)).status = "active"
 
     # -- checks ---------------------------------------------------------------------------
-    def _refuse(self, occ: Occupancy, kind: str, ident: str) -> None:
-        message = refusal(occ, kind, ident, self.vm)
-        if message is None:
-            return
-        if self.config.get_bool("transformer", "refuse_in_use"):
-            raise DeviceError(message)
-        log.warning("%s: %s (refuse_in_use = no: starting anyway)", self.vm, message)
-
-    def _unmanaged(self, state: State, address: PciAddress) -> bool:
-        """An unmanaged device (or a VF or vGPU of an unmanaged GPU) is left alone."""
-        if str(address) in state.unmanaged:
-            return True
-        physfn = physical_function(self.sysfs, address)
-        return physfn is not None and str(physfn) in state.unmanaged
-
     def _is_gpu_fn(self, address: PciAddress) -> bool:
         """Whether discovery counts this function as a GPU (its include/exclude too)."""
         found = self._gpu_cache.get(address)
