@@ -18,6 +18,7 @@ Actions:
 * `UseVf`         an NVIDIA vendor VF (with `set_type` when its type must be
                   set again);
 * `UsePci`        a GPU or one of its group peers, passed whole;
+* `RetypeVf`      a VF a VM holds (a retried start) that lost its type;
 * `AddGroupPeer`  an endpoint of a named GPU's IOMMU group (its HDMI audio,
                   say) the domain does not name: added to the XML beside the
                   GPU, on the GPU's guest slot.
@@ -39,7 +40,7 @@ from gpulib.errors import DeviceError
 from gpulib.occupancy import Occupancy, refusal
 
 if TYPE_CHECKING:
-    from gpulib.state import State
+    from gpulib.state import Device, State
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,15 @@ class AddGroupPeer(NamedTuple):
     address: str
 
 
-Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci, AddGroupPeer]
+class RetypeVf(NamedTuple):
+    """An NVIDIA vendor VF a VM holds that lost its vGPU type: given it again."""
+
+    address: str
+    type_id: int
+    on_demand: bool
+
+
+Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci, AddGroupPeer, RetypeVf]
 
 BRIDGE_BASE_CLASS = 0x06
 
@@ -261,8 +270,30 @@ def plan_group_peers(gpu: str, members: tuple[PeerFacts, ...], named: set[str],
 
 def new_work(actions: list[Action]) -> list[Action]:
     """The actions that change the host (a plan of only these is a no-op)."""
-    return [a for a in actions if isinstance(a, (RecreateMdev, CreateDerived, AddGroupPeer)) or
+    return [a for a in actions if isinstance(a, (RecreateMdev, CreateDerived, AddGroupPeer,
+                                                 RetypeVf)) or
             (isinstance(a, UseVf) and a.set_type is not None)]
+
+
+def plan_kept(devices: list[Device], state: State, live: set[str], typed: set[str]
+              ) -> list[Action]:
+    """What makes ready again the devices a VM holds and asks for again (a
+    retried start): a vGPU gpulib records that is not live (a reboot, a hand
+    removal) is created again, a VF that lost its recorded type gets it back,
+    so a VM is never handed a vGPU that is not there.
+
+    `live`: the recorded vGPUs among them that are live; `typed`: the recorded
+    VFs among them that have a type.
+    """
+    out: list[Action] = []
+    for d in devices:
+        rec = state.vgpus.get(d.id) if d.kind == "mdev" else None
+        if rec is not None and d.id not in live:
+            out.append(RecreateMdev(d.id, rec.parent, rec.type_id, rec.on_demand))
+        rec_v = state.vf_types.get(d.id) if d.kind == "vf" else None
+        if rec_v is not None and d.id not in typed:
+            out.append(RetypeVf(d.id, rec_v.type_id, rec_v.on_demand))
+    return out
 
 
 class HeldFacts(NamedTuple):

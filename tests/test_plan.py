@@ -27,9 +27,11 @@ from gpulib.plan import (
     PeerFacts,
     RecreateMdev,
     Refusals,
+    RetypeVf,
     UsePci,
     UseVf,
     new_work,
+    plan_kept,
     plan_named,
     unmet,
 )
@@ -304,3 +306,42 @@ def test_a_derived_uuid_serves_its_own_item(counts: list[int], data: Any) -> Non
     left = unmet(GpuRequest(items), derived, [HeldFacts(u) for u in chosen])
     expect = [n - sum(1 for u in chosen if derived[u] == i) for i, n in enumerate(counts)]
     assert [item.count for item in left.items] == [n for n in expect if n > 0]
+
+
+# -- the devices a VM holds and asks for again (a retried start) ----------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_kept_devices_are_made_ready_once(data: Any) -> None:
+    """Only recorded vGPUs that are not live and recorded VFs without a type are
+    planned, each once; applied, the plan made again is empty."""
+    state = State()
+    devices = []
+    for u in data.draw(st.lists(st.sampled_from(UUIDS), unique=True, max_size=4)):
+        if data.draw(st.booleans()):
+            state.vgpus[u] = VgpuRecord(data.draw(st.sampled_from(PARENTS)), TYPE, None,
+                                        data.draw(st.booleans()), "x")
+        devices.append(Device("mdev", u))
+    for a in data.draw(st.lists(st.sampled_from(list(PHYSFN)), unique=True, max_size=3)):
+        if data.draw(st.booleans()):
+            state.vf_types[a] = VfRecord(558, None, None, data.draw(st.booleans()))
+        devices.append(Device("vf", a))
+    devices += [Device("pci", p) for p in data.draw(st.lists(st.sampled_from(PFS), unique=True))]
+    ids = [d.id for d in devices]
+    live = {i for i in ids if data.draw(st.booleans())}
+    typed = {i for i in ids if data.draw(st.booleans())}
+    actions = plan_kept(devices, state, live, typed)
+    assert new_work(actions) == actions
+    made = [a.uuid if isinstance(a, RecreateMdev) else a.address for a in actions]
+    assert len(set(made)) == len(made)
+    for a in actions:
+        if isinstance(a, RecreateMdev):
+            rec = state.vgpus[a.uuid]
+            assert a.uuid not in live and (a.parent, a.type_id) == (rec.parent, rec.type_id)
+        else:
+            assert isinstance(a, RetypeVf) and a.address not in typed
+            assert a.type_id == state.vf_types[a.address].type_id
+    missing = {u for u in state.vgpus if u not in live} | \
+        {v for v in state.vf_types if v not in typed}
+    assert set(made) == missing
+    assert plan_kept(devices, state, live | set(made), typed | set(made)) == []

@@ -75,9 +75,11 @@ from gpulib.plan import (
     PeerFacts,
     RecreateMdev,
     Refusals,
+    RetypeVf,
     UsePci,
     UseVf,
     plan_group_peers,
+    plan_kept,
     plan_named,
     unmet,
 )
@@ -578,16 +580,17 @@ class Preparer:
         if previous is not None and previous.domain_uuid == self.domain_uuid:
             # Asked again for the same VM (a retried start): give what it holds.
             again = [d for d in previous.devices if d.id not in have]
-            for d in again:
-                # Never hand out a vGPU that is not live (a reboot, a hand removal).
-                rec = state.vgpus.get(d.id) if d.kind == "mdev" else None
-                if rec is not None and mdev.read_mdev(self.sysfs, d.id) is None:
-                    journal.create_mdev(PciAddress.parse(rec.parent), rec.type_id, d.id,
-                                        rec.on_demand)
-                rec_v = state.vf_types.get(d.id) if d.kind == "vf" else None
-                if rec_v is not None and \
-                        not nvidia.current_type(self.sysfs, PciAddress.parse(d.id)):
-                    journal.set_vf_type(PciAddress.parse(d.id), rec_v.type_id, rec_v.on_demand)
+            live = {d.id for d in again if d.kind == "mdev" and d.id in state.vgpus and
+                    mdev.read_mdev(self.sysfs, d.id) is not None}
+            typed = {d.id for d in again if d.kind == "vf" and d.id in state.vf_types and
+                     nvidia.current_type(self.sysfs, PciAddress.parse(d.id))}
+            for action in plan_kept(again, state, live, typed):
+                if isinstance(action, RecreateMdev):
+                    journal.create_mdev(PciAddress.parse(action.parent), action.type_id,
+                                        action.uuid, action.on_demand)
+                elif isinstance(action, RetypeVf):
+                    journal.set_vf_type(PciAddress.parse(action.address), action.type_id,
+                                        action.on_demand)
         again += self._adopt_requested(state, occ, journal, request,
                                        have | {d.id for d in again})
         kept = again + self._insert(again, occ) if again else []
