@@ -22,7 +22,7 @@ start's Journal (write-ahead intents, rollback) when one is given.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
 from gpulib import mdev, nvidia
 from gpulib.errors import InputError, NotAvailableError
@@ -43,16 +43,48 @@ def gpu_matches(req: PassthroughRequest, gpu: Gpu) -> bool:
     return req.matches_device(gpu.fn.vendor_id, gpu.fn.device_id, gpu.device_name)
 
 
+class AllocateVgpu(NamedTuple):
+    """An mdev for a request: a pool member (made live again when it is not)
+    or a new on-demand vGPU."""
+
+    uuid: str
+    parent: str
+    type_id: str
+    on_demand: bool
+    pool: Optional[str] = None
+
+
+class AllocateVf(NamedTuple):
+    """An NVIDIA vendor VF for a request: a pool member (given its type again
+    when it lost it) or an idle VF given the type on demand."""
+
+    address: str
+    type_id: int
+    name: Optional[str]
+    on_demand: bool
+    pool: Optional[str] = None
+
+
+class AllocatePci(NamedTuple):
+    """A whole GPU for a passthrough request."""
+
+    address: str
+
+
+AllocationAction = Union[AllocateVgpu, AllocateVf, AllocatePci]
+
+
 class Candidate:
-    """One way to satisfy one instance of a request."""
+    """One way to satisfy one instance of a request (a new mdev's UUID is
+    given once it is chosen)."""
 
     def __init__(self, gpu: Gpu, kind: str, ident: str, load: int,
-                 make: Callable[[], Device]) -> None:
+                 action: Union[AllocateVgpu, AllocateVf]) -> None:
         self.gpu = gpu
         self.kind = kind
         self.ident = ident
         self.load = load
-        self.make = make
+        self.action = action
 
 
 class Allocator:
@@ -75,6 +107,9 @@ class Allocator:
         self._types: dict[tuple[PciAddress, str], mdev.MdevType] = {}
         # Each GPU's load when this allocator started; what it gives is added_load.
         self._base_load: dict[PciAddress, int] = {}
+        # What it chose: never chosen again, even for the same VM (the occupancy
+        # only keeps a device from other VMs).
+        self._chosen: set[str] = set()
 
     def _held(self, node: str, vm: Optional[str] = None) -> bool:
         return self.occ.is_held(node, vm)
@@ -116,7 +151,7 @@ class Allocator:
         for uuid, rec in sorted(self.state.vgpus.items()):
             # A member its GPU cannot recreate now would fail the start: the
             # hooks refuse it by name too (`Occupancy.unavailable`).
-            if rec.pool is None or self._held(uuid, vm) or \
+            if rec.pool is None or uuid in self._chosen or self._held(uuid, vm) or \
                     self.occ.unavailable(uuid) is not None:
                 continue
             try:
@@ -137,9 +172,9 @@ class Allocator:
             if not req.matches_type(t.type_id, t.name):
                 continue
             out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),
-                                 self._use_pool_mdev(uuid, rec, vm)))
+                                 AllocateVgpu(uuid, rec.parent, rec.type_id, False, rec.pool)))
         for addr, vrec in sorted(self.state.vf_types.items()):
-            if vrec.pool is None or self._held(addr, vm) or \
+            if vrec.pool is None or addr in self._chosen or self._held(addr, vm) or \
                     self.occ.unavailable(addr) is not None:
                 continue
             if not req.matches_vendor(vrec.type_id, vrec.name):
@@ -150,11 +185,10 @@ class Allocator:
             if not self._numa_ok(owner[0], req.numa):
                 continue
             out.append(Candidate(owner[0], "vf", addr, self._load(owner[0]),
-                                 self._use_pool_vf(addr, vrec, vm)))
+                                 AllocateVf(addr, vrec.type_id, vrec.name, False, vrec.pool)))
         return out
 
-    def _new_candidates(self, req: VgpuRequest, vm: str,
-                        uuid_for: Callable[[], str]) -> list[Candidate]:
+    def _new_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
         out: list[Candidate] = []
         for gpu in self.inv.gpus:
             if self._unmanaged(gpu) or not self._numa_ok(gpu, req.numa):
@@ -171,121 +205,141 @@ class Allocator:
                 avail = t.available_instances or 0
                 if avail <= 0:
                     continue
+                action = AllocateVgpu("", str(t.parent), t.type_id, True)
                 for _ in range(avail):
                     out.append(Candidate(gpu, "mdev", f"{t.parent}/{t.type_id}",
-                                         self._load(gpu), self._new_mdev(t, vm, uuid_for)))
+                                         self._load(gpu), action))
             for vf in gpu.vfs:
                 nv = vf.nvidia
-                if nv is None or nv.current_type or self._held(str(vf.address), vm) or \
+                if nv is None or nv.current_type or str(vf.address) in self._chosen or \
+                        self._held(str(vf.address), vm) or \
                         self._unmanaged(gpu, vf.address) or \
                         str(vf.address) in self.state.vf_types:
                     continue
                 for tid, name in nv.creatable.items():
                     if req.matches_vendor(tid, name):
                         out.append(Candidate(gpu, "vf", str(vf.address), self._load(gpu),
-                                             self._new_vf(vf.address, tid, name, vm)))
+                                             AllocateVf(str(vf.address), tid, name, True)))
                         break
         return out
 
-    # -- making devices ready -------------------------------------------------------------
-    def _use_pool_mdev(self, uuid: str, rec: VgpuRecord, vm: str) -> Callable[[], Device]:
-        def make() -> Device:
-            if mdev.read_mdev(self.sysfs, uuid) is None:
-                self._create(PciAddress.parse(rec.parent), rec.type_id, uuid, False)
-            return Device("mdev", uuid, on_demand=False)
-        return make
-
-    def _use_pool_vf(self, addr: str, rec: VfRecord, vm: str) -> Callable[[], Device]:
-        def make() -> Device:
-            vf = PciAddress.parse(addr)
-            if nvidia.current_type(self.sysfs, vf) != rec.type_id:
-                self._set_type(vf, rec.type_id, False)
-            return Device("vf", addr, on_demand=False)
-        return make
-
-    def _new_mdev(self, t: mdev.MdevType, vm: str,
-                  uuid_for: Callable[[], str]) -> Callable[[], Device]:
-        def make() -> Device:
-            uuid = uuid_for()
-            made = self._create(t.parent, t.type_id, uuid, True)
-            self.state.vgpus[made.uuid] = VgpuRecord(str(t.parent), t.type_id, None, True,
-                                                     utc_now())
-            return Device("mdev", made.uuid, on_demand=True)
-        return make
-
-    def _new_vf(self, vf: PciAddress, tid: int, name: Optional[str],
-                vm: str) -> Callable[[], Device]:
-        def make() -> Device:
-            self._set_type(vf, tid, True)
-            self.state.vf_types[str(vf)] = VfRecord(tid, name, None, True)
-            return Device("vf", str(vf), on_demand=True)
-        return make
-
-    def _create(self, parent: PciAddress, type_id: str, uuid: str,
-                on_demand: bool) -> mdev.Mdev:
-        if self.journal is not None:
-            return self.journal.create_mdev(parent, type_id, uuid, on_demand)
-        return mdev.create(self.sysfs, parent, type_id, uuid)
-
-    def _set_type(self, vf: PciAddress, type_id: int, on_demand: bool) -> None:
-        if self.journal is not None:
-            self.journal.set_vf_type(vf, type_id, on_demand)
-        else:
-            nvidia.set_type(self.sysfs, vf, type_id)
-
     # -- requests ----------------------------------------------------------------------------
+    def choose_vgpu(self, vm: str, req: VgpuRequest, uuid_for: Callable[[], str],
+                    fresh_only: bool = False, found: int = 0
+                    ) -> Union[AllocateVgpu, AllocateVf]:
+        """The device for one instance of `req`, held for `vm` from now on (this
+        allocator does not choose it again); nothing is written.
+
+        `uuid_for`: the UUID of a new vGPU (asked only when one is chosen);
+        `fresh_only`: only new vGPUs (the XML already fixes the UUID to use);
+        `found`: how many instances of `req` are chosen already (for the error).
+        The choice reads the host's present capacity: the caller applies it
+        (`apply_allocation`) before it asks for the next one.
+        """
+        pool = [] if fresh_only else self._order(self._pool_candidates(req, vm))
+        fresh = self._new_candidates(req, vm)
+        if fresh_only:
+            fresh = [c for c in fresh if c.kind == "mdev"]
+        cands = pool or self._order(fresh)
+        if not cands:
+            raise NotAvailableError(
+                f"no free vGPU of {req.label} for {vm}"
+                + (f" on NUMA node {req.numa}" if req.numa is not None else "")
+                + f" ({found} of {req.count} found)")
+        chosen = cands[0]
+        action = chosen.action
+        if isinstance(action, AllocateVgpu) and not action.uuid:
+            action = action._replace(uuid=uuid_for())
+        ident = action.uuid if isinstance(action, AllocateVgpu) else action.address
+        self._chosen.add(ident)
+        self._hold(vm, ident)
+        gpu_addr = chosen.gpu.address
+        self.added_load[gpu_addr] = self.added_load.get(gpu_addr, 0) + 1
+        return action
+
     def allocate_vgpus(self, vm: str, req: VgpuRequest, uuid_for: Callable[[], str],
                        fresh_only: bool = False) -> list[Device]:
-        """`fresh_only`: only new vGPUs (the XML already fixes the UUID to use)."""
+        """Choose and make ready `req.count` vGPUs (see `choose_vgpu`)."""
         devices: list[Device] = []
-        made: list[Device] = []
         try:
             for _ in range(req.count):
-                pool = [] if fresh_only else self._order(self._pool_candidates(req, vm))
-                fresh = self._new_candidates(req, vm, uuid_for)
-                if fresh_only:
-                    fresh = [c for c in fresh if c.kind == "mdev"]
-                cands = pool or self._order(fresh)
-                if not cands:
-                    raise NotAvailableError(
-                        f"no free vGPU of {req.label} for {vm}"
-                        + (f" on NUMA node {req.numa}" if req.numa is not None else "")
-                        + f" ({len(devices)} of {req.count} found)")
-                dev = cands[0].make()
-                made.append(dev)
-                self._hold(vm, dev.id)
-                gpu_addr = cands[0].gpu.address
-                self.added_load[gpu_addr] = self.added_load.get(gpu_addr, 0) + 1
-                devices.append(dev)
+                action = self.choose_vgpu(vm, req, uuid_for, fresh_only, len(devices))
+                devices.append(apply_allocation(self.sysfs, self.state, self.journal, action))
         except Exception:
             # Roll back what this request created: a half-done allocation
             # must not leave vGPUs nobody will ever release. With a journal,
             # the start rolls back everything it did, this request included.
             if self.journal is None:
-                for dev in reversed(made):
+                for dev in reversed(devices):
                     if dev.on_demand:
                         self.destroy(dev)
             raise
         return devices
 
-    def allocate_passthrough(self, vm: str, req: PassthroughRequest) -> list[Device]:
-        out: list[Device] = []
+    def choose_passthrough(self, vm: str, req: PassthroughRequest) -> list[AllocatePci]:
+        """The whole GPUs for `req`, held for `vm` from now on; nothing is written."""
+        out: list[AllocatePci] = []
         for gpu in sorted(self.inv.gpus, key=lambda g: str(g.address)):
             if len(out) == req.count:
                 break
             if not gpu_matches(req, gpu) or self._unmanaged(gpu) or \
+                    str(gpu.address) in self._chosen or \
                     self._held(str(gpu.address), vm) or not gpu.passthrough_enabled or \
                     not self._numa_ok(gpu, req.numa):
                 continue
+            self._chosen.add(str(gpu.address))
             self._hold(vm, str(gpu.address))
-            out.append(Device("pci", str(gpu.address)))
+            out.append(AllocatePci(str(gpu.address)))
         if len(out) < req.count:
             raise NotAvailableError(f"no free GPU matching {req.model!r} for {vm} "
                                     f"({len(out)} of {req.count} found)")
         return out
 
+    def allocate_passthrough(self, vm: str, req: PassthroughRequest) -> list[Device]:
+        return [Device("pci", a.address) for a in self.choose_passthrough(vm, req)]
+
     def destroy(self, dev: Device) -> None:
         destroy_device(self.sysfs, self.state, dev)
+
+
+def apply_allocation(sysfs: Sysfs, state: State, journal: Optional[Journal],
+                     action: AllocationAction) -> Device:
+    """Make a chosen device ready (through the start's journal when given:
+    write-ahead intent, undone on its rollback) and record a new one."""
+    if isinstance(action, AllocatePci):
+        return Device("pci", action.address)
+    if isinstance(action, AllocateVgpu):
+        parent = PciAddress.parse(action.parent)
+        if action.on_demand:
+            _create(sysfs, journal, parent, action.type_id, action.uuid, True)
+            state.vgpus[action.uuid] = VgpuRecord(action.parent, action.type_id, None, True,
+                                                  utc_now())
+        elif mdev.read_mdev(sysfs, action.uuid) is None:
+            # A pool member is kept across VMs; after a reboot it is made again.
+            _create(sysfs, journal, parent, action.type_id, action.uuid, False)
+        return Device("mdev", action.uuid, on_demand=action.on_demand)
+    vf = PciAddress.parse(action.address)
+    if action.on_demand:
+        _set_type(sysfs, journal, vf, action.type_id, True)
+        state.vf_types[action.address] = VfRecord(action.type_id, action.name, None, True)
+    elif nvidia.current_type(sysfs, vf) != action.type_id:
+        _set_type(sysfs, journal, vf, action.type_id, False)
+    return Device("vf", action.address, on_demand=action.on_demand)
+
+
+def _create(sysfs: Sysfs, journal: Optional[Journal], parent: PciAddress, type_id: str,
+            uuid: str, on_demand: bool) -> mdev.Mdev:
+    if journal is not None:
+        return journal.create_mdev(parent, type_id, uuid, on_demand)
+    return mdev.create(sysfs, parent, type_id, uuid)
+
+
+def _set_type(sysfs: Sysfs, journal: Optional[Journal], vf: PciAddress, type_id: int,
+              on_demand: bool) -> None:
+    if journal is not None:
+        journal.set_vf_type(vf, type_id, on_demand)
+    else:
+        nvidia.set_type(sysfs, vf, type_id)
 
 
 def record(state: State, vm: str, domain_uuid: Optional[str], devices: list[Device],

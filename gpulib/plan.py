@@ -17,7 +17,17 @@ Actions:
 * `CreateDerived` an on-demand vGPU whose UUID the domain's request derives;
 * `UseVf`         an NVIDIA vendor VF (with `set_type` when its type must be
                   set again);
-* `UsePci`        a GPU or one of its group peers, passed whole.
+* `UsePci`        a GPU or one of its group peers, passed whole;
+* `RetypeVf`      a VF a VM holds (a retried start) that lost its type;
+* `AddGroupPeer`  an endpoint of a named GPU's IOMMU group (its HDMI audio,
+                  say) the domain does not name: added to the XML beside the
+                  GPU, on the GPU's guest slot.
+
+A gpulib metadata request is served by what the VM holds first (`unmet`
+decides what is left, from `HeldFacts`); the rest the allocator
+(`gpulib.allocator`) chooses as `AllocateVgpu` / `AllocateVf` / `AllocatePci`,
+one instance at a time, each applied before the next is chosen (the next
+reads the capacity the last one used).
 """
 
 from __future__ import annotations
@@ -25,12 +35,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
+from gpulib.domain import GpuRequest, VgpuRequest
 from gpulib.errors import DeviceError
 from gpulib.occupancy import Occupancy, refusal
 
 if TYPE_CHECKING:
-    from gpulib.domain import VgpuRequest
-    from gpulib.state import State
+    from gpulib.state import Device, State
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +63,25 @@ class PciFacts(NamedTuple):
     whole_refusal: Optional[str]  # why the GPU cannot be given whole
 
 
+class PeerFacts(NamedTuple):
+    """One other function of a GPU's IOMMU group."""
+
+    address: str
+    klass: Optional[int]  # its PCI class code (24 bits); None: unreadable
+    why: str  # why the class could not be read ("" when it was)
+    listed: bool  # a GPU or a GPU's VF: a device of its own, not a companion
+
+
 class HostFacts(NamedTuple):
     """The snapshot of the host a plan is made from."""
 
     mdevs: dict[str, MdevFacts]
     pci: dict[str, PciFacts]
     physfn: dict[str, Optional[str]]  # the PF of each named mdev's parent, when a VF
+    # The other functions of the IOMMU group of each display-class function the
+    # domain names, read only when group peers are to be added (the
+    # transformer, `add_group_functions`); absent: none to add.
+    groups: dict[str, tuple[PeerFacts, ...]] = {}
 
 
 class KeepMdev(NamedTuple):
@@ -91,7 +114,24 @@ class UsePci(NamedTuple):
     address: str
 
 
-Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci]
+class AddGroupPeer(NamedTuple):
+    """An endpoint of a GPU's IOMMU group that goes to the guest beside it."""
+
+    gpu: str
+    address: str
+
+
+class RetypeVf(NamedTuple):
+    """An NVIDIA vendor VF a VM holds that lost its vGPU type: given it again."""
+
+    address: str
+    type_id: int
+    on_demand: bool
+
+
+Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci, AddGroupPeer, RetypeVf]
+
+BRIDGE_BASE_CLASS = 0x06
 
 
 def unmanaged(state: State, facts: HostFacts, address: str) -> bool:
@@ -164,6 +204,7 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
             actions.append(KeepMdev(uuid, on_demand))
         else:
             actions.append(RecreateMdev(uuid, source[0], source[1], on_demand, attrs))
+    named = set(addresses)
     for at, addr in enumerate(addresses):
         pci = facts.pci[addr]
         if not pci.exists:
@@ -187,10 +228,114 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
         if pci.whole_gpu and pci.whole_refusal is not None:
             raise DeviceError(f"GPU {addr} cannot be given whole: {pci.whole_refusal}")
         actions.append(UsePci(at, addr))
+        members = facts.groups.get(addr)
+        if members:
+            peers = plan_group_peers(addr, members, named, refusals)
+            named.update(p.address for p in peers)
+            actions += peers
     return actions
+
+
+def plan_group_peers(gpu: str, members: tuple[PeerFacts, ...], named: set[str],
+                     refusals: Optional[Refusals]) -> list[AddGroupPeer]:
+    """The endpoints of `gpu`'s IOMMU group that go with it, in address order.
+
+    `named`: the PCI functions the domain has already (never added twice);
+    `refusals`: None only where nobody's holds are known (an offline edit).
+    A peer whose class cannot be read is an error, not a guess: a bridge must
+    never go to a guest.
+    """
+    out = []
+    for m in members:
+        if m.address == gpu or m.address in named:
+            continue
+        if m.klass is None:
+            raise DeviceError(
+                f"cannot read the PCI class of {m.address}, in the IOMMU group of {gpu}: "
+                f"{m.why} (set add_group_functions = no in [transformer] of gpulib.conf to "
+                "pass the GPU without its group)")
+        if m.klass >> 16 == BRIDGE_BASE_CLASS:
+            continue  # bridges stay with the host; only endpoints go along
+        if m.listed:
+            # Another GPU (or a GPU's VF) of a shared group is a device of its
+            # own that the agent tracks and may give to no one else while this
+            # VM runs (the occupancy's group index), not a companion to hand over.
+            continue
+        if refusals is not None:
+            refusals.check("pci", m.address)
+        out.append(AddGroupPeer(gpu, m.address))
+    # Canonical addresses (fixed-width lowercase hex) sort in address order.
+    return sorted(out, key=lambda p: p.address)
 
 
 def new_work(actions: list[Action]) -> list[Action]:
     """The actions that change the host (a plan of only these is a no-op)."""
-    return [a for a in actions if isinstance(a, (RecreateMdev, CreateDerived)) or
+    return [a for a in actions if isinstance(a, (RecreateMdev, CreateDerived, AddGroupPeer,
+                                                 RetypeVf)) or
             (isinstance(a, UseVf) and a.set_type is not None)]
+
+
+def plan_kept(devices: list[Device], state: State, live: set[str], typed: set[str]
+              ) -> list[Action]:
+    """What makes ready again the devices a VM holds and asks for again (a
+    retried start): a vGPU gpulib records that is not live (a reboot, a hand
+    removal) is created again, a VF that lost its recorded type gets it back,
+    so a VM is never handed a vGPU that is not there.
+
+    `live`: the recorded vGPUs among them that are live; `typed`: the recorded
+    VFs among them that have a type.
+    """
+    out: list[Action] = []
+    for d in devices:
+        rec = state.vgpus.get(d.id) if d.kind == "mdev" else None
+        if rec is not None and d.id not in live:
+            out.append(RecreateMdev(d.id, rec.parent, rec.type_id, rec.on_demand))
+        rec_v = state.vf_types.get(d.id) if d.kind == "vf" else None
+        if rec_v is not None and d.id not in typed:
+            out.append(RetypeVf(d.id, rec_v.type_id, rec_v.on_demand))
+    return out
+
+
+class HeldFacts(NamedTuple):
+    """One device a VM holds (named or kept), as a request sees it: at most one
+    of the three is set (none: it serves nothing, a group peer say)."""
+
+    id: str
+    mdev_type: Optional[tuple[str, Optional[str]]] = None  # a vGPU's type id and name
+    vf_type: Optional[tuple[int, Optional[str]]] = None  # an NVIDIA VF's type id and name
+    gpu: Optional[tuple[int, int, str]] = None  # a whole GPU's vendor, device, name
+
+
+def unmet(request: GpuRequest, derived: dict[str, int], held: list[HeldFacts]) -> GpuRequest:
+    """What of `request` the devices a VM holds do not serve yet.
+
+    `derived`: the UUIDs the domain's request derives, with the index of the
+    item each serves. Any other held vGPU or VF serves the first item of its
+    type with room left, a whole GPU the first passthrough item of its model.
+    So a domain that holds what it asks for asks for nothing more.
+    """
+    left = [item.count for item in request.items]
+    for d in held:
+        fits: list[int] = []
+        if d.id in derived:
+            fits = [derived[d.id]]
+        elif d.mdev_type is not None:
+            tid, name = d.mdev_type
+            fits = [i for i, item in enumerate(request.items)
+                    if isinstance(item, VgpuRequest) and item.matches_type(tid, name)]
+        elif d.vf_type is not None:
+            vtid, vname = d.vf_type
+            fits = [i for i, item in enumerate(request.items)
+                    if isinstance(item, VgpuRequest) and vtid and
+                    item.matches_vendor(vtid, vname)]
+        elif d.gpu is not None:
+            vendor, device, model = d.gpu
+            fits = [i for i, item in enumerate(request.items)
+                    if not isinstance(item, VgpuRequest) and
+                    item.matches_device(vendor, device, model)]
+        for i in fits:
+            if left[i] > 0:
+                left[i] -= 1
+                break
+    return GpuRequest(tuple(item._replace(count=n)
+                            for item, n in zip(request.items, left) if n > 0))

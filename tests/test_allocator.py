@@ -1,27 +1,41 @@
 """Property: no sequence of allocate/release/restore/reconcile ever gives a
 device twice or exceeds what a type offers, on a simulated T4 (time-sliced
-mdev on the PF) and A10 (vendor-specific vGPU VFs)."""
+mdev on the PF) and A10 (vendor-specific vGPU VFs). And the allocator's
+choices, made before anything is written, never take what another VM holds."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from typing import Any, Union
 
-from hypothesis import HealthCheck, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpulib import mdev, nvidia
-from gpulib.allocator import Allocator, record, release
+from gpulib.allocator import (
+    AllocatePci,
+    AllocateVf,
+    AllocateVgpu,
+    Allocator,
+    apply_allocation,
+    record,
+    release,
+)
 from gpulib.config import Config
 from gpulib.context import Context
-from gpulib.domain import VgpuRequest
+from gpulib.domain import PassthroughRequest, VgpuRequest
 from gpulib.errors import NotAvailableError
 from gpulib.lifecycle import open_store, reconcile, restore
+from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, virtfn_links
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import models
+from gpulib.state import Allocation, Device, State, VgpuRecord
 
 PROFILES = ["GRID T4-1B", "GRID T4-4Q", "NVIDIA A10-6Q", "NVIDIA A10-24Q"]
 VMS = [f"vm-{i}" for i in range(6)]
@@ -150,3 +164,105 @@ Allocations.TestCase.settings = settings(
     max_examples=40, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestAllocations = Allocations.TestCase
+
+
+# -- choices, before anything is written -------------------------------------------------------
+
+OTHER = "vm-other"
+ITS_VGPU = "0000000a-0000-4000-8000-000000000000"  # another VM's vGPU on the T4
+
+
+@pytest.fixture(scope="module")
+def chooser_host(tmp_path_factory: Any) -> Iterator[tuple[Context, list[str]]]:
+    host = build(str(tmp_path_factory.mktemp("choices") / "h"))
+    ctx = Context.for_root(host.root, simulate=True)
+    vfs = [str(vf) for _, vf in virtfn_links(ctx.sysfs, A10)]
+    yield ctx, vfs
+
+
+def _up(node: str, parents: dict[str, str]) -> list[str]:
+    """The node and what it sits on: an mdev's parent, a VF's PF."""
+    out = [node]
+    while out[-1] in parents:
+        out.append(parents[out[-1]])
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_choices_write_nothing_and_skip_what_another_vm_holds(
+        chooser_host: tuple[Context, list[str]], data: Any) -> None:
+    ctx, vfs = chooser_host
+    state = State()
+    state.vgpus[ITS_VGPU] = VgpuRecord(str(T4), "nvidia-222", None, True, "x")
+    nodes = [str(T4), str(A10), ITS_VGPU, *vfs]
+    held = data.draw(st.lists(st.sampled_from(nodes), unique=True, max_size=3))
+    kinds = {ITS_VGPU: "mdev", **{vf: "vf" for vf in vfs}}
+    state.allocations[OTHER] = Allocation(
+        OTHER, None, data.draw(st.sampled_from(["pending", "active"])), "x",
+        [Device(kinds.get(n, "pci"), n) for n in held])
+    occ = Occupancy.build(ctx.sysfs, state, [])
+    inv = discover_host(ctx, Config(), state=state, learn=False, occupancy=occ)
+    allocator = Allocator(ctx.sysfs, state, inv,
+                          policy=data.draw(st.sampled_from(["spread", "pack"])), occupancy=occ)
+
+    def no_write(rel: str, value: str, expected: tuple[int, ...] = ()) -> None:
+        raise AssertionError(f"a choice wrote {rel}")
+
+    ctx.sysfs.write = no_write  # type: ignore[method-assign]
+    try:
+        count = data.draw(st.integers(1, 3))
+        chosen: list[Union[AllocateVgpu, AllocateVf, AllocatePci]] = []
+        try:
+            if data.draw(st.booleans()):
+                chosen += allocator.choose_passthrough(
+                    "vm-a", PassthroughRequest(data.draw(st.sampled_from(["10de:1eb8",
+                                                                          "10de:2236"])),
+                                               count))
+            else:
+                req = VgpuRequest(data.draw(st.sampled_from(PROFILES)), None, count)
+                uuids = iter(f"{n:08x}-0000-4000-8000-00000000000b" for n in range(1, 9))
+                for k in range(count):
+                    chosen.append(allocator.choose_vgpu("vm-a", req, lambda: next(uuids),
+                                                        found=k))
+        except NotAvailableError:
+            pass
+    finally:
+        del ctx.sysfs.write
+    parents = {vf: str(A10) for vf in vfs}
+    parents[ITS_VGPU] = str(T4)
+    ids = []
+    for action in chosen:
+        if isinstance(action, AllocateVgpu):
+            assert action.on_demand and action.parent == str(T4)  # no pool on this host
+            node, parents[action.uuid] = action.uuid, action.parent
+        else:
+            node = action.address
+        ids.append(node)
+        # Nothing it sits on is held, and nothing held sits on it.
+        for h in held:
+            assert h not in _up(node, parents) and node not in _up(h, parents), (action, held)
+    assert len(set(ids)) == len(ids)
+    # A choice, applied, is the device it names.
+    if chosen and isinstance(chosen[0], AllocatePci):
+        assert apply_allocation(ctx.sysfs, state, None, chosen[0]) == \
+            Device("pci", chosen[0].address)
+
+
+def test_a_request_for_two_gets_two_pool_members(chooser_host: tuple[Context, list[str]]
+                                                 ) -> None:
+    """The VM's own hold does not keep a device from it: what one request chose
+    is still never chosen again for its next instance."""
+    ctx, _ = chooser_host
+    state = State()
+    members = [f"0000000{n}-0000-4000-8000-00000000000c" for n in (1, 2)]
+    for uuid in members:
+        state.vgpus[uuid] = VgpuRecord(str(T4), "nvidia-222", "small", False, "x")
+    occ = Occupancy.build(ctx.sysfs, state, [])
+    inv = discover_host(ctx, Config(), state=state, learn=False, occupancy=occ)
+    allocator = Allocator(ctx.sysfs, state, inv, occupancy=occ)
+    req = VgpuRequest("GRID T4-1B", None, 2)
+    chosen = [allocator.choose_vgpu("vm-a", req, lambda: "unused", found=k) for k in range(2)]
+    assert sorted(a.uuid for a in chosen if isinstance(a, AllocateVgpu)) == members
+    assert all(isinstance(a, AllocateVgpu) and a.pool == "small" and not a.on_demand
+               for a in chosen)

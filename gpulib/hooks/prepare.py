@@ -16,12 +16,17 @@ A start is planned, then applied, inside one state transaction:
   IOMMU group, is refused; so is a whole GPU whose vGPU use is declared or
   whose VFs are enabled. PCI devices that are neither GPUs nor a GPU's VFs
   nor a GPU's group peers are not gpulib's: left alone, recorded nowhere.
+  The planner also picks a named GPU's IOMMU-group companions
+  (`AddGroupPeer`) and, for a metadata request, what the VM's devices leave
+  unmet (`unmet`, from `HeldFacts`).
 * apply: mdevs not live but known (registry, mdevctl) are created again, an
-  NVIDIA vendor VF gets its recorded type, on-demand vGPUs whose UUID the
-  XML fixes are created, gpulib metadata requests are allocated and
-  inserted; every sysfs write goes through a Journal (write-ahead intent in
-  the state, undo in reverse order on any failure, then the first error's
-  exit code);
+  NVIDIA vendor VF gets its recorded type, group peers are placed beside
+  their GPU, on-demand vGPUs whose UUID the XML fixes are created, and what
+  a metadata request still needs is chosen by the allocator (a typed
+  choice per instance, applied before the next is chosen: the next reads
+  the capacity the last one used) and inserted; every sysfs write goes
+  through a Journal (write-ahead intent in the state, undo in reverse order
+  on any failure, then the first error's exit code);
 * the allocation is recorded pending (with this boot's id and clock);
   onStart (or the VM showing up running) makes it active.
 """
@@ -32,7 +37,7 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev, nvidia
-from gpulib.allocator import Allocator, gpu_matches, record, release
+from gpulib.allocator import Allocator, record, release
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
 from gpulib.domain import (
@@ -43,12 +48,12 @@ from gpulib.domain import (
     VgpuRequest,
     derive_uuid,
 )
-from gpulib.errors import DeviceError
+from gpulib.errors import DeviceError, InputError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, follow_definitions, open_store
 from gpulib.mdevctl import Definition, read_definitions
-from gpulib.occupancy import Occupancy, declaring_pools, refusal, whole_gpu_refusal
+from gpulib.occupancy import Occupancy, declaring_pools, whole_gpu_refusal
 from gpulib.pci import (
     PciAddress,
     PciFunction,
@@ -58,16 +63,25 @@ from gpulib.pci import (
     physical_function,
 )
 from gpulib.plan import (
+    BRIDGE_BASE_CLASS,
     Action,
+    AddGroupPeer,
     CreateDerived,
+    HeldFacts,
     HostFacts,
     KeepMdev,
     MdevFacts,
     PciFacts,
+    PeerFacts,
     RecreateMdev,
     Refusals,
+    RetypeVf,
+    UsePci,
     UseVf,
+    plan_group_peers,
+    plan_kept,
     plan_named,
+    unmet,
 )
 from gpulib.state import Device, State, VgpuRecord, utc_now
 from gpulib.sysfs import ReadFailure
@@ -79,7 +93,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BRIDGE_BASE_CLASS = 0x06
 # Guest slots gpulib uses for a GPU that has no fixed guest address but needs
 # its group peers beside it; low slots are left to the machine's own devices.
 FIRST_GUEST_SLOT = 0x10
@@ -212,21 +225,6 @@ class Preparer:
                        clock=boot_clock(self.ctx)).status = "active"
 
     # -- checks ---------------------------------------------------------------------------
-    def _refuse(self, occ: Occupancy, kind: str, ident: str) -> None:
-        message = refusal(occ, kind, ident, self.vm)
-        if message is None:
-            return
-        if self.config.get_bool("transformer", "refuse_in_use"):
-            raise DeviceError(message)
-        log.warning("%s: %s (refuse_in_use = no: starting anyway)", self.vm, message)
-
-    def _unmanaged(self, state: State, address: PciAddress) -> bool:
-        """An unmanaged device (or a VF or vGPU of an unmanaged GPU) is left alone."""
-        if str(address) in state.unmanaged:
-            return True
-        physfn = physical_function(self.sysfs, address)
-        return physfn is not None and str(physfn) in state.unmanaged
-
     def _is_gpu_fn(self, address: PciAddress) -> bool:
         """Whether discovery counts this function as a GPU (its include/exclude too)."""
         found = self._gpu_cache.get(address)
@@ -239,20 +237,21 @@ class Preparer:
             self._gpu_cache[address] = found
         return found
 
-    def _is_listed(self, address: PciAddress) -> bool:
-        """A GPU or a GPU's VF: a device discovery reports in its own right."""
-        # A VF whose own `physfn` loops is still found by its PF's `virtfnN` links.
-        physfn = physical_function(self.sysfs, address)
+    def _is_listed(self, address: PciAddress, physfn: Optional[PciAddress]) -> bool:
+        """A GPU or a GPU's VF: a device discovery reports in its own right.
+
+        `physfn`: its PF, as `physical_function` finds it (a VF whose own
+        `physfn` loops is still found by its PF's `virtfnN` links)."""
         if physfn is not None:
             return self._is_gpu_fn(physfn)
         return self._is_gpu_fn(address)
 
-    def _is_gpulibs(self, address: PciAddress) -> bool:
+    def _is_gpulibs(self, address: PciAddress, physfn: Optional[PciAddress]) -> bool:
         """A GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group."""
-        if self._is_listed(address):
+        if self._is_listed(address, physfn):
             return True
-        if self.sysfs.link_name(f"sys/bus/pci/devices/{address}/physfn") is not None:
-            return False
+        if physfn is not None:
+            return False  # a VF of a device that is no GPU
         group = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/iommu_group")
         if group is None or not group.isdigit():
             return False
@@ -360,10 +359,16 @@ class Preparer:
                 rec = state.vgpus.get(uuid)
                 parent = f.live[0] if f.live is not None else \
                     f.defined[0] if f.defined is not None else rec.parent if rec else None
-                if parent is not None:
-                    physfn[parent] = self.sysfs.link_name(
-                        f"sys/bus/pci/devices/{parent}/physfn")
+                if parent is not None and parent not in physfn:
+                    of_parent = None
+                    try:
+                        of_parent = physical_function(self.sysfs, PciAddress.parse(parent))
+                    except InputError:
+                        pass  # not an address: no PF either
+                    physfn[parent] = str(of_parent) if of_parent is not None else None
         pci: dict[str, PciFacts] = {}
+        groups: dict[str, tuple[PeerFacts, ...]] = {}
+        peers_wanted = self._peers_wanted()
         for addr in addresses:
             ident = str(addr)
             if ident in pci:
@@ -371,15 +376,45 @@ class Preparer:
             if not self.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
                 pci[ident] = PciFacts(False, False, None, None, False, None)
                 continue
-            gpulibs = self._is_gpulibs(addr)
-            pf = self.sysfs.link_name(f"sys/bus/pci/devices/{addr}/physfn")
+            physfn_of = physical_function(self.sysfs, addr)
+            pf = str(physfn_of) if physfn_of is not None else None
+            gpulibs = self._is_gpulibs(addr, physfn_of)
             vendor = None
             if gpulibs and nvidia.is_vendor_vf(self.sysfs, addr):
                 vendor = nvidia.current_type(self.sysfs, addr) or 0
             whole = gpulibs and vendor is None and pf is None and self._is_gpu_fn(addr)
             why = self._whole_gpu_refusal(state, addr) if whole else None
             pci[ident] = PciFacts(True, gpulibs, pf, vendor, whole, why)
-        return HostFacts(mdevs, pci, physfn)
+            if peers_wanted and gpulibs and vendor is None:
+                members = self._group_facts(addr, set(addresses))
+                if members:
+                    groups[ident] = members
+        return HostFacts(mdevs, pci, physfn, groups)
+
+    def _peers_wanted(self) -> bool:
+        return self.edit_xml and self.config.get_bool("transformer", "add_group_functions")
+
+    def _group_facts(self, address: PciAddress, named: set[PciAddress]
+                     ) -> Optional[tuple[PeerFacts, ...]]:
+        """The other functions of a display-class function's IOMMU group (those
+        the domain names aside: they are never added); None: not one, or no group."""
+        rel = f"sys/bus/pci/devices/{address}"
+        klass = self.sysfs.read_id(rel + "/class", 24)
+        if klass is None or klass >> 16 not in (0x03, 0x12):
+            return None
+        group = self.sysfs.link_name(rel + "/iommu_group")
+        if not group or not group.isdigit() or len(group) > 9:
+            return None
+        out = []
+        for member in iommu_group_members(self.sysfs, int(group)):
+            if member == address or member in named:
+                continue
+            peer_class, why = self._peer_class(member)
+            # Whether it is a device of its own matters only for an endpoint.
+            listed = peer_class is not None and peer_class >> 16 != BRIDGE_BASE_CLASS and \
+                self._is_listed(member, physical_function(self.sysfs, member))
+            out.append(PeerFacts(str(member), peer_class, why, listed))
+        return tuple(out)
 
     def _apply_named(self, state: State, occ: Occupancy, journal: Journal,
                      actions: list[Action], addresses: list[PciAddress],
@@ -419,12 +454,15 @@ class Preparer:
                     h.managed = False
                     log.info("%s: NVIDIA vGPU VF %s set to managed='no'", self.vm, addr)
                 devices.append(Device("vf", action.address, on_demand=action.on_demand))
-            else:
+            elif isinstance(action, UsePci):
                 h, addr = hostdevs[action.at], addresses[action.at]
                 self._display_note(h, addr)
                 devices.append(Device("pci", action.address))
-                if self.edit_xml and self.config.get_bool("transformer", "add_group_functions"):
-                    devices += self._add_group_peers(h, occ)
+                peers = [a.address for a in actions
+                         if isinstance(a, AddGroupPeer) and a.gpu == action.address]
+                if peers:
+                    devices += self._place_peers(h, peers)
+            # AddGroupPeer: placed with its GPU (above), on the GPU's guest slot.
         return devices
 
     def _display_note(self, h: PciHostdev, addr: PciAddress) -> None:
@@ -434,61 +472,48 @@ class Preparer:
 
     def _add_group_peers(self, h: PciHostdev, occ: Optional[Occupancy] = None
                          ) -> list[Device]:
-        fn = PciFunction.read(self.sysfs, h.address)
-        if fn.iommu_group is None or fn.class_code >> 8 not in (0x03, 0x12):
-            return []
+        """Plan and place the group peers of one GPU hostdev (`occ`: who holds
+        what; None where it is not known, as in an offline edit)."""
         named = {x.address for x in self.dom.pci_hostdevs()}
-        peers = []
-        for member in iommu_group_members(self.sysfs, fn.iommu_group):
-            if member == h.address or member in named:
-                continue
-            klass = self._peer_class(h.address, member)
-            if klass >> 16 == BRIDGE_BASE_CLASS:
-                continue  # bridges stay with the host; only endpoints go along
-            if self._is_listed(member):
-                # Another GPU (or a GPU's VF) of a shared group is a device of
-                # its own that the agent tracks and may give to no one else
-                # while this VM runs (the occupancy's group index), not a
-                # companion to hand over.
-                continue
-            if occ is not None:
-                self._refuse(occ, "pci", str(member))
-            peers.append(member)
-        if not peers:
+        members = self._group_facts(h.address, named)
+        if not members:
             return []
+        refusals = None if occ is None else Refusals(
+            occ, self.vm, strict=self.config.get_bool("transformer", "refuse_in_use"))
+        peers = plan_group_peers(str(h.address), members, {str(a) for a in named}, refusals)
+        return self._place_peers(h, [p.address for p in peers])
+
+    def _place_peers(self, h: PciHostdev, peers: list[str]) -> list[Device]:
+        """Add the peers beside their GPU: functions 1.. of its guest slot."""
         guest = h.guest_address or PciAddress(0, 0, self._free_guest_slot(), 0)
         if guest.function != 0 or len(peers) > 7:
             log.warning("%s: cannot place the group peers of %s beside it", self.vm, h.address)
             return []
         h.set_guest_address(guest, multifunction=True)
         out = []
-        for i, member in enumerate(sorted(peers), start=1):
-            self.dom.add_pci_hostdev(member, managed=h.managed,
+        for i, member in enumerate(peers, start=1):
+            self.dom.add_pci_hostdev(PciAddress.parse(member), managed=h.managed,
                                      guest_address=PciAddress(guest.domain, guest.bus,
                                                               guest.slot, i))
             log.info("%s: added %s, in the IOMMU group of %s", self.vm, member, h.address)
-            out.append(Device("pci", str(member)))
+            out.append(Device("pci", member))
         return out
 
-    def _peer_class(self, gpu: PciAddress, member: PciAddress) -> int:
-        """A group peer's class; a clear error when it cannot be known (a
-        bridge must never go to a guest, so an unknown class is not guessed)."""
+    def _peer_class(self, member: PciAddress) -> tuple[Optional[int], str]:
+        """A group peer's class, or None and why it cannot be known (the planner
+        refuses then: a bridge must never go to a guest, so it is not guessed)."""
         rel = f"sys/bus/pci/devices/{member}/class"
         raw = self.sysfs.read_result(rel)
         if isinstance(raw, ReadFailure):
-            reason = raw.reason
-        else:
-            text = raw.decode("ascii", "replace").strip()
-            try:
-                klass = int(text, 16) if len(text) <= 8 else -1
-            except ValueError:
-                klass = -1
-            if 0 <= klass <= 0xFFFFFF:
-                return klass
-            reason = "not a PCI class code"
-        raise DeviceError(f"cannot read the PCI class of {member}, in the IOMMU group of "
-                          f"{gpu}: {reason} (set add_group_functions = no in [transformer] "
-                          "of gpulib.conf to pass the GPU without its group)")
+            return None, raw.reason
+        text = raw.decode("ascii", "replace").strip()
+        try:
+            klass = int(text, 16) if len(text) <= 8 else -1
+        except ValueError:
+            klass = -1
+        if 0 <= klass <= 0xFFFFFF:
+            return klass, ""
+        return None, "not a PCI class code"
 
     def _free_guest_slot(self) -> int:
         used = set()
@@ -556,16 +581,17 @@ class Preparer:
         if previous is not None and previous.domain_uuid == self.domain_uuid:
             # Asked again for the same VM (a retried start): give what it holds.
             again = [d for d in previous.devices if d.id not in have]
-            for d in again:
-                # Never hand out a vGPU that is not live (a reboot, a hand removal).
-                rec = state.vgpus.get(d.id) if d.kind == "mdev" else None
-                if rec is not None and mdev.read_mdev(self.sysfs, d.id) is None:
-                    journal.create_mdev(PciAddress.parse(rec.parent), rec.type_id, d.id,
-                                        rec.on_demand)
-                rec_v = state.vf_types.get(d.id) if d.kind == "vf" else None
-                if rec_v is not None and \
-                        not nvidia.current_type(self.sysfs, PciAddress.parse(d.id)):
-                    journal.set_vf_type(PciAddress.parse(d.id), rec_v.type_id, rec_v.on_demand)
+            live = {d.id for d in again if d.kind == "mdev" and d.id in state.vgpus and
+                    mdev.read_mdev(self.sysfs, d.id) is not None}
+            typed = {d.id for d in again if d.kind == "vf" and d.id in state.vf_types and
+                     nvidia.current_type(self.sysfs, PciAddress.parse(d.id))}
+            for action in plan_kept(again, state, live, typed):
+                if isinstance(action, RecreateMdev):
+                    journal.create_mdev(PciAddress.parse(action.parent), action.type_id,
+                                        action.uuid, action.on_demand)
+                elif isinstance(action, RetypeVf):
+                    journal.set_vf_type(PciAddress.parse(action.address), action.type_id,
+                                        action.on_demand)
         again += self._adopt_requested(state, occ, journal, request,
                                        have | {d.id for d in again})
         kept = again + self._insert(again, occ) if again else []
@@ -641,13 +667,8 @@ class Preparer:
 
     def _unmet(self, state: State, occ: Occupancy, request: GpuRequest,
                held: list[Device]) -> GpuRequest:
-        """What of `request` the devices this VM holds do not serve yet.
-
-        A derived UUID serves the item its index falls in; any other held vGPU
-        or VF serves the first item of its type with room left, a whole GPU the
-        first passthrough item of its model. Group peers serve nothing.
-        """
-        left = [item.count for item in request.items]
+        """What of `request` the devices this VM holds do not serve yet (the
+        planner's `unmet`, from the held devices' types read now)."""
         index: dict[str, int] = {}
         if self.domain_uuid is not None:
             k = 0
@@ -656,43 +677,43 @@ class Preparer:
                     for _ in range(item.count):
                         index[derive_uuid(self.domain_uuid, k)] = i
                         k += 1
+        return unmet(request, index, self._held_facts(state, occ, request, held, index))
+
+    def _held_facts(self, state: State, occ: Occupancy, request: GpuRequest,
+                    held: list[Device], derived: dict[str, int]) -> list[HeldFacts]:
+        """What a request needs to know of the devices a VM holds: a vGPU's or a
+        VF's type, a whole GPU's model (read only when the request asks for one)."""
+        out = []
         inventory: Optional[Inventory] = None
         for d in held:
-            fits: list[int] = []
-            if d.id in index:
-                fits = [index[d.id]]
+            if d.id in derived:
+                out.append(HeldFacts(d.id))
             elif d.kind == "mdev":
                 m = mdev.read_mdev(self.sysfs, d.id)
                 rec = state.vgpus.get(d.id)
                 source = (m.parent, m.type_id) if m is not None else \
                     (PciAddress.parse(rec.parent), rec.type_id) if rec is not None else None
-                if source is not None:
-                    t = mdev.MdevType(self.sysfs, source[0], source[1])
-                    fits = [i for i, item in enumerate(request.items)
-                            if isinstance(item, VgpuRequest) and
-                            item.matches_type(t.type_id, t.name)]
+                if source is None:
+                    out.append(HeldFacts(d.id))
+                    continue
+                t = mdev.MdevType(self.sysfs, source[0], source[1])
+                out.append(HeldFacts(d.id, mdev_type=(t.type_id, t.name)))
             elif d.kind == "vf":
                 rec_v = state.vf_types.get(d.id)
                 tid = rec_v.type_id if rec_v is not None else \
                     nvidia.current_type(self.sysfs, PciAddress.parse(d.id))
-                name = rec_v.name if rec_v is not None else None
-                fits = [i for i, item in enumerate(request.items)
-                        if isinstance(item, VgpuRequest) and tid and
-                        item.matches_vendor(tid, name)]
+                out.append(HeldFacts(d.id, vf_type=(tid or 0,
+                                                    rec_v.name if rec_v is not None else None)))
             elif request.passthrough and self._is_gpu(d.id):
                 if inventory is None:
                     inventory = self._inventory(state, occ)
                 owner = inventory.owner_of(PciAddress.parse(d.id))
-                if owner is not None and owner[1] is None:
-                    fits = [i for i, item in enumerate(request.items)
-                            if not isinstance(item, VgpuRequest) and
-                            gpu_matches(item, owner[0])]
-            for i in fits:
-                if left[i] > 0:
-                    left[i] -= 1
-                    break
-        return GpuRequest(tuple(item._replace(count=n)
-                                for item, n in zip(request.items, left) if n > 0))
+                gpu = owner[0] if owner is not None and owner[1] is None else None
+                out.append(HeldFacts(d.id, gpu=None if gpu is None else (
+                    gpu.fn.vendor_id, gpu.fn.device_id, gpu.device_name)))
+            else:
+                out.append(HeldFacts(d.id))
+        return out
 
     def _insert(self, devices: list[Device], occ: Occupancy) -> list[Device]:
         """Put devices into the XML; returns the group peers added beside GPUs."""
