@@ -122,6 +122,8 @@ class Allocator:
     # -- helpers ----------------------------------------------------------------------
     def _unmanaged(self, gpu: Gpu, address: Optional[PciAddress] = None) -> bool:
         um = self.state.unmanaged
+        if not um:
+            return False
         return str(gpu.address) in um or (address is not None and str(address) in um)
 
     def _load(self, gpu: Gpu) -> int:
@@ -147,12 +149,15 @@ class Allocator:
         return self._pool_candidates(req, vm)
 
     def _pool_candidates(self, req: VgpuRequest, vm: str) -> list[Candidate]:
+        with self.occ.tree.live_listed():
+            return self._pool_candidates_now(req, vm)
+
+    def _pool_candidates_now(self, req: VgpuRequest, vm: str) -> list[Candidate]:
         out = []
         for uuid, rec in sorted(self.state.vgpus.items()):
             # A member its GPU cannot recreate now would fail the start: the
             # hooks refuse it by name too (`Occupancy.unavailable`).
-            if rec.pool is None or uuid in self._chosen or self._held(uuid, vm) or \
-                    self.occ.unavailable(uuid) is not None:
+            if rec.pool is None or uuid in self._chosen or not self.occ.takeable(uuid, vm):
                 continue
             try:
                 parent = PciAddress.parse(rec.parent)
@@ -174,8 +179,7 @@ class Allocator:
             out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),
                                  AllocateVgpu(uuid, rec.parent, rec.type_id, False, rec.pool)))
         for addr, vrec in sorted(self.state.vf_types.items()):
-            if vrec.pool is None or addr in self._chosen or self._held(addr, vm) or \
-                    self.occ.unavailable(addr) is not None:
+            if vrec.pool is None or addr in self._chosen or not self.occ.takeable(addr, vm):
                 continue
             if not req.matches_vendor(vrec.type_id, vrec.name):
                 continue
@@ -236,11 +240,13 @@ class Allocator:
         The choice reads the host's present capacity: the caller applies it
         (`apply_allocation`) before it asks for the next one.
         """
-        pool = [] if fresh_only else self._order(self._pool_candidates(req, vm))
-        fresh = self._new_candidates(req, vm)
-        if fresh_only:
-            fresh = [c for c in fresh if c.kind == "mdev"]
-        cands = pool or self._order(fresh)
+        cands = [] if fresh_only else self._order(self._pool_candidates(req, vm))
+        if not cands:
+            # New vGPUs read every GPU's types: only when no pool member serves.
+            fresh = self._new_candidates(req, vm)
+            if fresh_only:
+                fresh = [c for c in fresh if c.kind == "mdev"]
+            cands = self._order(fresh)
         if not cands:
             raise NotAvailableError(
                 f"no free vGPU of {req.label} for {vm}"

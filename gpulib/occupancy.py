@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from gpulib import mdev, nvidia
@@ -109,6 +110,8 @@ class Tree:
         self.mdev_types = dict(mdev_types or {})
         # The type gpulib's registry gives each NVIDIA vendor VF at VM start.
         self.vf_types = dict(vf_types or {})
+        # The live mdevs, listed once for a pass over many (`live_listed`).
+        self._live: Optional[frozenset[str]] = None
         self._chains: dict[str, list[str]] = {}
         self._groups: dict[str, Optional[int]] = {}
         self._vf_seen: dict[str, tuple[int, dict[int, str]]] = {}
@@ -144,6 +147,22 @@ class Tree:
                 found.extend(self.chain(parent)[:3])
         return found
 
+    @contextmanager
+    def live_listed(self) -> Iterator[None]:
+        """Within: whether a vGPU is live is answered from one listing of the
+        mdev bus (the allocator asks about every pool member, under the state
+        lock). Nothing may create or remove an mdev meanwhile."""
+        self._live = frozenset(self.sysfs.listdir(mdev.MDEV_DEVICES))
+        try:
+            yield
+        finally:
+            self._live = None
+
+    def _is_live(self, node: str) -> bool:
+        if self._live is not None:
+            return node in self._live
+        return self.sysfs.exists(f"{mdev.MDEV_DEVICES}/{node}")
+
     def seed_vf(self, vf: str, current: int, creatable: dict[int, str]) -> None:
         """What an NVIDIA vendor VF showed the caller (its current type, its
         creatable list): `blocked` asks no file again (discovery reads them)."""
@@ -172,8 +191,7 @@ class Tree:
 
     def _mdev_blocked(self, node: str) -> Optional[Blocked]:
         parent, type_id = self.mdev_parents.get(node), self.mdev_types.get(node)
-        if parent is None or type_id is None or \
-                self.sysfs.exists(f"{mdev.MDEV_DEVICES}/{node}"):
+        if parent is None or type_id is None or self._is_live(node):
             return None
         try:
             address = PciAddress.parse(parent)
@@ -318,6 +336,26 @@ class Occupancy:
 
     def is_held(self, node: str, vm: Optional[str] = None) -> bool:
         """`conflicts(node, vm)` is not empty (cheaper: the allocator asks it often)."""
+        if self._held_by_others(node, vm):
+            return True
+        # A vGPU to recreate (a vendor VF to type) may be kept by the VMs of its
+        # GPU's other vGPUs (VFs).
+        blocked = self.tree.blocked(node)
+        return blocked is not None and bool(self._conflicts(node, vm, blocked))
+
+    def takeable(self, node: str, vm: str) -> bool:
+        """`free_for(node, vm)`, asking the tree whether it is blocked once:
+        a blocked device is either kept by another VM or unavailable."""
+        try:
+            if self.tree.blocked(node) is not None:
+                return False
+        except InputError:
+            pass
+        return not self._held_by_others(node, vm)
+
+    def _held_by_others(self, node: str, vm: Optional[str]) -> bool:
+        """A hold of a VM other than `vm` on the node, its ancestors, below it
+        or in its IOMMU group (what `conflicts` finds without `Tree.blocked`)."""
         for n in self.tree.chain(node):
             if any(h.vm != vm for h in self._exact.get(n, ())):
                 return True
@@ -327,10 +365,7 @@ class Occupancy:
             group = self.tree.group(node)
             if group is not None and any(h.vm != vm for h in self._group.get(group, ())):
                 return True
-        # A vGPU to recreate (a vendor VF to type) may be kept by the VMs of its
-        # GPU's other vGPUs (VFs).
-        blocked = self.tree.blocked(node)
-        return blocked is not None and bool(self._conflicts(node, vm, blocked))
+        return False
 
     def holder(self, node: str) -> Optional[Hold]:
         """Who keeps `node` from anyone else (None: free)."""

@@ -300,6 +300,26 @@ class Ownership(RuleBasedStateMachine):
                         f"{n1} ({vm1}) and {n2} ({vm2}) share IOMMU group {g1}"
 
     @invariant()
+    def the_allocators_quick_question_agrees(self) -> None:
+        """`takeable` (asked of every pool member, under the lock) answers
+        `free_for`, also with the live mdevs listed once."""
+        if self.host is None:
+            return
+        from gpulib.occupancy import Occupancy, node_id
+        from gpulib.usage import running_domains
+
+        state = open_store(self.ctx).load()
+        occ = Occupancy.build(self.ctx.sysfs, state, running_domains(self.ctx.sysfs))
+        nodes = {node_id("mdev" if k == "mdev" else "pci", i) for k, i, _ in self._offers()}
+        nodes |= set(state.vgpus) | set(state.vf_types)
+        for node in sorted(nodes):
+            for vm in VMS:
+                free = occ.free_for(node, vm)
+                assert occ.takeable(node, vm) == free, (node, vm)
+                with occ.tree.live_listed():
+                    assert occ.takeable(node, vm) == free, (node, vm)
+
+    @invariant()
     def nothing_leaks(self) -> None:
         if self.host is None:
             return
