@@ -12,8 +12,12 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
                         "available_instances", "max_instances", "framebuffer_mb",
                         "num_heads", "max_resolution"}],
         "vgpus": [{"uuid", "parent", "type_id", "profile", "used_by",
-                   "live" (false: in gpulib's registry, recreated at VM start)}],
+                   "live" (false: in gpulib's registry, recreated at VM start),
+                   "available" (false: its GPU cannot make it ready now and no
+                   VM's devices are what keep it; left out of the CloudStack
+                   report, refused at VM start)}],
         "vfs": [{"index", "address", "device", "driver", "iommu_group", "used_by",
+                 "available" (as for vGPUs: a recorded type its GPU cannot give now),
                  "mdev_parent", "nvidia": {"current_type", "current_name",
                                            "creatable": {id: name}} | null}],
         "errors": [...]}]}
@@ -82,12 +86,12 @@ def gpu_document(gpu: Gpu) -> dict[str, Any]:
         "mdev_types": _types(gpu),
         "vgpus": [{"uuid": v.uuid, "parent": str(v.parent), "type_id": v.mdev_type.type_id,
                    "profile": v.mdev_type.profile_name, "used_by": v.used_by,
-                   "live": v.live}
+                   "live": v.live, "available": v.available}
                   for v in gpu.vgpus],
         "vfs": [{
             "index": vf.index, "address": str(vf.address), "device": vf.device_name,
             "driver": vf.fn.driver, "iommu_group": vf.fn.iommu_group, "used_by": vf.used_by,
-            "mdev_parent": vf.mdev_parent,
+            "available": vf.available, "mdev_parent": vf.mdev_parent,
             "nvidia": None if vf.nvidia is None else {
                 "current_type": vf.nvidia.current_type,
                 "current_name": vf.nvidia.current_name,
@@ -103,13 +107,17 @@ def document(inventory: Inventory) -> dict[str, Any]:
 
 def _instances(gpu: Gpu) -> str:
     if gpu.vgpus or gpu.mode in ("mdev", "sriov-mdev"):
-        used = sum(1 for v in gpu.vgpus if v.used_by)
-        return f"{len(gpu.vgpus)} vGPU ({used} used)"
+        return _counted(len(gpu.vgpus), "vGPU", sum(1 for v in gpu.vgpus if v.used_by),
+                        sum(1 for v in gpu.vgpus if not v.available))
     vfs = gpu.offered_vfs
     if vfs:
-        used = sum(1 for vf in vfs if vf.used_by)
-        return f"{len(vfs)} VF ({used} used)"
+        return _counted(len(vfs), "VF", sum(1 for vf in vfs if vf.used_by), 0)
     return "-"
+
+
+def _counted(total: int, what: str, used: int, unavailable: int) -> str:
+    return f"{total} {what} ({used} used" + \
+        (f", {unavailable} unavailable)" if unavailable else ")")
 
 
 def columns(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from gpulib import atomicfile, cloudstack
+from gpulib import atomicfile, cloudstack, report
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.domain import parse_domain
@@ -392,6 +392,13 @@ def test_registry_vgpu_kept_by_vgpus_no_vm_holds_is_not_offered(keeper: str) -> 
         offered = _offered(machine, "mdev")
         assert REGISTRY_T4_4Q not in offered
         assert offered[keeper] is None
+        # gpulib's own report keeps it, marked as what it is.
+        inventory = discover_host(machine.ctx, machine.config, learn=False)
+        [t4] = [g for g in report.document(inventory)["gpus"] if g["address"] == T4]
+        marks = {v["uuid"]: (v["used_by"], v["available"]) for v in t4["vgpus"]}
+        assert marks[REGISTRY_T4_4Q] == (None, False) and marks[keeper] == (None, True)
+        blocked = sum(1 for used_by, available in marks.values() if not available)
+        assert f"{len(marks)} vGPU (0 used, {blocked} unavailable)" in report.table(inventory)
         live = machine._live()
         error = machine._prepare(_xml("vm-1", _hostdev("mdev", REGISTRY_T4_4Q)))
         assert error is not None
