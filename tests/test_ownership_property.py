@@ -299,19 +299,19 @@ class Ownership(RuleBasedStateMachine):
                     assert g1 is None or g1 != self._group(n2), \
                         f"{n1} ({vm1}) and {n2} ({vm2}) share IOMMU group {g1}"
 
-    @invariant()
+    @rule()
     def the_allocators_quick_question_agrees(self) -> None:
         """`takeable` (asked of every pool member, under the lock) answers
         `free_for`, also with the live mdevs listed once."""
         if self.host is None:
             return
-        from gpulib.occupancy import Occupancy, node_id
+        from gpulib.occupancy import Occupancy
         from gpulib.usage import running_domains
 
         state = open_store(self.ctx).load()
         occ = Occupancy.build(self.ctx.sysfs, state, running_domains(self.ctx.sysfs))
-        nodes = {node_id("mdev" if k == "mdev" else "pci", i) for k, i, _ in self._offers()}
-        nodes |= set(state.vgpus) | set(state.vf_types)
+        nodes = set(state.vgpus) | set(state.vf_types) | self._live()
+        nodes |= {d.id for a in state.allocations.values() for d in a.devices}
         for node in sorted(nodes):
             for vm in VMS:
                 free = occ.free_for(node, vm)
