@@ -1063,7 +1063,12 @@ class StateStore:
         self._in_transaction = True
         try:
             prepared = self._prepare()
-            lock = self._acquire()
+            try:
+                lock = self._acquire()
+            except BaseException:
+                if prepared is not None:
+                    prepared.discard()
+                raise
             held_since = time.monotonic()
             cpu_since = time.process_time()
             synced = True

@@ -929,6 +929,8 @@ def test_lock_timeout(store: StateStore, lock_holder: subprocess.Popen[str]) -> 
     assert e.value.message == (f"state lock busy: {store.lock_path} held by another gpulib "
                                f"process for 0.5 s")
     assert e.value.exit_code == EXIT_BUSY
+    # Its prepared file went with it (the holder's own is still there).
+    assert [t for t in temp_files(waiting) if t.startswith(f".state.json.{os.getpid()}.")] == []
     # Reading needs no lock.
     assert waiting.load() == State()
 
