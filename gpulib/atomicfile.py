@@ -40,6 +40,24 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _temp_name(path: str) -> str:
+    directory = os.path.dirname(os.path.abspath(path))
+    return os.path.join(directory, f"{temp_prefix(path)}{os.getpid()}.{os.urandom(4).hex()}.tmp")
+
+
+def _create(tmp: str, mode: int) -> int:
+    """The new temp file, open for writing (never a link planted under its name)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(tmp, flags, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask must not loosen or tighten what we ask for
+    except OSError:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return fd
+
+
 def write_atomic(path: str, data: bytes, mode: int = 0o644, sync_dir: bool = True,
                  durable: bool = True, prepared: Optional[PreparedFile] = None) -> None:
     """Replace `path` with `data` atomically and durably.
@@ -55,14 +73,10 @@ def write_atomic(path: str, data: bytes, mode: int = 0o644, sync_dir: bool = Tru
     """
     if prepared is not None and prepared.replace(data):
         return _sync_dir_after(path, sync_dir)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{temp_prefix(path)}{os.getpid()}."
-                                  f"{os.urandom(4).hex()}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    tmp = _temp_name(path)
     try:
-        fd = os.open(tmp, flags, mode)
+        fd = _create(tmp, mode)
         try:
-            os.fchmod(fd, mode)  # the umask must not loosen or tighten what we ask for
             _write_all(fd, data)
             if durable:
                 os.fsync(fd)
@@ -106,13 +120,9 @@ class PreparedFile:
     def __init__(self, path: str, capacity: int, mode: int = 0o600) -> None:
         self.path = path
         self.capacity = capacity
-        directory = os.path.dirname(os.path.abspath(path))
-        self.tmp = os.path.join(directory, f"{temp_prefix(path)}{os.getpid()}."
-                                           f"{os.urandom(4).hex()}.tmp")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-        self.fd: Optional[int] = os.open(self.tmp, flags, mode)
+        self.tmp = _temp_name(path)
+        self.fd: Optional[int] = _create(self.tmp, mode)
         try:
-            os.fchmod(self.fd, mode)
             _write_all(self.fd, b" " * capacity)
             os.fsync(self.fd)
         except OSError:
