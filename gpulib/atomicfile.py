@@ -115,23 +115,34 @@ class PreparedFile:
     trailing whitespace), needs only `fdatasync` (data, no metadata) and the
     rename. The guarantees are write_atomic's: a crash leaves the old file or
     the new one, each whole; the caller fsyncs the directory afterwards.
+
+    With `content` the file is staged at once: written and synced, waiting
+    only for `commit()` (the rename), the one step a lock must cover when
+    the content was worked out before it (see StateStore.update).
     """
 
-    def __init__(self, path: str, capacity: int, mode: int = 0o600) -> None:
+    def __init__(self, path: str, capacity: int, mode: int = 0o600,
+                 content: Optional[bytes] = None) -> None:
         self.path = path
-        self.capacity = capacity
+        self.capacity = max(capacity, len(content or b""))
         self.tmp = _temp_name(path)
+        self.staged = False
         self.fd: Optional[int] = _create(self.tmp, mode)
         try:
-            _write_all(self.fd, b" " * capacity)
+            _write_all(self.fd, (content or b"").ljust(self.capacity))
             os.fsync(self.fd)
         except OSError:
             self.discard()
             raise
+        self.staged = content is not None
 
     def replace(self, data: bytes) -> bool:
         """Put `data` in place of `path`; False (nothing done) when it does not
         fit or the temp file is gone (removed as stale while its writer waited)."""
+        return self.stage(data) and self.commit()
+
+    def stage(self, data: bytes) -> bool:
+        """Write `data` over the file's start and sync it, not yet in place."""
         fd = self.fd
         if fd is None or len(data) > self.capacity:
             return False
@@ -141,6 +152,20 @@ class PreparedFile:
             os.lseek(fd, 0, os.SEEK_SET)
             _write_all(fd, data)
             os.fdatasync(fd)
+        except OSError as e:
+            raise AtomicWriteError(e.errno, e.strerror or str(e), self.path) from None
+        self.staged = True
+        return True
+
+    def commit(self) -> bool:
+        """Rename the staged file over `path`; False (nothing done) when nothing
+        is staged or the temp file is gone."""
+        fd = self.fd
+        if fd is None or not self.staged:
+            return False
+        try:
+            if not self._still_ours(fd):
+                return False
             os.replace(self.tmp, self.path)
         except OSError as e:
             raise AtomicWriteError(e.errno, e.strerror or str(e), self.path) from None
@@ -164,6 +189,20 @@ class PreparedFile:
         """The temp name is still this file (not removed as a dead writer's)."""
         st = os.fstat(fd)
         return st.st_nlink > 0 and os.lstat(self.tmp).st_ino == st.st_ino
+
+
+def hold_open(path: str) -> Optional[int]:
+    """A read-only descriptor of `path` (None if it cannot be opened), to close
+    once a lock is released.
+
+    Renaming over a file frees its blocks at once when nothing else has it
+    open, and on a filesystem mounted with `discard` that may include
+    discarding them on the disk, right in the rename: milliseconds in a busy
+    boot storm. Holding the old file open moves that cost to the close."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
 
 
 def _write_all(fd: int, data: bytes) -> None:
