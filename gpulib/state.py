@@ -8,11 +8,18 @@ devices, and the devices the operator took away from gpulib.
 
 Rules this module keeps:
 
-* Every change happens inside `StateStore.transaction()`, under one OS lock
-  (flock(2) on `state.lock`, the lock filelock and flock(1) take too, so a
-  process that dies releases it), waited for with a timeout well inside the
-  CloudStack agent's 30 s hook timeout. Expiry raises `LockTimeout` (exit
-  code 3).
+* Every change is made under one OS lock (flock(2) on `state.lock`, the
+  lock filelock and flock(1) take too, so a process that dies releases it),
+  waited for with a timeout well inside the CloudStack agent's 30 s hook
+  timeout. Expiry raises `LockTimeout` (exit code 3).
+* Two ways to change the state. `StateStore.transaction()` holds the lock
+  while its block runs and while the file is written. `StateStore.update()`
+  (the hooks' starts and stops) works the change out and writes the new file
+  before taking the lock, then under it renames that file over the old one
+  if the old one still holds the bytes the change was worked out from
+  (compare-and-swap); otherwise, or when the change needs a sysfs write or a
+  checkpoint, it runs again. In a boot storm the lock is then held for a
+  read and a rename, not for a data sync every start queues behind.
 * Writes are atomic: a temp file in the same directory (`.state.json.<pid>.
   <random>.tmp`), written, synced, renamed over the file with os.replace,
   then the directory is fsynced. A reader therefore sees the old or the new
@@ -46,10 +53,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from json.encoder import encode_basestring_ascii as _json_string
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, TypeVar
 
 from gpulib import atomicfile
-from gpulib.errors import InputError, LockTimeout, StateError
+from gpulib.errors import InputError, LockTimeout, NeedsLock, StateError
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 from gpulib.validate import (
     check_pci_address,
@@ -65,6 +72,9 @@ from gpulib.validate import (
 
 if TYPE_CHECKING:
     from gpulib.context import Context
+    from gpulib.sysfs import Sysfs
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +87,11 @@ write-ahead records of sysfs changes a start is making."""
 
 DEFAULT_LOCK_TIMEOUT = 20.0
 """Seconds to wait for the state lock: well inside the agent's 30 s hook timeout."""
+
+OPTIMISTIC_TRIES = 5
+"""Runs of a change without the lock (`StateStore.update`) before it runs
+under the lock: each lost race costs a few milliseconds of CPU, far less
+than the queue that holding the lock through a data sync builds."""
 
 HOOK_LOCK_TIMEOUT_CAP = 20.0
 """The longest a hook waits for the state lock, whatever `lock_timeout` says:
@@ -886,6 +901,7 @@ class StateStore:
         self._last_written: Optional[str] = None  # the last checkpoint's text
         self._before_is_raw = False
         self._checkpointed = False
+        self._optimistic_run = False  # inside update()'s run without the lock
 
     @classmethod
     def for_context(cls, ctx: Context, **kw: Any) -> StateStore:
@@ -1073,48 +1089,34 @@ class StateStore:
             cpu_since = time.process_time()
             synced = True
             writing = 0.0
+            old_fd: Optional[int] = None
             niceness = _hurry()
             try:
                 if self.on_lock is not None:
                     self.on_lock()
                 state, before = self._load_locked()
                 yield state
-                try:
-                    doc = state.to_json()
-                    after = render_json(doc)
-                    # What is written is checked (a final checkpoint was already);
-                    # the file as it was found needs no second look, nor do the
-                    # records it already held.
-                    if after != self._last_written and after != before:
-                        loaded = self._loaded_doc if self._before_is_raw else None
-                        State.from_json(json.loads(json.dumps(_changed_part(doc, loaded))))
-                except (StateError, TypeError, ValueError) as e:
-                    raise StateError(f"refusing to write an invalid state to "
-                                     f"{self.state_path}: {e}") from e
-                if after == self._last_written:
-                    after = before  # already on disk (StateStore.checkpoint)
-                elif after != before and self._before_is_raw and not self._checkpointed \
-                        and doc == self._loaded_doc:
-                    # The same state in another layout (or without fields that have
-                    # their defaults): leave the file. Documents of two states are
-                    # equal when the states are, and far cheaper to compare.
-                    after = before
+                after = self._final_text(state, before)
                 if after != before:
                     # The rename is visible at once; its directory fsync (durability
                     # across a power cut) need not keep other starts waiting.
                     write_since = time.monotonic()
+                    old_fd = atomicfile.hold_open(self.state_path)
                     self._write(after, sync_dir=False, prepared=prepared)
                     writing = time.monotonic() - write_since
                     synced = False
             finally:
                 lock.release()
+                held = time.monotonic() - held_since
                 _relax(niceness)
+                if old_fd is not None:
+                    os.close(old_fd)
                 if prepared is not None:
                     prepared.discard()
                 # What scripts/bench reads to report the lock's hold time per start.
                 log.debug("state lock held %.2f ms (%.2f ms of CPU, %.2f ms writing the file)",
-                          (time.monotonic() - held_since) * 1000,
-                          (time.process_time() - cpu_since) * 1000, writing * 1000)
+                          held * 1000, (time.process_time() - cpu_since) * 1000,
+                          writing * 1000)
             if not synced:
                 try:
                     atomicfile.fsync_dir(os.path.dirname(self.state_path))
@@ -1124,6 +1126,200 @@ class StateStore:
         finally:
             self._in_transaction = False
 
+    def _final_text(self, state: State, before: str) -> str:
+        """What the transaction leaves in the file: `before` when the state did
+        not change (or is on disk already), else the new text, checked."""
+        try:
+            doc = state.to_json()
+            after = render_json(doc)
+            # What is written is checked (a final checkpoint was already);
+            # the file as it was found needs no second look, nor do the
+            # records it already held.
+            if after != self._last_written and after != before:
+                loaded = self._loaded_doc if self._before_is_raw else None
+                State.from_json(json.loads(json.dumps(_changed_part(doc, loaded))))
+        except (StateError, TypeError, ValueError) as e:
+            raise StateError(f"refusing to write an invalid state to "
+                             f"{self.state_path}: {e}") from e
+        if after == self._last_written:
+            return before  # already on disk (StateStore.checkpoint)
+        if after != before and self._before_is_raw and not self._checkpointed \
+                and doc == self._loaded_doc:
+            # The same state in another layout (or without fields that have
+            # their defaults): leave the file. Documents of two states are
+            # equal when the states are, and far cheaper to compare.
+            return before
+        return after
+
+    def update(self, change: Callable[[State], T], host: Optional[Sysfs] = None) -> T:
+        """Run `change` on the state and write what it changed; its result.
+
+        The hooks' transaction, which holds the lock only for its last instant
+        when it can. `change` runs first on the state read without the lock,
+        and the new file is written and synced outside it too; under the lock
+        the file is read again and, when it holds the very bytes `change` saw,
+        the new one is renamed over it (a compare-and-swap: the lock covers a
+        read and a rename, the write order stays that of DESIGN 6.4). Equal
+        bytes are an equal state, and the state is what `change` decides from:
+        the host facts it also reads change only through a state change (a
+        gpulib process announces a sysfs write in the state first).
+
+        Otherwise everything is thrown away and `change` runs again inside
+        `transaction()`: when another process wrote meanwhile; when `change`
+        wanted to write to `host` (sysfs writes are made under the lock only)
+        or to checkpoint; when it raised (the answer under the lock counts);
+        when the file is missing, corrupt, or of another schema. `change` must
+        be repeatable: it reads, changes the state it is given and returns.
+        Its log records are held back until its run is the one that counts.
+        """
+        if not self._in_transaction:
+            raw: Optional[bytes] = None
+            for _ in range(OPTIMISTIC_TRIES):
+                done, raw = self._optimistic(change, host, raw)
+                if done is not None:
+                    return done[0]
+                if raw is None:
+                    break  # not a race lost: only the lock helps
+        with self.transaction() as state:
+            return change(state)
+
+    def _optimistic(self, change: Callable[[State], T], host: Optional[Sysfs],
+                    raw: Optional[bytes]) -> tuple[Optional[tuple[T]], Optional[bytes]]:
+        """One run of `update` without the lock until the rename: its result (in
+        a tuple), or None and, when another process wrote first, the file's
+        bytes as that run found them under the lock (the next run's start).
+        `raw`: the file's bytes already read, None to read them."""
+        # The run is a race with the other writers: the sooner it is done, the
+        # likelier it counts. In a boot storm dozens of hooks are still starting
+        # up on a few cores; the one that has reached this point goes first
+        # (a few milliseconds; needs CAP_SYS_NICE, as the lock's holder does).
+        niceness = _hurry()
+        try:
+            return self._run_unlocked(change, host, raw)
+        finally:
+            _relax(niceness)
+
+    def _run_unlocked(self, change: Callable[[State], T], host: Optional[Sysfs],
+                      raw: Optional[bytes]) -> tuple[Optional[tuple[T]], Optional[bytes]]:
+        from gpulib.logs import HeldBack
+
+        try:
+            if raw is None:
+                raw = self._read()
+            if raw is None:
+                return None, None
+            state, version = self._parse(raw)
+            before = raw.decode("ascii").rstrip(" ")
+        except (StateError, UnicodeDecodeError):
+            return None, None
+        if version != SCHEMA_VERSION:
+            return None, None
+        self._before_is_raw, self._checkpointed, self._last_written = True, False, None
+        self._loaded_doc = state.to_json()
+        held_back = HeldBack()
+        counted = False
+        hold_line = ""
+        fresh: Optional[bytes] = None
+        why = ""
+        try:
+            self._in_transaction = self._optimistic_run = True
+            if host is not None:
+                host.barred = []
+            try:
+                result = change(state)
+                after = self._final_text(state, before)
+            except (Exception, NeedsLock) as e:
+                why = f"it stopped: {e}"
+                return None, None
+            finally:
+                self._in_transaction = self._optimistic_run = False
+                barred = host.barred if host is not None else None
+                if host is not None:
+                    host.barred = None
+            if barred:
+                why = f"it would write to {barred[0]}"  # refused, whoever caught that
+                return None, None
+            why = "another process wrote the state since it was read"
+            try:
+                if after == before:
+                    self._confirm()
+                    counted = True
+                else:
+                    counted, hold_line, fresh = self._swap(raw, after)
+            except BaseException as e:
+                why = f"{type(e).__name__}: {e}"
+                raise
+            return ((result,) if counted else None), fresh
+        finally:
+            held_back.release(keep=counted)
+            if hold_line:
+                log.debug("%s", hold_line)
+            if not counted:
+                # What scripts/bench counts: work done without the lock and thrown away.
+                log.debug("state change worked out without the lock does not count (%s)", why)
+
+    def _confirm(self) -> None:
+        """For a change that writes nothing: run the on_lock check (no upgrade
+        happened since the hook started) with the lock held, as any change
+        does. The package holds the lock across an upgrade, and `change` ran
+        without it and may have imported modules meanwhile."""
+        if self.on_lock is None:
+            return
+        lock = self._acquire()
+        try:
+            self.on_lock()
+        finally:
+            lock.release()
+
+    def _swap(self, raw: bytes, text: str) -> tuple[bool, str, Optional[bytes]]:
+        """Rename a synced file of `text` over the state file if it still holds
+        `raw`; False (nothing changed) if another process wrote it meanwhile.
+        Also the line to log once the records held back are settled, and the
+        bytes found instead of `raw` (None: no file, or it was `raw`)."""
+        self._ensure_dirs()
+        atomicfile.remove_stale_temp_files(self.state_path)
+        try:
+            staged = atomicfile.PreparedFile(self.state_path, 0, content=text.encode("ascii"))
+        except OSError as e:
+            raise StateError(f"cannot write state file {self.state_path}: {_reason(e)}") from None
+        swapped = False
+        found: Optional[bytes] = None
+        try:
+            lock = self._acquire()
+            held_since = time.monotonic()
+            cpu_since = time.process_time()
+            old_fd: Optional[int] = None
+            try:
+                if self.on_lock is not None:
+                    self.on_lock()
+                found = self._read()
+                if found == raw:
+                    old_fd = atomicfile.hold_open(self.state_path)
+                    swapped = staged.commit()
+            except OSError as e:
+                raise StateError(f"cannot write state file {self.state_path}: "
+                                 f"{_reason(e)}") from None
+            finally:
+                lock.release()
+                held = time.monotonic() - held_since
+                if old_fd is not None:
+                    os.close(old_fd)
+                # What scripts/bench reads to report the lock's hold time per start.
+                hold_line = (f"state lock held {held * 1000:.2f} ms "
+                             f"({(time.process_time() - cpu_since) * 1000:.2f} ms of CPU, "
+                             f"0.00 ms writing the file): "
+                             + ("written before the lock" if swapped else
+                                "compared, not written"))
+        finally:
+            staged.discard()
+        if swapped:
+            try:
+                atomicfile.fsync_dir(os.path.dirname(self.state_path))
+            except OSError as e:
+                log.warning("%s written, but syncing its directory failed: %s",
+                            self.state_path, _reason(e))
+        return swapped, hold_line, None if swapped else found
+
     def checkpoint(self, state: State) -> None:
         """Write `state` now, inside a transaction: a write-ahead intent must be
         on disk before the sysfs write it announces. The transaction still
@@ -1131,6 +1327,8 @@ class StateStore:
         whose intents the next run settles)."""
         if not self._in_transaction:
             raise RuntimeError("StateStore.checkpoint() outside a transaction")
+        if self._optimistic_run:
+            raise NeedsLock("a write-ahead checkpoint")
         text = dumps(state)
         try:
             State.from_json(json.loads(text))
