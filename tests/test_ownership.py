@@ -405,6 +405,35 @@ def test_kill_at_every_write_then_retry_succeeds_and_nothing_leaks(tmp_path: Pat
     assert n > 2, "the start made writes to kill"
 
 
+def test_kill_at_every_write_of_a_start_that_only_records(tmp_path: Path) -> None:
+    """A start whose vGPU is live changes no sysfs: its state file is written
+    before the lock and renamed under it (StateStore.update). Killed at that
+    rename, nothing is recorded and nothing stays behind a retry."""
+    xml = (XMLS / "vgpu-mdev.xml").read_text()
+    name = etree.fromstring(xml.encode()).findtext("name")
+    assert name
+    n = 1
+    while True:
+        root = build_demo(str(tmp_path / f"k{n}")).root
+        # Started and stopped once: its pool vGPU is live and free.
+        assert as_agent(root, xml).returncode == 0
+        assert run([STATE_CHANGE, "onStop", name], root).returncode == 0
+        before = state_of(root)
+        res = _crash_run(root, n, xml)
+        if res.returncode == 0:
+            break
+        assert res.returncode == 137, res.stderr
+        assert state_of(root) == before, "killed before its rename: nothing recorded"
+        retry = as_agent(root, xml)
+        assert retry.returncode == 0, (n, retry.stdout)
+        assert name in state_of(root)["allocations"]
+        state_dir = os.path.dirname(os.path.join(root, STATE))
+        assert [f for f in os.listdir(state_dir) if f.endswith(".tmp")] == [], \
+            "the killed start's temp file is gone"
+        n += 1
+    assert n == 2, "one write: the rename, made without a sysfs write or a second state write"
+
+
 @pytest.mark.parametrize("xml", [PLAIN, (XMLS / "vgpu-mdev.xml").read_text()],
                          ids=["on-demand-vgpus", "pool-vgpu-recreated"])
 def test_retry_adopts_its_own_orphan_in_place(tmp_path: Path, xml: str) -> None:

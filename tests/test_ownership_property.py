@@ -186,6 +186,7 @@ class Ownership(RuleBasedStateMachine):
             return None
         count = [0]
         real_write, real_atomic = Sysfs.write, atomicfile.write_atomic
+        real_commit = atomicfile.PreparedFile.commit
         real_rollback = Journal.rollback
 
         def counting(real: Any) -> Any:
@@ -198,6 +199,8 @@ class Ownership(RuleBasedStateMachine):
 
         Sysfs.write = counting(real_write)  # type: ignore[method-assign]
         atomicfile.write_atomic = counting(real_atomic)
+        # The rename of a state file written before the lock (StateStore.update).
+        atomicfile.PreparedFile.commit = counting(real_commit)  # type: ignore[method-assign]
         Journal.rollback = lambda self: False  # type: ignore[method-assign,assignment]
         try:
             preparer.run()
@@ -206,6 +209,7 @@ class Ownership(RuleBasedStateMachine):
         finally:
             Sysfs.write = real_write  # type: ignore[method-assign]
             atomicfile.write_atomic = real_atomic
+            atomicfile.PreparedFile.commit = real_commit  # type: ignore[method-assign]
             Journal.rollback = real_rollback  # type: ignore[method-assign]
         return None
 

@@ -163,7 +163,15 @@ class Preparer:
                 from gpulib.runtime import discover_host
 
                 self._host = discover_host(self.ctx, self.config, state=early, learn=False)
-        with self.store.transaction() as state:
+        pristine = self.dom.copy()
+        runs = [0]
+
+        def prepare(state: State) -> list[Device]:
+            # Run without the lock first, and again under it when that run does
+            # not count (StateStore.update): from the XML as it was given.
+            if runs[0]:
+                self.dom.restore(pristine)
+            runs[0] += 1
             running = running_domains(self.sysfs)
             # This VM's own intents (a killed start of it) are left to its journal
             # when this start names or derives their device: what the retry makes
@@ -202,6 +210,8 @@ class Preparer:
                     self.store.revert_checkpoints()
                 raise
             return devices
+
+        return self.store.update(prepare, host=self.sysfs)
 
     def run_reconnect(self) -> None:
         """Record what a running VM holds, creating nothing (it already runs)."""

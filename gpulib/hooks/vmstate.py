@@ -30,7 +30,7 @@ def release_stale(ctx: Context, state: State, running: set[str], config: Config,
 
 def activate(ctx: Context, config: Config, vm: str) -> bool:
     """onStart: the VM runs, its allocation becomes active. False if it holds nothing."""
-    with open_store(ctx, config).transaction() as state:
+    def start(state: State) -> bool:
         # Names only (no file is parsed): onStart never needs lxml.
         release_stale(ctx, state, running_names(ctx.sysfs), config, keep=vm)
         alloc = state.allocations.get(vm)
@@ -42,13 +42,17 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
             alloc.boot_id, alloc.uptime = boot_clock(ctx)
         return True
 
+    return open_store(ctx, config).update(start, host=ctx.sysfs)
+
 
 def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
     """onStop / release end: release what the VM held."""
-    with open_store(ctx, config).transaction() as state:
+    def stop(state: State) -> list[str]:
         return release(ctx.sysfs, state, vm,
                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
                        retry_seconds=config.get_float("release", "clear_retry_seconds"))
+
+    return open_store(ctx, config).update(stop, host=ctx.sysfs)
 
 
 def change(program: str, vm_arg: str, started: bool) -> str:

@@ -3,7 +3,8 @@
 Usage: python -m tests.helpers.crash_worker N <hook module> <argv...>
 
 Counts every sysfs write (`Sysfs.write`) and every state write
-(`atomicfile.write_atomic`) in the order they happen; the N-th one is not
+(`atomicfile.write_atomic`, and the rename of a state file written before
+the lock, `PreparedFile.commit`) in the order they happen; the N-th one is not
 made: the process ends at once with os._exit(137), as a kill would leave it
 (no cleanup, no rollback, no lock release other than the kernel's). Prints
 nothing of its own; exit 0 from the hook means N was past the last write.
@@ -35,6 +36,8 @@ def main() -> int:
 
     Sysfs.write = counted(Sysfs.write)  # type: ignore[method-assign]
     atomicfile.write_atomic = counted(atomicfile.write_atomic)
+    atomicfile.PreparedFile.commit = counted(  # type: ignore[method-assign]
+        atomicfile.PreparedFile.commit)
     hook = importlib.import_module(module)
     return int(hook.main(sys.argv[2:]))
 
