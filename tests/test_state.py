@@ -874,15 +874,16 @@ def test_sigkill_between_temp_write_and_rename(store: StateStore) -> None:
     assert temp_files(store) == []
 
 
-def test_64_processes_at_once_lose_nothing(tmp_path: Path) -> None:
-    store = make_store(tmp_path)
+def _64_at_once(store: StateStore, tmp_path: Path, mode: str) -> list[str]:
+    """Run state_worker MODE in 64 processes released at one instant; their outputs."""
     ready = tmp_path / "ready"
     ready.mkdir()
     go = tmp_path / "go"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    hold_ms = {"append": "2", "claim": "1"}[mode]
     procs = [subprocess.Popen(
-        [sys.executable, str(HELPER), "append", store.state_path, store.lock_path, str(i),
-         str(ready), str(go), "2"],
+        [sys.executable, str(HELPER), mode, store.state_path, store.lock_path, str(i),
+         str(ready), str(go), hold_ms],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for i in range(64)]
     try:
         deadline = time.monotonic() + 30
@@ -898,6 +899,12 @@ def test_64_processes_at_once_lose_nothing(tmp_path: Path) -> None:
                 p.wait()
     for p, (_out, err) in zip(procs, results):
         assert p.returncode == 0, err.decode()
+    return [out.decode().strip() for out, _err in results]
+
+
+def test_64_processes_at_once_lose_nothing(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    _64_at_once(store, tmp_path, "append")
     final = store.load()
     assert sorted(final.allocations) == sorted(f"vm-{i}" for i in range(64))
     assert all(a.status == "active" and len(a.devices) == 1 for a in final.allocations.values())
@@ -1458,29 +1465,8 @@ def test_64_processes_updating_at_once_each_get_their_own_device(tmp_path: Path)
     store = make_store(tmp_path)
     with store.transaction():
         pass
-    ready = tmp_path / "ready"
-    ready.mkdir()
-    go = tmp_path / "go"
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    procs = [subprocess.Popen(
-        [sys.executable, str(HELPER), "claim", store.state_path, store.lock_path, str(i),
-         str(ready), str(go), "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for i in range(64)]
-    try:
-        deadline = time.monotonic() + 30
-        while len(os.listdir(ready)) < 64 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(os.listdir(ready)) == 64
-        go.touch()
-        results = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_out, err) in zip(procs, results):
-        assert p.returncode == 0, err.decode()
-    said = {f"vm-{i}": out.decode().strip() for i, (out, _err) in enumerate(results)}
+    outputs = _64_at_once(store, tmp_path, "claim")
+    said = {f"vm-{i}": out for i, out in enumerate(outputs)}
     final = store.load()
     assert {vm: a.devices[0].id for vm, a in final.allocations.items()} == said
     assert len(set(said.values())) == 64

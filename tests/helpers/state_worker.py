@@ -22,16 +22,23 @@ from gpulib.errors import GpulibError
 from gpulib.state import Allocation, Device, State, StateStore
 
 
-def append(state: str, lock: str, ident: str, ready_dir: str, go: str, hold_ms: str) -> int:
-    store = StateStore(state, lock, timeout=30.0)
+def _ready_then_go(ready_dir: str, ident: str, go: str) -> bool:
+    """Say this process is ready, then wait for the go signal (False: none came)."""
     with open(os.path.join(ready_dir, ident), "w"):
         pass
     deadline = time.monotonic() + 30
     while not os.path.exists(go):
         if time.monotonic() > deadline:
             print("no go signal", file=sys.stderr)
-            return 1
+            return False
         time.sleep(0.002)
+    return True
+
+
+def append(state: str, lock: str, ident: str, ready_dir: str, go: str, hold_ms: str) -> int:
+    store = StateStore(state, lock, timeout=30.0)
+    if not _ready_then_go(ready_dir, ident, go):
+        return 1
     try:
         with store.transaction() as s:
             vm = f"vm-{ident}"
@@ -47,14 +54,8 @@ def append(state: str, lock: str, ident: str, ready_dir: str, go: str, hold_ms: 
 
 def claim(state: str, lock: str, ident: str, ready_dir: str, go: str, hold_ms: str) -> int:
     store = StateStore(state, lock, timeout=30.0)
-    with open(os.path.join(ready_dir, ident), "w"):
-        pass
-    deadline = time.monotonic() + 30
-    while not os.path.exists(go):
-        if time.monotonic() > deadline:
-            print("no go signal", file=sys.stderr)
-            return 1
-        time.sleep(0.002)
+    if not _ready_then_go(ready_dir, ident, go):
+        return 1
 
     def change(s: State) -> str:
         taken = {d.id for a in s.allocations.values() for d in a.devices}
