@@ -902,6 +902,7 @@ class StateStore:
         self._before_is_raw = False
         self._checkpointed = False
         self._optimistic_run = False  # inside update()'s run without the lock
+        self._wait_until: Optional[float] = None  # update()'s deadline for lock waits
 
     @classmethod
     def for_context(cls, ctx: Context, **kw: Any) -> StateStore:
@@ -1051,8 +1052,11 @@ class StateStore:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise StateError(f"cannot take state lock {self.lock_path}: {_reason(e)}") from None
+        wait = self.timeout
+        if self._wait_until is not None:  # inside update(): what its earlier waits left
+            wait = min(wait, max(0.0, self._wait_until - time.monotonic()))
         try:
-            got = _flock_wait(fd, self.timeout)
+            got = _flock_wait(fd, wait)
         except OSError as e:
             os.close(fd)
             raise StateError(f"cannot take state lock {self.lock_path}: {_reason(e)}") from None
@@ -1172,7 +1176,11 @@ class StateStore:
         be repeatable: it reads, changes the state it is given and returns.
         Its log records are held back until its run is the one that counts.
         """
-        if not self._in_transaction:
+        if self._in_transaction:
+            raise RuntimeError("StateStore.update() inside a transaction")
+        # However many times it waits for the lock, a hook waits `timeout` in all.
+        self._wait_until = time.monotonic() + self.timeout
+        try:
             raw: Optional[bytes] = None
             for _ in range(OPTIMISTIC_TRIES):
                 done, raw = self._optimistic(change, host, raw)
@@ -1180,8 +1188,10 @@ class StateStore:
                     return done[0]
                 if raw is None:
                     break  # not a race lost: only the lock helps
-        with self.transaction() as state:
-            return change(state)
+            with self.transaction() as state:
+                return change(state)
+        finally:
+            self._wait_until = None
 
     def _optimistic(self, change: Callable[[State], T], host: Optional[Sysfs],
                     raw: Optional[bytes]) -> tuple[Optional[tuple[T]], Optional[bytes]]:

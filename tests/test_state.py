@@ -744,6 +744,8 @@ def test_transaction_is_not_reentrant(store: StateStore) -> None:
     with store.transaction(), pytest.raises(RuntimeError, match="not reentrant"), \
             store.transaction():
         pass
+    with store.transaction(), pytest.raises(RuntimeError, match="inside a transaction"):
+        store.update(lambda s: None)
     with store.transaction():  # usable again afterwards
         pass
 
@@ -1472,3 +1474,43 @@ def test_64_processes_updating_at_once_each_get_their_own_device(tmp_path: Path)
     assert len(set(said.values())) == 64
     assert written_text(store.state_path) == dumps(final).encode()
     assert temp_files(store) == []
+
+
+def test_an_update_waits_for_the_lock_its_timeout_in_all(
+        store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every race lost means another wait for the lock: together they stay
+    within the store's timeout (a hook must answer inside the agent's 30 s)."""
+    import gpulib.state as state_module
+
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    store.timeout = 1.0
+    waits: list[float] = []
+    real = state_module._flock_wait
+
+    def slow(fd: int, timeout: float) -> bool:
+        waits.append(timeout)
+        if timeout <= 0:
+            return False
+        time.sleep(min(0.3, timeout))  # a busy lock
+        return real(fd, timeout)
+
+    monkeypatch.setattr(state_module, "_flock_wait", slow)
+    runs = [0]
+
+    def change(s: State) -> None:
+        runs[0] += 1
+        if store._optimistic_run:  # another writer, every time
+            rival = store.load()
+            rival.type_names["10de:0001"] = {"1": f"run-{runs[0]}"}
+            write_raw(store, dumps(rival).encode())
+        s.unmanaged.add("0000:02:00.0")
+
+    start = time.monotonic()
+    with pytest.raises(LockTimeout):
+        store.update(change)
+    assert time.monotonic() - start < 2.0
+    assert waits[0] == pytest.approx(1.0, abs=0.05)
+    assert all(a > b for a, b in zip(waits, waits[1:])) and waits[-1] == 0
+    assert "0000:02:00.0" not in store.load().unmanaged
+    assert store._wait_until is None
