@@ -21,10 +21,13 @@ Actions:
 * `RetypeVf`      a VF a VM holds (a retried start) that lost its type;
 * `AddGroupPeer`  an endpoint of a named GPU's IOMMU group (its HDMI audio,
                   say) the domain does not name: added to the XML beside the
-                  GPU, on the GPU's guest slot.
+                  GPU, on the GPU's guest slot;
+* `AdoptMdev`     a vGPU a killed start of this VM made for its request, still
+                  live and of its item's type: taken over in place.
 
 A gpulib metadata request is served by what the VM holds first (`unmet`
-decides what is left, from `HeldFacts`); the rest the allocator
+decides what is left, from `HeldFacts`; `plan_adoptions` what a killed start
+of it left); the rest the allocator
 (`gpulib.allocator`) chooses as `AllocateVgpu` / `AllocateVf` / `AllocatePci`,
 one instance at a time, each applied before the next is chosen (the next
 reads the capacity the last one used).
@@ -129,7 +132,17 @@ class RetypeVf(NamedTuple):
     on_demand: bool
 
 
-Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci, AddGroupPeer, RetypeVf]
+class AdoptMdev(NamedTuple):
+    """A vGPU a killed start of this VM created for its request: taken over in
+    place, not removed and created again."""
+
+    uuid: str
+    parent: str
+    type_id: str
+
+
+Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci, AddGroupPeer, RetypeVf,
+               AdoptMdev]
 
 BRIDGE_BASE_CLASS = 0x06
 
@@ -339,3 +352,32 @@ def unmet(request: GpuRequest, derived: dict[str, int], held: list[HeldFacts]) -
                 break
     return GpuRequest(tuple(item._replace(count=n)
                             for item, n in zip(request.items, left) if n > 0))
+
+
+class OrphanFacts(NamedTuple):
+    """A live mdev whose write-ahead intent a killed start of this VM left."""
+
+    parent: str
+    type_id: str
+    type_name: Optional[str]
+
+
+def plan_adoptions(derived: dict[str, VgpuRequest], have: set[str],
+                   orphans: dict[str, OrphanFacts]) -> list[AdoptMdev]:
+    """The orphans a retried start takes over for its request.
+
+    `derived`: the UUIDs the request derives, each with the item it serves (in
+    the request's order); `have`: what the VM holds already (named or kept);
+    `orphans`: the live mdevs of this VM's killed start, by UUID. An orphan is
+    adopted when its UUID is one the request derives, the VM does not hold it
+    yet, and its type serves that UUID's item: so a retry ends with the very
+    devices the killed start made. Any other orphan is left to be settled.
+    """
+    out = []
+    for uuid, item in derived.items():
+        found = orphans.get(uuid)
+        if uuid in have or found is None or not item.matches_type(found.type_id,
+                                                                   found.type_name):
+            continue
+        out.append(AdoptMdev(uuid, found.parent, found.type_id))
+    return out

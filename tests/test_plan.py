@@ -23,6 +23,7 @@ from gpulib.plan import (
     HostFacts,
     KeepMdev,
     MdevFacts,
+    OrphanFacts,
     PciFacts,
     PeerFacts,
     RecreateMdev,
@@ -31,6 +32,7 @@ from gpulib.plan import (
     UsePci,
     UseVf,
     new_work,
+    plan_adoptions,
     plan_kept,
     plan_named,
     unmet,
@@ -345,3 +347,29 @@ def test_kept_devices_are_made_ready_once(data: Any) -> None:
         {v for v in state.vf_types if v not in typed}
     assert set(made) == missing
     assert plan_kept(devices, state, live | set(made), typed | set(made)) == []
+
+
+# -- what a killed start of the VM left (a retried start) ----------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_a_retry_adopts_exactly_the_orphans_its_request_derives_with_their_type(
+        data: Any) -> None:
+    counts = data.draw(st.lists(st.integers(1, 2), min_size=1, max_size=3))
+    items = [VgpuRequest(data.draw(st.sampled_from(PROFILES)), None, n) for n in counts]
+    flat = [item for item in items for _ in range(item.count)]
+    derived = {u: item._replace(count=1) for u, item in zip(UUIDS, flat)}
+    have = set(data.draw(st.lists(st.sampled_from(UUIDS), unique=True, max_size=2)))
+    orphans = {u: OrphanFacts(data.draw(st.sampled_from(PARENTS)), TYPE,
+                              data.draw(st.sampled_from([*PROFILES, None])))
+               for u in data.draw(st.lists(st.sampled_from(UUIDS), unique=True))}
+    plan = plan_adoptions(derived, have, orphans)
+    adopted = [a.uuid for a in plan]
+    assert adopted == [u for u in derived if u in adopted], "in the request's order"
+    for u in UUIDS:
+        serves = u in derived and u in orphans and orphans[u].type_name == derived[u].profile
+        assert (u in adopted) == (serves and u not in have), u
+    for a in plan:
+        assert (a.parent, a.type_id) == (orphans[a.uuid].parent, orphans[a.uuid].type_id)
+    # Adopted, they are held: planned again, nothing more is adopted.
+    assert plan_adoptions(derived, have | set(adopted), orphans) == []

@@ -71,6 +71,7 @@ from gpulib.plan import (
     HostFacts,
     KeepMdev,
     MdevFacts,
+    OrphanFacts,
     PciFacts,
     PeerFacts,
     RecreateMdev,
@@ -78,6 +79,7 @@ from gpulib.plan import (
     RetypeVf,
     UsePci,
     UseVf,
+    plan_adoptions,
     plan_group_peers,
     plan_kept,
     plan_named,
@@ -644,35 +646,31 @@ class Preparer:
 
     def _adopt_requested(self, state: State, occ: Occupancy, journal: Journal,
                          request: GpuRequest, have: set[str]) -> list[Device]:
-        """The vGPUs a killed start of this VM created for its request, still live
-        and of the type their place in the request asks for: taken over in place
-        (not removed and created again)."""
+        """The vGPUs a killed start of this VM created for its request, taken over
+        in place (`plan_adoptions`, from the orphans read here)."""
         if self.domain_uuid is None or not any(i.vm == self.vm for i in state.intents):
             return []
         from gpulib.occupancy import PENDING, Hold
 
-        out = []
-        k = 0
-        for item in request.vgpus:
-            for _ in range(item.count):
-                uuid = derive_uuid(self.domain_uuid, k)
-                k += 1
-                if uuid in have or journal.orphan("create-mdev", uuid) is None:
-                    continue
-                live = mdev.read_mdev(self.sysfs, uuid)
-                if live is None:
-                    continue
+        derived = self._derived_uuids(request)
+        orphans: dict[str, OrphanFacts] = {}
+        for uuid in derived:
+            if uuid in have or journal.orphan("create-mdev", uuid) is None:
+                continue
+            live = mdev.read_mdev(self.sysfs, uuid)
+            if live is not None:
                 t = mdev.MdevType(self.sysfs, live.parent, live.type_id)
-                if not item.matches_type(t.type_id, t.name):
-                    continue
-                orphan = journal.adopt_mdev(uuid)
-                if orphan is None:
-                    continue
-                if orphan.on_demand and uuid not in state.vgpus:
-                    state.vgpus[uuid] = VgpuRecord(str(live.parent), live.type_id, None, True,
-                                                   utc_now())
-                occ.add(Hold(self.vm, PENDING, uuid))
-                out.append(Device("mdev", uuid, on_demand=orphan.on_demand))
+                orphans[uuid] = OrphanFacts(str(live.parent), live.type_id, t.name)
+        out = []
+        for action in plan_adoptions(derived, have, orphans):
+            orphan = journal.adopt_mdev(action.uuid)
+            if orphan is None:
+                continue
+            if orphan.on_demand and action.uuid not in state.vgpus:
+                state.vgpus[action.uuid] = VgpuRecord(action.parent, action.type_id, None,
+                                                      True, utc_now())
+            occ.add(Hold(self.vm, PENDING, action.uuid))
+            out.append(Device("mdev", action.uuid, on_demand=orphan.on_demand))
         return out
 
     def _unmet(self, state: State, occ: Occupancy, request: GpuRequest,
