@@ -801,6 +801,7 @@ def _crash_child(state_path: str, lock_path: str, start: int, attempting: Any) -
         n += 1
 
 
+@pytest.mark.slow  # many processes: once per CI, not per interpreter
 def test_sigkill_at_random_instants_never_breaks_the_file(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     with store.transaction() as s:
@@ -904,6 +905,7 @@ def _64_at_once(store: StateStore, tmp_path: Path, mode: str) -> list[str]:
     return [out.decode().strip() for out, _err in results]
 
 
+@pytest.mark.slow  # many processes: once per CI, not per interpreter
 def test_64_processes_at_once_lose_nothing(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     _64_at_once(store, tmp_path, "append")
@@ -1463,6 +1465,7 @@ def test_updates_racing_writers_never_lose_or_double_a_claim(
         assert temp_files(store) == []
 
 
+@pytest.mark.slow  # many processes: once per CI, not per interpreter
 def test_64_processes_updating_at_once_each_get_their_own_device(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     with store.transaction():
