@@ -72,7 +72,9 @@ def write_atomic(path: str, data: bytes, mode: int = 0o644, sync_dir: bool = Tru
     a PreparedFile for `path` to use when `data` fits in it (the quick way).
     """
     if prepared is not None and prepared.replace(data):
-        return _sync_dir_after(path, sync_dir)
+        if sync_dir:
+            sync_dir_of(path)
+        return
     tmp = _temp_name(path)
     try:
         fd = _create(tmp, mode)
@@ -89,12 +91,13 @@ def write_atomic(path: str, data: bytes, mode: int = 0o644, sync_dir: bool = Tru
         except OSError:
             pass
         raise AtomicWriteError(e.errno, e.strerror or str(e), path) from None
-    _sync_dir_after(path, sync_dir)
+    if sync_dir:
+        sync_dir_of(path)
 
 
-def _sync_dir_after(path: str, sync_dir: bool) -> None:
-    if not sync_dir:
-        return
+def sync_dir_of(path: str) -> None:
+    """Make the rename that put `path` in place durable (fsync its directory).
+    A failure is only logged: the new file is already in place and visible."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fsync_dir(directory)

@@ -772,9 +772,10 @@ class Domain:
 
     def copy(self) -> Domain:
         """An independent copy: edits to one never reach the other."""
-        import copy
-
-        dup = Domain(copy.deepcopy(self.root.getroottree()).getroot(), self._source)
+        # lxml's own deep copy of the document (the comments around the root
+        # too): what copy.deepcopy would call, without importing `copy` on a
+        # start's path.
+        dup = Domain(self.root.getroottree().__deepcopy__(None).getroot(), self._source)
         dup._changed = self._changed
         return dup
 

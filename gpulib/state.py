@@ -806,6 +806,34 @@ class _Lock:
             os.close(fd)
 
 
+class _Hold:
+    """One hold of the lock: when it began, how long it lasted once released,
+    and the replaced state file, kept open until then."""
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+        self.cpu_since = time.process_time()
+        self.seconds = 0.0
+        self.cpu = 0.0
+        self._old_fd: Optional[int] = None
+
+    def keep_old(self, path: str) -> None:
+        """Hold the file about to be replaced open (see atomicfile.hold_open)."""
+        self._old_fd = atomicfile.hold_open(path)
+
+    def ended(self) -> None:
+        self.seconds = time.monotonic() - self.since
+        if self._old_fd is not None:
+            os.close(self._old_fd)
+            self._old_fd = None
+        self.cpu = time.process_time() - self.cpu_since
+
+    def line(self, writing: float, how: str = "") -> str:
+        """What scripts/bench reads to report the lock's hold time per start."""
+        return (f"state lock held {self.seconds * 1000:.2f} ms ({self.cpu * 1000:.2f} ms of "
+                f"CPU, {writing * 1000:.2f} ms writing the file)" + (f": {how}" if how else ""))
+
+
 def _reason(e: OSError) -> str:
     return e.strerror or str(e)
 
@@ -1003,18 +1031,24 @@ class StateStore:
         held. Dead writers' temp files are removed first, also outside the lock.
         None (write_atomic's own temp file, under the lock) when it cannot be
         made."""
-        atomicfile.remove_stale_temp_files(self.state_path)
         # Room for the state as it is now (without the padding of the last
         # prepared write) and what one start may add to it.
         raw = read_file(self.state_path, DOCUMENT_MAX)
         size = 0 if isinstance(raw, ReadFailure) else len(raw.rstrip(b" "))
         capacity = -(-(size + size // 4 + 8192) // 4096) * 4096
         try:
-            self._ensure_dirs()
-            return atomicfile.PreparedFile(self.state_path, capacity)
+            return self._new_temp(capacity)
         except (OSError, StateError) as e:
             log.debug("cannot prepare a state file ahead of the lock: %s", e)
             return None
+
+    def _new_temp(self, capacity: int, content: Optional[bytes] = None
+                  ) -> atomicfile.PreparedFile:
+        """A temp file for the state, made outside the lock (dead writers' temp
+        files are removed first)."""
+        atomicfile.remove_stale_temp_files(self.state_path)
+        self._ensure_dirs()
+        return atomicfile.PreparedFile(self.state_path, capacity, content=content)
 
     def _move_aside(self) -> str:
         """Rename the corrupt file out of the way; return its new name."""
@@ -1070,6 +1104,22 @@ class StateStore:
         return _Lock(fd)
 
     @contextmanager
+    def _locked(self, hurry: bool = False) -> Iterator[_Hold]:
+        """The lock, held while the block runs, with the `on_lock` check made
+        first; `hurry`: at the highest priority meanwhile (see _hurry)."""
+        lock = self._acquire()
+        hold = _Hold()
+        niceness = _hurry() if hurry else None
+        try:
+            if self.on_lock is not None:
+                self.on_lock()
+            yield hold
+        finally:
+            lock.release()
+            _relax(niceness)
+            hold.ended()
+
+    @contextmanager
     def transaction(self) -> Iterator[State]:
         """Lock, load, yield the state to change, write it if it changed, unlock.
 
@@ -1083,50 +1133,29 @@ class StateStore:
         self._in_transaction = True
         try:
             prepared = self._prepare()
-            try:
-                lock = self._acquire()
-            except BaseException:
-                if prepared is not None:
-                    prepared.discard()
-                raise
-            held_since = time.monotonic()
-            cpu_since = time.process_time()
-            synced = True
+            hold: Optional[_Hold] = None
             writing = 0.0
-            old_fd: Optional[int] = None
-            niceness = _hurry()
+            written = False
             try:
-                if self.on_lock is not None:
-                    self.on_lock()
-                state, before = self._load_locked()
-                yield state
-                after = self._final_text(state, before)
-                if after != before:
-                    # The rename is visible at once; its directory fsync (durability
-                    # across a power cut) need not keep other starts waiting.
-                    write_since = time.monotonic()
-                    old_fd = atomicfile.hold_open(self.state_path)
-                    self._write(after, sync_dir=False, prepared=prepared)
-                    writing = time.monotonic() - write_since
-                    synced = False
+                with self._locked(hurry=True) as hold:
+                    state, before = self._load_locked()
+                    yield state
+                    after = self._final_text(state, before)
+                    if after != before:
+                        # The rename is visible at once; its directory fsync (durability
+                        # across a power cut) need not keep other starts waiting.
+                        write_since = time.monotonic()
+                        hold.keep_old(self.state_path)
+                        self._write(after, sync_dir=False, prepared=prepared)
+                        writing = time.monotonic() - write_since
+                        written = True
             finally:
-                lock.release()
-                held = time.monotonic() - held_since
-                _relax(niceness)
-                if old_fd is not None:
-                    os.close(old_fd)
                 if prepared is not None:
                     prepared.discard()
-                # What scripts/bench reads to report the lock's hold time per start.
-                log.debug("state lock held %.2f ms (%.2f ms of CPU, %.2f ms writing the file)",
-                          held * 1000, (time.process_time() - cpu_since) * 1000,
-                          writing * 1000)
-            if not synced:
-                try:
-                    atomicfile.fsync_dir(os.path.dirname(self.state_path))
-                except OSError as e:
-                    log.warning("%s written, but syncing its directory failed: %s",
-                                self.state_path, _reason(e))
+                if hold is not None:
+                    log.debug("%s", hold.line(writing))
+            if written:
+                atomicfile.sync_dir_of(self.state_path)
         finally:
             self._in_transaction = False
 
@@ -1181,13 +1210,21 @@ class StateStore:
         # However many times it waits for the lock, a hook waits `timeout` in all.
         self._wait_until = time.monotonic() + self.timeout
         try:
-            raw: Optional[bytes] = None
-            for _ in range(OPTIMISTIC_TRIES):
-                done, raw = self._optimistic(change, host, raw)
-                if done is not None:
-                    return done[0]
-                if raw is None:
-                    break  # not a race lost: only the lock helps
+            # Each run is a race with the other writers: the sooner it is done,
+            # the likelier it counts. In a boot storm dozens of hooks are still
+            # starting up on a few cores; the one that has reached this point
+            # goes first (milliseconds; needs CAP_SYS_NICE, as the lock's holder).
+            niceness = _hurry()
+            try:
+                raw: Optional[bytes] = None
+                for _ in range(OPTIMISTIC_TRIES):
+                    done, raw = self._optimistic(change, host, raw)
+                    if done is not None:
+                        return done[0]
+                    if raw is None:
+                        break  # not a race lost: only the lock helps
+            finally:
+                _relax(niceness)
             with self.transaction() as state:
                 return change(state)
         finally:
@@ -1199,33 +1236,20 @@ class StateStore:
         a tuple), or None and, when another process wrote first, the file's
         bytes as that run found them under the lock (the next run's start).
         `raw`: the file's bytes already read, None to read them."""
-        # The run is a race with the other writers: the sooner it is done, the
-        # likelier it counts. In a boot storm dozens of hooks are still starting
-        # up on a few cores; the one that has reached this point goes first
-        # (a few milliseconds; needs CAP_SYS_NICE, as the lock's holder does).
-        niceness = _hurry()
-        try:
-            return self._run_unlocked(change, host, raw)
-        finally:
-            _relax(niceness)
-
-    def _run_unlocked(self, change: Callable[[State], T], host: Optional[Sysfs],
-                      raw: Optional[bytes]) -> tuple[Optional[tuple[T]], Optional[bytes]]:
         from gpulib.logs import HeldBack
 
+        self._before_is_raw, self._checkpointed, self._last_written = False, False, None
         try:
             if raw is None:
                 raw = self._read()
             if raw is None:
                 return None, None
             state, version = self._parse(raw)
-            before = raw.decode("ascii").rstrip(" ")
-        except (StateError, UnicodeDecodeError):
+        except StateError:
             return None, None
-        if version != SCHEMA_VERSION:
+        before = self._loaded_from(state, raw) if version == SCHEMA_VERSION else None
+        if before is None:
             return None, None
-        self._before_is_raw, self._checkpointed, self._last_written = True, False, None
-        self._loaded_doc = state.to_json()
         held_back = HeldBack()
         counted = False
         hold_line = ""
@@ -1273,62 +1297,35 @@ class StateStore:
         happened since the hook started) with the lock held, as any change
         does. The package holds the lock across an upgrade, and `change` ran
         without it and may have imported modules meanwhile."""
-        if self.on_lock is None:
-            return
-        lock = self._acquire()
-        try:
-            self.on_lock()
-        finally:
-            lock.release()
+        if self.on_lock is not None:
+            with self._locked():
+                pass
 
     def _swap(self, raw: bytes, text: str) -> tuple[bool, str, Optional[bytes]]:
         """Rename a synced file of `text` over the state file if it still holds
         `raw`; False (nothing changed) if another process wrote it meanwhile.
         Also the line to log once the records held back are settled, and the
         bytes found instead of `raw` (None: no file, or it was `raw`)."""
-        self._ensure_dirs()
-        atomicfile.remove_stale_temp_files(self.state_path)
         try:
-            staged = atomicfile.PreparedFile(self.state_path, 0, content=text.encode("ascii"))
+            staged = self._new_temp(0, content=text.encode("ascii"))
         except OSError as e:
             raise StateError(f"cannot write state file {self.state_path}: {_reason(e)}") from None
         swapped = False
         found: Optional[bytes] = None
         try:
-            lock = self._acquire()
-            held_since = time.monotonic()
-            cpu_since = time.process_time()
-            old_fd: Optional[int] = None
-            try:
-                if self.on_lock is not None:
-                    self.on_lock()
+            with self._locked() as hold:
                 found = self._read()
                 if found == raw:
-                    old_fd = atomicfile.hold_open(self.state_path)
+                    hold.keep_old(self.state_path)
                     swapped = staged.commit()
-            except OSError as e:
-                raise StateError(f"cannot write state file {self.state_path}: "
-                                 f"{_reason(e)}") from None
-            finally:
-                lock.release()
-                held = time.monotonic() - held_since
-                if old_fd is not None:
-                    os.close(old_fd)
-                # What scripts/bench reads to report the lock's hold time per start.
-                hold_line = (f"state lock held {held * 1000:.2f} ms "
-                             f"({(time.process_time() - cpu_since) * 1000:.2f} ms of CPU, "
-                             f"0.00 ms writing the file): "
-                             + ("written before the lock" if swapped else
-                                "compared, not written"))
+        except OSError as e:
+            raise StateError(f"cannot write state file {self.state_path}: {_reason(e)}") from None
         finally:
             staged.discard()
         if swapped:
-            try:
-                atomicfile.fsync_dir(os.path.dirname(self.state_path))
-            except OSError as e:
-                log.warning("%s written, but syncing its directory failed: %s",
-                            self.state_path, _reason(e))
-        return swapped, hold_line, None if swapped else found
+            atomicfile.sync_dir_of(self.state_path)
+        how = "written before the lock" if swapped else "compared, not written"
+        return swapped, hold.line(0.0, how), None if swapped else found
 
     def checkpoint(self, state: State) -> None:
         """Write `state` now, inside a transaction: a write-ahead intent must be
@@ -1392,16 +1389,21 @@ class StateStore:
             log.warning("state file %s: upgrading schema %s to %d", self.state_path, version,
                         SCHEMA_VERSION)
             return state, ""
-        # The file is our own deterministic text: no need to serialise it again
-        # to know whether the transaction changed anything (another formatting
-        # just means one rewrite).
+        own = self._loaded_from(state, raw)
+        return state, dumps(state) if own is None else own
+
+    def _loaded_from(self, state: State, raw: bytes) -> Optional[str]:
+        """The file's own text, standing for `state` as loaded (None: not ASCII,
+        so not text gpulib wrote). The file is our own deterministic text: no
+        need to serialise it again to know whether a change changed anything
+        (another formatting just means one rewrite)."""
         try:
             text = raw.decode("ascii").rstrip(" ")
         except UnicodeDecodeError:
-            return state, dumps(state)
+            return None
         self._before_is_raw = True
         self._loaded_doc = state.to_json()
-        return state, text
+        return text
 
 
 __all__ = [
