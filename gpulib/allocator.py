@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the hooks' start/stop path imports this module: keep it lig
     from gpulib.discovery import Gpu, Inventory
     from gpulib.domain import PassthroughRequest, VgpuRequest
     from gpulib.journal import Journal
+    from gpulib.liveness import Liveness
     from gpulib.occupancy import Occupancy
 
 log = logging.getLogger(__name__)
@@ -369,7 +370,8 @@ def record(state: State, vm: str, domain_uuid: Optional[str], devices: list[Devi
 
 
 def destroy_device(sysfs: Sysfs, state: State, dev: Device, retry_seconds: float = 0.0) -> None:
-    """Undo an on-demand device and forget it."""
+    """Undo an on-demand device and forget it (an allocator's own rollback,
+    before any VM held it)."""
     if dev.kind == "mdev":
         mdev.remove(sysfs, dev.id, retry_seconds=retry_seconds)
         state.vgpus.pop(dev.id, None)
@@ -380,30 +382,44 @@ def destroy_device(sysfs: Sysfs, state: State, dev: Device, retry_seconds: float
         state.vf_types.pop(dev.id, None)
 
 
-def release(sysfs: Sysfs, state: State, vm: str, destroy_on_demand: bool = True,
-            retry_seconds: float = 5.0) -> list[str]:
-    """Release what `vm` holds; returns one line per action. Unknown VM: []."""
+def release(sysfs: Sysfs, state: State, vm: str, liveness: Liveness,
+            destroy_on_demand: bool = True, retry_seconds: float = 5.0,
+            checkpoint: Optional[Callable[[State], None]] = None,
+            force: bool = False) -> list[str]:
+    """Release what `vm` holds; returns one line per action. Unknown VM: [].
+
+    Never while the VM runs (libvirt's status file names it with the
+    allocation's domain UUID): a late or repeated stop, a stop that failed or
+    a start under its name changes nothing, says so and logs it. Only
+    `force` (an administrator's --force) releases a running VM's devices, with
+    a warning. On-demand devices are destroyed through the journal: the
+    allocation's end and a removal intent per device are written
+    (`checkpoint`) before the first removal (journal.release_devices)."""
+    from gpulib.journal import release_devices
+
     alloc = state.allocations.get(vm)
-    actions: list[str] = []
     if alloc is None:
-        return actions
-    failed: list[Device] = []
+        return []
+    if liveness.is_running(vm, alloc.domain_uuid):
+        if not force:
+            log.warning("%s is running (libvirt's status file names it): its devices stay "
+                        "held; nothing released", vm)
+            return [f"kept: {vm} is running"]
+        log.warning("%s is running, but its release was forced: its devices are taken "
+                    "from a running VM", vm)
+    del state.allocations[vm]
+    actions: list[str] = []
+    doomed = []
     for dev in alloc.devices:
-        if dev.on_demand and destroy_on_demand:
-            try:
-                destroy_device(sysfs, state, dev, retry_seconds)
-                actions.append(f"destroyed {dev.kind} {dev.id}")
-            except Exception as exc:  # keep the record: reconcile retries it later
-                log.error("releasing %s %s of %s failed: %s", dev.kind, dev.id, vm, exc)
-                failed.append(dev)
-                continue
-        else:
-            rec_m = state.vgpus.get(dev.id) if dev.kind == "mdev" else None
-            rec_v = state.vf_types.get(dev.id) if dev.kind == "vf" else None
-            actions.append(f"returned {dev.kind} {dev.id}" + (" to its pool" if
-                                                              (rec_m or rec_v) else ""))
-    if failed:
-        alloc.devices = failed
-    else:
-        del state.allocations[vm]
+        if dev.on_demand and destroy_on_demand and dev.kind in ("mdev", "vf"):
+            doomed.append(dev)
+            continue
+        rec_m = state.vgpus.get(dev.id) if dev.kind == "mdev" else None
+        rec_v = state.vf_types.get(dev.id) if dev.kind == "vf" else None
+        actions.append(f"returned {dev.kind} {dev.id}" + (" to its pool" if
+                                                          (rec_m or rec_v) else ""))
+    # A forced release of a running VM: its own status file does not keep
+    # the removal from happening.
+    actions += release_devices(sysfs, state, vm, doomed, liveness, checkpoint, retry_seconds,
+                               ignore_vm=vm if force else None)
     return actions

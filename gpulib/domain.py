@@ -27,7 +27,7 @@ from gpulib.validate import (
     check_type_id,
     check_vm_name,
     is_type_id,
-    is_uuid,
+    libvirt_uuid,
 )
 from gpulib.xmlns import GPULIB_NS  # defined without lxml, for the hooks' fast path
 
@@ -211,11 +211,14 @@ def _is_ws(text: Optional[str]) -> bool:
 
 
 def _canonical_uuid(value: Optional[str], what: str) -> str:
-    """A UUID as every entry point takes it (gpulib.validate), lowercase."""
-    if value is None or not is_uuid(value):
+    """A UUID of the XML read as libvirt reads it (gpulib.validate.libvirt_uuid),
+    in canonical form: libvirt accepts `7F3A...` without dashes and writes it
+    back canonical, so a VM naming a vGPU so names that vGPU."""
+    found = libvirt_uuid(value) if value is not None else None
+    if found is None:
         shown = value if value is not None else "(missing)"
         raise DomainXmlError(f"{what} is not a UUID: {shown!r}")
-    return value.lower()
+    return found
 
 
 def _domain_uuid(value: Optional[str]) -> str:

@@ -18,6 +18,19 @@ any other is undone (a live, unheld mdev it names is removed, a VF it typed
 is cleared). So after any crash, a retry finds no orphan, and an allocation
 never names a vGPU that is not live.
 
+Releases go through the journal too (`release_devices`): a stop (or a
+retried start dropping what its earlier attempt made) writes a removal
+intent (`remove-mdev`, `clear-vf-type`) for every on-demand device it will
+destroy, together with the allocation's end, before the first sysfs write;
+each intent is dropped once its device is gone. A crash or a full disk at
+any write therefore leaves either the allocation (nothing destroyed yet) or
+intents that explain every device that may be gone: the next run finishes
+them, unless a VM holds the device again by then (it is then that VM's).
+The state never names a vGPU that is gone without an intent that explains it.
+
+Nothing a running VM holds is removed or cleared by a settle: libvirt's
+status files are asked first (`gpulib.liveness`).
+
 A retried start of the same VM goes first: its own intents are left to it
 (`settle(keep=vm)`), and the device one of them made is adopted in place
 when the retry makes the same change (an mdev with the same UUID, parent and
@@ -35,16 +48,17 @@ from typing import TYPE_CHECKING, Callable, Optional
 from gpulib import mdev, nvidia
 from gpulib.errors import DeviceError, GpulibError
 from gpulib.pci import PciAddress
-from gpulib.state import Intent, State
+from gpulib.state import REMOVALS, Device, Intent, State
 
 if TYPE_CHECKING:
+    from gpulib.liveness import Liveness
     from gpulib.sysfs import Sysfs
 
 log = logging.getLogger(__name__)
 
 
 class Journal:
-    def __init__(self, sysfs: Sysfs, state: State, vm: str,
+    def __init__(self, sysfs: Sysfs, state: State, vm: str, liveness: Liveness,
                  checkpoint: Optional[Callable[[State], None]] = None,
                  held_by_other: Optional[Callable[[str], bool]] = None) -> None:
         """`held_by_other(device)`: whether another VM holds it (an orphan of
@@ -53,11 +67,15 @@ class Journal:
         self.sysfs = sysfs
         self.state = state
         self.vm = vm
+        self.liveness = liveness
+        # A removal was made: it cannot be undone, so the intents stay for
+        # the next run to settle instead of the file being put back.
+        self._removed = False
         self._checkpoint = checkpoint
         self._undo: list[tuple[str, Callable[[], object]]] = []
         self._intents: list[Intent] = []
         # The intents a killed start of this VM left (see settle(keep=...)).
-        self._orphans = [i for i in state.intents if i.vm == vm]
+        self._orphans = [i for i in state.intents if i.vm == vm and i.action not in REMOVALS]
         self._held_by_other = held_by_other or self._allocated_to_other
 
     def _allocated_to_other(self, device: str) -> bool:
@@ -146,6 +164,15 @@ class Journal:
             self._undo.append((f"clear the vGPU type of {vf}",
                                lambda: nvidia.clear_type(self.sysfs, vf, retry_seconds=0.5)))
 
+    def release(self, devices: Sequence[Device], retry_seconds: float) -> list[str]:
+        """Destroy on-demand devices this VM no longer holds (a retried start's
+        earlier attempt), write-ahead; what `release_devices` says. Not undone
+        by a rollback."""
+        if devices:
+            self._removed = True
+        return release_devices(self.sysfs, self.state, self.vm, devices, self.liveness,
+                               self._checkpoint, retry_seconds)
+
     @property
     def changed(self) -> bool:
         return bool(self._undo)
@@ -153,7 +180,7 @@ class Journal:
     def rollback(self) -> bool:
         """Undo every change, newest first; failures are logged, the rest still
         undone. True when everything was undone (the intents are then void)."""
-        ok = True
+        ok = not self._removed
         while self._undo:
             what, undo = self._undo.pop()
             try:
@@ -166,7 +193,7 @@ class Journal:
 
     def _settle_orphan(self, orphan: Intent) -> None:
         self._orphans.remove(orphan)
-        settle(self.sysfs, self.state, only=[orphan])
+        settle(self.sysfs, self.state, self.liveness, only=[orphan])
         if orphan in self.state.intents:
             raise DeviceError(f"{orphan.action} {orphan.id}, left by an interrupted start "
                               f"of {self.vm}, cannot be undone (see the log)")
@@ -181,27 +208,103 @@ class Journal:
         failing write (disk full) rolls them back like any other failure."""
         settled = bool(self._orphans)
         if self._orphans:
-            settle(self.sysfs, self.state, only=self._orphans)
+            settle(self.sysfs, self.state, self.liveness, only=self._orphans)
             self._orphans = []
         self.state.intents = [i for i in self.state.intents
                               if not any(i is mine for mine in self._intents)]
-        if (self._undo or settled) and self._checkpoint is not None:
+        if (self._undo or settled or self._removed) and self._checkpoint is not None:
             self._checkpoint(self.state)
         self._intents.clear()
         self._undo.clear()
 
 
-def settle(sysfs: Sysfs, state: State, keep: Optional[str] = None,
-           only: Optional[Sequence[Intent]] = None) -> list[str]:
-    """Complete or undo the intents of starts that died; one line per intent.
+def release_devices(sysfs: Sysfs, state: State, vm: str, devices: Sequence[Device],
+                    liveness: Liveness, checkpoint: Optional[Callable[[State], None]],
+                    retry_seconds: float, ignore_vm: Optional[str] = None) -> list[str]:
+    """Destroy devices `vm` held on demand, each announced by a removal intent.
 
-    `keep`: a VM starting now; its intents are left to its Journal (which
-    adopts what it makes again and settles the rest). `only`: these intents."""
+    The caller has already taken them out of `vm`'s allocation (or dropped
+    it): that change and the intents reach the disk in one write (`checkpoint`)
+    before the first removal. A device that goes is forgotten and its intent
+    dropped; one that cannot go yet (busy: NVIDIA needs a moment after QEMU
+    exits) keeps its intent, which the next run settles. One line per device.
+    `ignore_vm`: a VM whose status file does not count (a forced release)."""
+    todo = []
+    for dev in devices:
+        if dev.kind not in ("mdev", "vf"):
+            continue
+        rec_m = state.vgpus.get(dev.id) if dev.kind == "mdev" else None
+        action = "remove-mdev" if dev.kind == "mdev" else "clear-vf-type"
+        intent = Intent(action, dev.id, vm, rec_m.parent if rec_m is not None else None,
+                        rec_m.type_id if rec_m is not None else None, on_demand=True)
+        state.intents.append(intent)
+        todo.append(intent)
+    if todo and checkpoint is not None:
+        checkpoint(state)
+    out = []
+    for intent in todo:
+        out.append(_finish_removal(sysfs, state, intent, liveness, retry_seconds, ignore_vm))
+    return out
+
+
+def _finish_removal(sysfs: Sysfs, state: State, intent: Intent, liveness: Liveness,
+                    retry_seconds: float, ignore_vm: Optional[str] = None) -> str:
+    """Carry out one removal intent, unless a VM holds its device again; the
+    intent is dropped when done, kept (for the next run) when the kernel says no."""
+    kind = "mdev" if intent.action == "remove-mdev" else "vf"
+    holder = liveness.user_of(intent.id)
+    if holder is not None and holder == ignore_vm:
+        holder = None
+    if holder is None:
+        holder = next((name for name, a in state.allocations.items()
+                       if any(d.id == intent.id for d in a.devices)), None)
+    if holder is not None:
+        # Held again (a running domain names it, or an allocation does): the
+        # device is that VM's now; the removal is void.
+        state.intents.remove(intent)
+        return f"kept {kind} {intent.id}: {holder} holds it"
+    try:
+        if kind == "mdev":
+            mdev.remove(sysfs, intent.id, retry_seconds=retry_seconds)
+            state.vgpus.pop(intent.id, None)
+        else:
+            vf = PciAddress.parse(intent.id)
+            if nvidia.current_type(sysfs, vf):
+                nvidia.clear_type(sysfs, vf, retry_seconds=retry_seconds)
+            state.vf_types.pop(intent.id, None)
+    except (GpulibError, OSError) as exc:
+        reason = exc.message if isinstance(exc, GpulibError) else str(exc)
+        log.error("releasing %s %s of %s failed (the next run tries again): %s", kind,
+                  intent.id, intent.vm, reason)
+        return f"FAILED to destroy {kind} {intent.id}: {reason}"
+    state.intents.remove(intent)
+    return f"destroyed {kind} {intent.id}"
+
+
+def settle(sysfs: Sysfs, state: State, liveness: Liveness, keep: Optional[str] = None,
+           only: Optional[Sequence[Intent]] = None, reuse: Sequence[str] = ()) -> list[str]:
+    """Complete or undo the intents of runs that died; one line per intent.
+
+    `keep`: a VM starting now; its start intents are left to its Journal (which
+    adopts what it makes again and settles the rest). `only`: these intents.
+    `reuse`: devices the start now running names: a removal intent for one of
+    them is void (the device stays, for that start). A removal is finished
+    (journal.release_devices); a start's change is undone unless an
+    allocation of its VM names the device. Nothing a running domain names is
+    removed or cleared."""
     if not state.intents:
         return []
     out = []
     todo = [i for i in state.intents if only is None or any(i is o for o in only)]
     for intent in todo:
+        if intent.action in REMOVALS:
+            if intent.id in reuse:
+                state.intents.remove(intent)
+                out.append(f"{intent.action} {intent.id} of {intent.vm}: void (named again)")
+                continue
+            line = _finish_removal(sysfs, state, intent, liveness, 0.5)
+            out.append(f"{intent.action} {intent.id} of {intent.vm}: {line}")
+            continue
         if intent.vm == keep:
             continue
         alloc = state.allocations.get(intent.vm)
@@ -209,7 +312,8 @@ def settle(sysfs: Sysfs, state: State, keep: Optional[str] = None,
             out.append(f"{intent.action} {intent.id} of {intent.vm}: completed")
             state.intents.remove(intent)
             continue
-        held = any(d.id == intent.id for a in state.allocations.values() for d in a.devices)
+        held = any(d.id == intent.id for a in state.allocations.values() for d in a.devices) \
+            or liveness.user_of(intent.id) is not None
         try:
             if intent.action == "create-mdev":
                 live = mdev.read_mdev(sysfs, intent.id)
@@ -242,5 +346,5 @@ def settle(sysfs: Sysfs, state: State, keep: Optional[str] = None,
             continue
         state.intents.remove(intent)
     for line in out:
-        log.warning("settled an interrupted start: %s", line)
+        log.warning("settled an interrupted run: %s", line)
     return out

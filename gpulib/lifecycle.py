@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from gpulib import mdev, mdevctl, nvidia
 from gpulib.allocator import release
@@ -24,6 +24,7 @@ from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.errors import GpulibError, InputError
 from gpulib.lazyre import lazy
+from gpulib.liveness import Liveness
 from gpulib.pci import PciAddress, list_addresses
 from gpulib.state import Allocation, Device, State, StateStore, VfRecord, VgpuRecord, utc_now
 from gpulib.usage import DomainDevices, running_domains
@@ -212,8 +213,16 @@ class Outcome:
 
 
 def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
-            autostart_wait: Optional[float] = None) -> list[Outcome]:
+            autostart_wait: Optional[float] = None, destroy_on_demand: bool = True,
+            checkpoint: Optional[Callable[[State], None]] = None) -> list[Outcome]:
     """Start the vGPUs that should exist and set recorded VF types.
+
+    First, before anything is made: what interrupted runs left is settled and
+    the allocations of VMs that are not running and were made in an earlier
+    boot (or pending and dead) are released, so a vGPU made on demand for a VM
+    of the last boot is not made again, and a GPU a VM of the last boot held
+    is free. Allocations of running VMs and pending starts within their grace
+    stay.
 
     Every `auto` mdevctl definition (only those gpulib keeps a record of when
     `adopt_mdevctl` is False) and every transient vGPU record is created if not
@@ -223,8 +232,12 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
     the other tool made meanwhile is reported "already live", not an error.
     """
     sysfs = ctx.sysfs
+    liveness = Liveness(sysfs)
+    out = settle_intents(ctx, state, liveness)
+    out += release_not_running(ctx, state, liveness, destroy_on_demand, pending_only=True,
+                               checkpoint=checkpoint)
     defs = mdevctl.read_definitions(ctx)
-    out = follow_definitions(ctx, state, defs)
+    out += follow_definitions(ctx, state, defs)
     wanted: list[tuple[str, str, str, list[tuple[str, str]], str]] = []
     for uuid, d in sorted(defs.items()):
         if d.auto and (adopt_mdevctl or uuid in state.vgpus):
@@ -317,26 +330,40 @@ def stamp(ctx: Context, alloc: Allocation) -> None:
     alloc.boot_id, alloc.uptime = boot_clock(ctx)
 
 
-def pending_is_dead(alloc: Allocation, running: set[str], clock: tuple[Optional[str], float],
+def from_other_boot(alloc: Allocation, clock: tuple[Optional[str], float]) -> bool:
+    """Whether an allocation was made in an earlier boot: the kernel's boot_id
+    differs, or (without one) the boot clock it recorded is ahead of this
+    boot's (CLOCK_BOOTTIME starts at 0 at every boot)."""
+    boot_id, uptime = clock
+    if alloc.boot_id is not None and boot_id is not None:
+        return alloc.boot_id != boot_id
+    return alloc.uptime is not None and alloc.uptime > uptime + 1.0
+
+
+def pending_is_dead(alloc: Allocation, liveness: Liveness,
+                    clock: tuple[Optional[str], float],
                     grace: float = PENDING_GRACE_SECONDS) -> bool:
-    """Whether a pending allocation's start is proven dead: its VM does not run and
-    is not starting.
+    """Whether an allocation's VM does not run and is not starting.
 
     The proof, in order:
-    * its VM runs (libvirt wrote its status file): alive;
-    * it was made in another boot (the kernel's boot_id differs): dead, nothing
-      of an earlier boot is still starting;
-    * it was made in this boot: dead once `grace` seconds of CLOCK_BOOTTIME have
-      passed (a clock that never jumps; negative means another boot: dead);
+    * its VM runs (libvirt's status file names it, with the allocation's
+      domain UUID: `Liveness.is_running`): alive;
+    * it was made in another boot (`from_other_boot`): dead, nothing of an
+      earlier boot runs or starts;
+    * an active one of this boot whose VM does not run: dead (it stopped);
+    * a pending one of this boot: dead once `grace` seconds of CLOCK_BOOTTIME
+      have passed (a clock that never jumps; negative means another boot);
     * a record without that clock (schema 1): its wall-clock age decides, and a
       time more than `grace` in the future (the clock was set back, or a bad
       record) is dead too, so such an allocation can always be released.
     """
-    if alloc.vm in running:
+    if liveness.is_running(alloc.vm, alloc.domain_uuid):
         return False
-    boot_id, uptime = clock
-    if alloc.boot_id is not None and boot_id is not None and alloc.boot_id != boot_id:
+    if from_other_boot(alloc, clock):
         return True
+    if alloc.status == "active":
+        return True
+    _, uptime = clock
     if alloc.uptime is not None:
         elapsed = uptime - alloc.uptime
         return elapsed < 0 or elapsed >= grace
@@ -344,40 +371,48 @@ def pending_is_dead(alloc: Allocation, running: set[str], clock: tuple[Optional[
     return age >= grace or age <= -grace
 
 
-def release_not_running(ctx: Context, state: State, running: set[str],
+def release_not_running(ctx: Context, state: State, liveness: Liveness,
                         destroy_on_demand: bool = True, grace: float = PENDING_GRACE_SECONDS,
-                        pending_only: bool = False, keep: Optional[str] = None
+                        pending_only: bool = False, keep: Optional[str] = None,
+                        checkpoint: Optional[Callable[[State], None]] = None
                         ) -> list[Outcome]:
-    """Release allocations of VMs that are not running.
+    """Release allocations of VMs that are not running, once proven dead
+    (`pending_is_dead`).
 
-    A pending one is kept until proven dead (`pending_is_dead`); `pending_only`
-    (the hooks' cheap cleanup) leaves active ones to `gpulib reconcile`.
-    """
+    `pending_only` (the hooks' cheap cleanup) leaves active allocations of
+    this boot to `gpulib reconcile` and the VM's own stop; dead pending ones
+    and everything from an earlier boot go. `keep`: a VM starting now."""
     out: list[Outcome] = []
     clock = boot_clock(ctx)
     for vm, alloc in sorted(state.allocations.items()):
-        if vm == keep or vm in running or (pending_only and alloc.status != "pending"):
+        if vm == keep:
             continue
-        if alloc.status == "pending" and not pending_is_dead(alloc, running, clock, grace):
+        if pending_only and alloc.status != "pending" and not from_other_boot(alloc, clock):
             continue
-        log.warning("releasing the %s allocation of %s: it is not running (since %s)",
-                    alloc.status, vm, alloc.since)
-        actions = release(ctx.sysfs, state, vm, destroy_on_demand=destroy_on_demand,
-                          retry_seconds=0.5)
+        if not pending_is_dead(alloc, liveness, clock, grace):
+            continue
+        boot = "an earlier boot" if from_other_boot(alloc, clock) else "this boot"
+        log.warning("releasing the %s allocation of %s: it is not running (made %s, in %s)",
+                    alloc.status, vm, alloc.since, boot)
+        actions = release(ctx.sysfs, state, vm, liveness, destroy_on_demand=destroy_on_demand,
+                          retry_seconds=0.5, checkpoint=checkpoint)
         out.append(Outcome("vm", vm, f"released {alloc.status} allocation", True,
-                           "; ".join(actions)))
+                           "; ".join(actions) or f"made {alloc.since}, in {boot}"))
     return out
 
 
 def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
               grace: float = PENDING_GRACE_SECONDS,
-              running: Optional[list[DomainDevices]] = None) -> list[Outcome]:
+              running: Optional[list[DomainDevices]] = None,
+              checkpoint: Optional[Callable[[State], None]] = None) -> list[Outcome]:
     from gpulib.occupancy import Occupancy
 
     sysfs = ctx.sysfs
     domains = running_domains(sysfs) if running is None else running
-    out = settle_intents(ctx, state)
-    out += release_not_running(ctx, state, {d.name for d in domains}, destroy_on_demand, grace)
+    liveness = Liveness(sysfs, domains)
+    out = settle_intents(ctx, state, liveness)
+    out += release_not_running(ctx, state, liveness, destroy_on_demand, grace,
+                               checkpoint=checkpoint)
     occ = Occupancy.build(sysfs, state, domains)
     live = mdev.live_mdevs(sysfs)
     for uuid, rec in sorted(state.vgpus.items()):
@@ -396,9 +431,9 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
     return out
 
 
-def settle_intents(ctx: Context, state: State) -> list[Outcome]:
-    """Complete or undo what interrupted starts left (journal.settle)."""
+def settle_intents(ctx: Context, state: State, liveness: Liveness) -> list[Outcome]:
+    """Complete or undo what interrupted starts and stops left (journal.settle)."""
     from gpulib.journal import settle
 
     return [Outcome("intent", line.split(" ", 2)[1], line.split(": ", 1)[-1],
-                    "FAILED" not in line, line) for line in settle(ctx.sysfs, state)]
+                    "FAILED" not in line, line) for line in settle(ctx.sysfs, state, liveness)]

@@ -63,7 +63,9 @@ class PciFacts(NamedTuple):
     physfn: Optional[str]  # the PF of a VF
     vendor_vf_type: Optional[int]  # an NVIDIA vendor VF's current type (0: none)
     whole_gpu: bool  # a GPU function itself (not a VF, not a peer)
-    whole_refusal: Optional[str]  # why the GPU cannot be given whole
+    # Why the function cannot be given whole: a GPU with declared vGPU use or
+    # VFs, a VF carrying vGPUs (mdevs on VFs: live, kept, pooled or allocated).
+    whole_refusal: Optional[str]
 
 
 class PeerFacts(NamedTuple):
@@ -207,11 +209,13 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
             tree.mdev_parents.setdefault(uuid, source[0])
             tree.mdev_types.setdefault(uuid, source[1])
         parent = seen.live[0] if seen.live is not None else source[0] if source else None
+        # Unmanaged is hands-off, not blind: a device another VM holds is still
+        # refused; gpulib only makes and records nothing of it.
+        refusals.check("mdev", uuid)
         if rec is not None and state.unmanaged and parent is not None and \
                 unmanaged(state, facts, parent):
             log.info("%s: mdev %s is on unmanaged %s: left alone", refusals.vm, uuid, parent)
             continue
-        refusals.check("mdev", uuid)
         on_demand = bool(rec and rec.on_demand)
         if source is None:
             actions.append(KeepMdev(uuid, on_demand))
@@ -225,11 +229,12 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
         if not pci.gpulibs:
             log.debug("%s: PCI device %s is not a GPU: not gpulib's", refusals.vm, addr)
             continue
+        # The occupancy's IOMMU-group index covers the companions added later.
+        # An unmanaged device is checked too (hands-off, not blind).
+        refusals.check("pci", addr)
         if state.unmanaged and unmanaged(state, facts, addr):
             log.info("%s: PCI device %s is unmanaged: left alone", refusals.vm, addr)
             continue
-        # The occupancy's IOMMU-group index covers the companions added later.
-        refusals.check("pci", addr)
         if pci.vendor_vf_type is not None:
             vrec = state.vf_types.get(addr)
             if not pci.vendor_vf_type and vrec is None:
@@ -238,8 +243,9 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
             set_type = vrec.type_id if not pci.vendor_vf_type and vrec is not None else None
             actions.append(UseVf(at, addr, set_type, bool(vrec and vrec.on_demand)))
             continue
-        if pci.whole_gpu and pci.whole_refusal is not None:
-            raise DeviceError(f"GPU {addr} cannot be given whole: {pci.whole_refusal}")
+        if pci.whole_refusal is not None:
+            what = "VF" if pci.physfn is not None else "GPU"
+            raise DeviceError(f"{what} {addr} cannot be given whole: {pci.whole_refusal}")
         actions.append(UsePci(at, addr))
         members = facts.groups.get(addr)
         if members:

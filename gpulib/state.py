@@ -78,8 +78,12 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
-"""2: allocations are the only record of who holds a device (v1 also kept a
+SCHEMA_VERSION = 3
+"""3: intents may also announce removals (`remove-mdev`, `clear-vf-type`: a
+stop's or a retried start's write-ahead record before it destroys a device),
+which an older gpulib would read as a corrupt file and rebuild; a version 2
+file needs no change.
+2: allocations are the only record of who holds a device (v1 also kept a
 `vm` on vGPU and VF records; `_migrate_v1` folds those into allocations), an
 allocation records the boot it was made in (`boot_id`, `uptime`: proof that
 a pending start is dead, robust to wall-clock jumps), and `intents` hold the
@@ -99,7 +103,8 @@ the agent kills a hook after 30 s, so a hook gives up in time to answer with
 its one-line error. `gpulib doctor` flags a configured value above it."""
 
 DEVICE_KINDS = ("mdev", "vf", "pci")
-INTENT_ACTIONS = ("create-mdev", "set-vf-type")
+INTENT_ACTIONS = ("create-mdev", "set-vf-type", "remove-mdev", "clear-vf-type")
+REMOVALS = ("remove-mdev", "clear-vf-type")
 ALLOCATION_STATUSES = ("pending", "active")
 
 _LOWER_HEX = frozenset("0123456789abcdef")
@@ -212,10 +217,12 @@ class Allocation(_Record):
 
 
 class Intent(_Record):
-    """A sysfs change a start is about to make, written before the write.
+    """A sysfs change gpulib is about to make, written before the write.
 
-    The next run finds it and either completes it (the allocation that names
-    the device exists: the change is that allocation's) or undoes it.
+    A start's (`create-mdev`, `set-vf-type`): the next run completes it (the
+    allocation that names the device exists: the change is that allocation's)
+    or undoes it. A release's (`remove-mdev`, `clear-vf-type`): the next run
+    finishes it unless a VM holds the device again (journal.settle).
     """
 
     __slots__ = ("action", "id", "on_demand", "parent", "type_id", "vm")
@@ -411,19 +418,19 @@ def _vf_to_json(r: VfRecord) -> dict[str, Any]:
 
 
 def _choice_and_id(d: dict[str, Any], path: str, key: str, allowed: tuple[str, ...],
-                   what: str, uuid_for: str) -> tuple[str, str]:
-    """`d[key]`, one of `allowed`, and `d["id"]`: a UUID when `d[key]` is
-    `uuid_for` (an mdev), else a PCI address."""
+                   what: str, uuid_for: tuple[str, ...]) -> tuple[str, str]:
+    """`d[key]`, one of `allowed`, and `d["id"]`: a UUID when `d[key]` is one
+    of `uuid_for` (an mdev's), else a PCI address."""
     choice = _as_str(_get(d, key, path), _where(path, key))
     if choice not in allowed:
         raise CorruptStateError(f"{_where(path, key)}: unknown {what} {show(choice)}")
     raw_id, where = _get(d, "id", path), _where(path, "id")
-    return choice, (_as_uuid(raw_id, where) if choice == uuid_for else _as_pci(raw_id, where))
+    return choice, (_as_uuid(raw_id, where) if choice in uuid_for else _as_pci(raw_id, where))
 
 
 def _device_from_json(value: Any, path: str) -> Device:
     d = _as_dict(value, path)
-    kind, dev_id = _choice_and_id(d, path, "kind", DEVICE_KINDS, "device kind", "mdev")
+    kind, dev_id = _choice_and_id(d, path, "kind", DEVICE_KINDS, "device kind", ("mdev",))
     return Device(kind=kind, id=dev_id,
                   on_demand=_as_bool(_get(d, "on_demand", path, False),
                                      _where(path, "on_demand")))
@@ -469,7 +476,8 @@ def _allocation_to_json(a: Allocation) -> dict[str, Any]:
 
 def _intent_from_json(value: Any, path: str) -> Intent:
     d = _as_dict(value, path)
-    action, ident = _choice_and_id(d, path, "action", INTENT_ACTIONS, "intent", "create-mdev")
+    action, ident = _choice_and_id(d, path, "action", INTENT_ACTIONS, "intent",
+                                   ("create-mdev", "remove-mdev"))
     parent = _get(d, "parent", path, None)
     type_id = _get(d, "type_id", path, None)
     return Intent(action, ident, _as_vm(_get(d, "vm", path), _where(path, "vm")),

@@ -31,6 +31,7 @@ from gpulib.context import RUNNING_DOMAINS
 from gpulib.errors import InputError
 from gpulib.pci import PciAddress
 from gpulib.sysfs import AlreadyRead, ReadFailure, Sysfs
+from gpulib.validate import libvirt_uuid
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +40,38 @@ MAX_STATUS_BYTES = 16 * 1024 * 1024
 
 
 class DomainDevices:
-    """The host devices one running domain holds."""
+    """The host devices one running domain holds, and the domain's UUID."""
 
-    __slots__ = ("mdevs", "name", "pci")
+    __slots__ = ("mdevs", "name", "pci", "uuid")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, uuid: Optional[str] = None) -> None:
         self.name = name
+        # The domain's UUID as its status file names it (None: unreadable).
+        self.uuid = uuid
         self.pci: list[PciAddress] = []
         self.mdevs: list[str] = []
 
     def __repr__(self) -> str:
-        return f"DomainDevices({self.name!r}, pci={self.pci!r}, mdevs={self.mdevs!r})"
+        return (f"DomainDevices({self.name!r}, uuid={self.uuid!r}, pci={self.pci!r}, "
+                f"mdevs={self.mdevs!r})")
+
+
+def status_uuid(data: bytes) -> Optional[str]:
+    """The domain UUID of a status (or domain) XML, found without parsing it.
+
+    libvirt writes `<uuid>` as the second child of `<domain>`, after `<name>`
+    and before anything a tenant controls (`<metadata>`, `<description>`), so
+    the first `<uuid>` after the `<domain` start tag is the domain's own."""
+    start = data.find(b"<domain ")
+    if start < 0:
+        start = data.find(b"<domain>")
+    if start < 0:
+        return None
+    i = data.find(b"<uuid>", start)
+    j = data.find(b"</uuid>", i) if i >= 0 else -1
+    if i < 0 or j < 0 or j - i > 128:
+        return None
+    return libvirt_uuid(data[i + 6:j].decode("ascii", "replace"))
 
 
 def _parser() -> Any:
@@ -77,7 +99,10 @@ def _hostdevs(domain: Any, found: DomainDevices) -> None:
                 except InputError:
                     log.debug("domain %s: unreadable PCI hostdev address", found.name)
             elif kind == "mdev" and addr.get("uuid"):
-                found.mdevs.append(str(addr.get("uuid")).strip().lower())
+                # libvirt's own spelling rules (it writes the canonical form back).
+                uuid = libvirt_uuid(str(addr.get("uuid")))
+                if uuid is not None:
+                    found.mdevs.append(uuid)
 
 
 def scan_domain_xml(data: bytes, name: str) -> DomainDevices:
@@ -87,7 +112,7 @@ def scan_domain_xml(data: bytes, name: str) -> DomainDevices:
     parsed is logged and read as holding nothing: libvirt writes these
     files itself, so that means a file cut short, not a device to guard.
     """
-    found = DomainDevices(name)
+    found = DomainDevices(name, status_uuid(data))
     if b"<hostdev" not in data:
         return found
     from lxml import etree
@@ -125,21 +150,21 @@ def _load_cache(sysfs: Sysfs) -> None:
         doc = json.loads(raw)
         if not isinstance(doc, dict):
             return
-        for name, (dev, ino, size, mtime, pci, mdevs) in doc.items():
-            found = DomainDevices(str(name))
+        for name, (dev, ino, size, mtime, uuid, pci, mdevs) in doc.items():
+            found = DomainDevices(str(name), libvirt_uuid(uuid))
             found.pci = [PciAddress.parse(str(a)) for a in pci]
             found.mdevs = [str(u) for u in mdevs]
             _CACHE.setdefault(sysfs.path(f"{RUNNING_DOMAINS}/{name}.xml"),
                               ((int(dev), int(ino), int(size), int(mtime)), found))
     except (OSError, ValueError, TypeError, InputError):
-        return  # no cache, or one we cannot use: parse the files
+        return  # no cache, or one we cannot use (an older layout): parse the files
 
 
 def _save_cache(sysfs: Sysfs, found: list[tuple[tuple[int, int, int, int],
                                                  DomainDevices]]) -> None:
     from gpulib import atomicfile
 
-    doc = {d.name: [*key, [str(a) for a in d.pci], d.mdevs] for key, d in found}
+    doc = {d.name: [*key, d.uuid, [str(a) for a in d.pci], d.mdevs] for key, d in found}
     path = sysfs.path(CACHE_FILE)
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)

@@ -6,7 +6,9 @@ so they all accept and refuse the same strings (DESIGN sections 2 and 8):
 
 * a UUID as the kernel's mdev `create` takes it: 8-4-4-4-12 hex digits,
   either case (gpulib stores and prints lowercase); no braces, no
-  `urn:uuid:`, no blanks, no form without dashes;
+  `urn:uuid:`, no blanks, no form without dashes (`check_uuid`). A UUID in
+  domain XML is read as libvirt reads it (`libvirt_uuid`: 32 hex digits,
+  dashes and blanks between pairs) and then stored in the canonical form;
 * an mdev type id is a sysfs directory name, `<driver>-<name>`
   (`nvidia-231`, `i915-GVTg_V5_4`): letters, digits and `_.:+`, a `-` after
   a non-empty driver part, at most 128 characters, never `/` or `..`;
@@ -23,6 +25,8 @@ than parsing a whole state file, which it does under the state lock.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from gpulib.errors import InputError
 
@@ -70,19 +74,62 @@ def check_uuid(text: object, what: str = "UUID") -> str:
     return text.lower()
 
 
-def check_domain_uuid(text: object, what: str = "domain UUID") -> str:
-    """A domain's own `<uuid>` in the forms libvirt reads (dashed, or 32 hex
-    digits; blanks around it), as a canonical lowercase UUID. It names no
-    device: it only seeds the derived vGPU UUIDs, which are then kernel UUIDs."""
+# ASCII white space as GLib's g_ascii_isspace takes it (libvirt's parser uses it).
+_ASCII_SPACE = " \t\n\v\f\r"
+
+
+def libvirt_uuid(text: object) -> Optional[str]:
+    """`text` read as libvirt's virUUIDParse reads a UUID, in canonical form
+    (lowercase, 8-4-4-4-12), or None when libvirt would refuse it.
+
+    libvirt takes white space around the UUID and, between any two pairs of
+    hex digits (never inside a pair), any number of '-' and ' ': exactly 32
+    hex digits in all, either case. So `7F3A...` without dashes, in upper case
+    or with dashes elsewhere names the same device as the canonical form, which
+    is how libvirt writes it back (the status file, `virsh dumpxml`)."""
+    if not isinstance(text, str) or len(text) > 4096:
+        return None
+    digits: list[str] = []
+    body = text.strip(_ASCII_SPACE)
+    i, n = 0, len(body)
+    while len(digits) < 16:  # pairs
+        if i >= n:
+            return None
+        c = body[i]
+        if c in "- ":
+            i += 1
+            continue
+        pair = body[i:i + 2]
+        if len(pair) != 2 or pair.strip(_HEX):
+            return None
+        digits.append(pair.lower())
+        i += 2
+    if i != n:
+        return None  # more than 32 digits, or a separator after the last pair
+    h = "".join(digits)
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def check_libvirt_uuid(text: object, what: str = "UUID") -> str:
+    """`libvirt_uuid(text)`, else InputError naming `what`."""
     if not isinstance(text, str):
         raise InputError(f"{what} must be text, not {type(text).__name__}")
-    plain = text.strip()
-    if len(plain) == 32 and not plain.strip(_HEX):
-        h = plain.lower()
-        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-    if not is_uuid(plain):
+    found = libvirt_uuid(text)
+    if found is None:
+        raise InputError(f"{what} is not a UUID: {show(text)} (expected 32 hex digits, "
+                         "dashes between pairs allowed)")
+    return found
+
+
+def check_domain_uuid(text: object, what: str = "domain UUID") -> str:
+    """A domain's own `<uuid>` in the forms libvirt reads, as a canonical lowercase
+    UUID. It names no device: it only seeds the derived vGPU UUIDs."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be text, not {type(text).__name__}")
+    found = libvirt_uuid(text)
+    if found is None:
         raise InputError(f"{what} is not a UUID: {show(text)}")
-    return plain.lower()
+    return found
 
 
 def is_type_id(text: object) -> bool:

@@ -17,6 +17,7 @@ from lxml import etree
 from gpulib import cloudstack
 from gpulib.context import Context
 from gpulib.lifecycle import PENDING_GRACE_SECONDS, open_store, pending_is_dead, reconcile
+from gpulib.liveness import Liveness
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import Allocation
@@ -328,20 +329,34 @@ def test_mangled_421_address_repaired_or_refused(tmp_path: Path) -> None:
 
 # -- pending allocations: proven dead, robust to clock jumps --------------------------------
 
-def test_pending_death_proof() -> None:
+def test_pending_death_proof(tmp_path: Path) -> None:
+    nobody = Liveness(Context.for_root(FakeHost(str(tmp_path / "idle")).root).sysfs)
+    host = FakeHost(str(tmp_path / "host"))
+    host.add_running_domain("vm", U1)
+    vm_runs = Liveness(Context.for_root(host.root).sysfs)
     now = ("boot-a", 5000.0)
     fresh = Allocation("vm", boot_id="boot-a", uptime=4990.0)
-    assert not pending_is_dead(fresh, set(), now)
+    assert not pending_is_dead(fresh, nobody, now)
     old = Allocation("vm", boot_id="boot-a", uptime=5000.0 - PENDING_GRACE_SECONDS - 1)
-    assert pending_is_dead(old, set(), now)
-    assert not pending_is_dead(old, {"vm"}, now), "a running VM is alive"
-    assert pending_is_dead(Allocation("vm", boot_id="boot-b", uptime=4999.0), set(), now)
+    assert pending_is_dead(old, nobody, now)
+    assert not pending_is_dead(old, vm_runs, now), "a running VM is alive"
+    other_domain = Allocation("vm", U2, boot_id="boot-a", uptime=10.0)
+    assert pending_is_dead(other_domain, vm_runs, now), "another domain under its name runs"
+    assert pending_is_dead(Allocation("vm", boot_id="boot-b", uptime=4999.0), nobody, now)
+    # An active allocation of this boot whose VM stopped, and one of an earlier
+    # boot without a boot id (its boot clock is ahead of this boot's).
+    assert pending_is_dead(Allocation("vm", status="active", boot_id="boot-a",
+                                      uptime=4999.0), nobody, now)
+    assert pending_is_dead(Allocation("vm", status="active", uptime=9000.0), nobody,
+                           (None, 5000.0))
+    assert not pending_is_dead(Allocation("vm", status="active", boot_id="boot-a",
+                                          uptime=10.0), vm_runs, now)
     # Wall clock jumps do not matter when the boot clock is known...
     assert not pending_is_dead(Allocation("vm", since="2099-01-01T00:00:00Z",
-                                          boot_id="boot-a", uptime=4990.0), set(), now)
+                                          boot_id="boot-a", uptime=4990.0), nobody, now)
     # ... and without it (schema 1), a time far in the future is releasable too.
-    assert pending_is_dead(Allocation("vm", since="2099-01-01T00:00:00Z"), set(), now)
-    assert pending_is_dead(Allocation("vm", since="2000-01-01T00:00:00Z"), set(), now)
+    assert pending_is_dead(Allocation("vm", since="2099-01-01T00:00:00Z"), nobody, now)
+    assert pending_is_dead(Allocation("vm", since="2000-01-01T00:00:00Z"), nobody, now)
 
 
 def test_reconcile_releases_a_pending_allocation_from_the_future(demo: str) -> None:
@@ -527,7 +542,7 @@ def test_running_domains_cache_follows_status_file_changes(tmp_path: Path) -> No
     assert as_agent(host.root, xml).returncode == 0
     # The cache now records what the new file says (keyed on its identity).
     doc = json.loads(Path(host.root, "run/gpulib/domains.json").read_text())
-    assert doc["i-7-1-VM"][4] == ["0000:65:00.0"]
+    assert doc["i-7-1-VM"][5] == ["0000:65:00.0"]
 
 
 def test_a_declared_pool_makes_a_gpu_unavailable_whole(demo: str) -> None:

@@ -223,7 +223,7 @@ def test_round_trip_through_the_file(store: StateStore) -> None:
     assert store.load() == sample_state()
     assert make_store(Path(store.state_path).parents[3]).load() == sample_state()
     doc = json.loads(read_bytes(store.state_path) or b"")
-    assert doc["version"] == SCHEMA_VERSION == 2
+    assert doc["version"] == SCHEMA_VERSION == 3
     assert doc["unmanaged"] == ["0000:01:00.0", "0000:03:00.0"]
     assert doc["allocations"]["i-2-10-VM"]["devices"][1] == {
         "kind": "vf", "id": "0000:41:00.5", "on_demand": True}
@@ -445,15 +445,16 @@ def test_for_context_uses_the_root(tmp_path: Path) -> None:
 # Newer versions and corrupt files.
 
 
-NEWER = json.dumps({"version": 3, "vgpus": {"x": 1}, "whatever": [1, 2]}).encode()
+NEWER = json.dumps({"version": SCHEMA_VERSION + 1, "vgpus": {"x": 1}, "whatever": [1, 2]}).encode()
 
 
 def test_newer_version_refused_by_load(store: StateStore) -> None:
     write_raw(store, NEWER)
     with pytest.raises(StateVersionError) as e:
         store.load()
-    assert e.value.message == (f"state file {store.state_path} is version 3, this gpulib "
-                               f"understands up to 2: upgrade gpulib")
+    assert e.value.message == (f"state file {store.state_path} is version "
+                               f"{SCHEMA_VERSION + 1}, this gpulib understands up to "
+                               f"{SCHEMA_VERSION}: upgrade gpulib")
     assert isinstance(e.value, StateError) and e.value.exit_code == EXIT_STATE
 
 
@@ -471,7 +472,7 @@ def test_newer_version_refused_by_transaction_file_untouched(store: StateStore) 
 
     ran = False
     other = make_store(Path(store.state_path).parents[3], rebuild=rebuild)
-    match = "is version 3, this gpulib understands up to 2"
+    match = f"is version {SCHEMA_VERSION + 1}, this gpulib understands up to {SCHEMA_VERSION}"
     with pytest.raises(StateVersionError, match=match), other.transaction():
         ran = True
     assert not ran and not rebuilt
@@ -586,7 +587,7 @@ def _with_intent(action: str, ident: str) -> dict[str, Any]:
     (_with_device("mdev", "0000:41:00.0"), "devices'][0]['id']", ""),
     (_with_device("pci", U1), "devices'][0]['id']", ""),
     (_with_device("vf", U1), "devices'][0]['id']", ""),
-    (_with_intent("remove-mdev", U1), "intents[0]['action']", "unknown intent 'remove-mdev'"),
+    (_with_intent("destroy-mdev", U1), "intents[0]['action']", "unknown intent 'destroy-mdev'"),
     (_with_intent("create-mdev", "0000:41:00.4"), "intents[0]['id']", ""),
     (_with_intent("set-vf-type", U1), "intents[0]['id']", ""),
 ])
@@ -995,7 +996,7 @@ def test_v1_state_migrates_losing_nothing(store: StateStore) -> None:
     with store.transaction() as state:
         pass  # the first use writes the upgrade even when nothing else changes
     doc = json.loads(read_bytes(store.state_path) or b"{}")
-    assert doc["version"] == SCHEMA_VERSION == 2
+    assert doc["version"] == SCHEMA_VERSION == 3
     state = store.load()
     # Every vGPU, with its parent, type, pool (pool members) and on-demand flag.
     assert set(state.vgpus) == set(v1["vgpus"])
@@ -1053,7 +1054,7 @@ def test_newer_state_refused_by_a_hook_with_exit_4_file_untouched(tmp_path: Path
            "passthrough-1gpu.xml").read_bytes()
     res = run([TRANSFORMER, "transform", "-"], str(root), stdin=xml)
     assert res.returncode == 4, res.stderr
-    assert b"is version 3" in res.stderr and res.stdout == b""
+    assert f"is version {SCHEMA_VERSION + 1}".encode() in res.stderr and res.stdout == b""
     assert read_bytes(store.state_path) == before
 
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import click
 
 from gpulib import report
 from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.errors import GpulibError
-from gpulib.lifecycle import open_store
+from gpulib.lifecycle import boot_clock, from_other_boot, open_store
 from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
-from gpulib.state import State, StateStore
+from gpulib.state import Allocation, State, StateStore
 
 
 @click.group("device")
@@ -45,7 +45,7 @@ def device_list(env: Env, as_json: bool) -> None:
         click.echo(line)
 
 
-def _set_managed(env: Env, address: str, managed: bool) -> None:
+def _set_managed(env: Env, address: str, managed: bool, force: bool = False) -> None:
     addr = str(PciAddress.parse(address))
     if not env.ctx.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
         raise click.ClickException(f"no PCI device {addr} on this host")
@@ -53,8 +53,27 @@ def _set_managed(env: Env, address: str, managed: bool) -> None:
         if managed:
             state.unmanaged.discard(addr)
         else:
+            holds = _holds_in_tree(env, state, addr)
+            if holds and not force:
+                h = holds[0]
+                raise GpulibError(f"{addr} is held by {h.describe()} ({h.device}): refusing to "
+                                  "unmanage it while a VM holds any part of it (use --force "
+                                  "to do it anyway)")
+            if holds:
+                click.echo(f"gpulib: warning: {addr} is held by {holds[0].describe()}: "
+                           "unmanaged anyway (--force); gpulib still refuses starts that "
+                           "conflict with it", err=True)
             state.unmanaged.add(addr)
     click.echo(f"{addr} {'managed' if managed else 'unmanaged'}")
+
+
+def _holds_in_tree(env: Env, state: State, addr: str) -> list[Any]:
+    """Who holds the device, its VFs or the vGPUs on either (or its IOMMU group)."""
+    from gpulib.occupancy import Occupancy
+    from gpulib.usage import running_domains
+
+    occ = Occupancy.build(env.ctx.sysfs, state, running_domains(env.ctx.sysfs))
+    return occ.conflicts(addr)
 
 
 @device_group.command("manage")
@@ -67,10 +86,12 @@ def device_manage(env: Env, address: str) -> None:
 
 @device_group.command("unmanage")
 @click.argument("address")
+@click.option("--force", is_flag=True, help="Unmanage it even while a VM holds part of it.")
 @click.pass_obj
-def device_unmanage(env: Env, address: str) -> None:
-    """Never allocate or pool this device (or the VFs and vGPUs of this GPU)."""
-    _set_managed(env, address, False)
+def device_unmanage(env: Env, address: str, force: bool) -> None:
+    """Never allocate or pool this device (or the VFs and vGPUs of this GPU);
+    refused while a VM holds any of them, unless --force."""
+    _set_managed(env, address, False, force)
 
 
 @click.command("status")
@@ -88,10 +109,12 @@ def status(env: Env, as_json: bool) -> None:
         # the next hook would do) and say what happened.
         state, repair = _repair(store)
     inv = discover_host(env.ctx, env.config, state=state, learn=False)
+    clock = boot_clock(env.ctx)
     doc: dict[str, Any] = {
         "gpus": [report.gpu_document(g) for g in inv.gpus],
         "pools": pools.members(env.config, state, inv.occupancy),
         "allocations": {vm: {"status": a.status, "since": a.since, "domain_uuid": a.domain_uuid,
+                             "boot_id": a.boot_id, "boot": _boot_of(a, clock),
                              "devices": [{"kind": d.kind, "id": d.id, "on_demand": d.on_demand}
                                          for d in a.devices]}
                         for vm, a in sorted(state.allocations.items())},
@@ -112,9 +135,18 @@ def status(env: Env, as_json: bool) -> None:
     click.echo("Allocations:" if doc["allocations"] else "Allocations: none")
     for vm, a in doc["allocations"].items():
         devs = ", ".join(f"{d['kind']} {d['id']}" for d in a["devices"])
-        click.echo(f"  {vm} ({a['status']} since {a['since']}): {devs}")
+        click.echo(f"  {vm} ({a['status']} since {a['since']}, {a['boot']}): {devs}")
     if doc["unmanaged"]:
         click.echo("Unmanaged: " + ", ".join(doc["unmanaged"]))
+
+
+def _boot_of(alloc: Allocation, clock: tuple[Optional[str], float]) -> str:
+    """In which boot an allocation was made, in words."""
+    if alloc.boot_id is None and alloc.uptime is None:
+        return "boot unknown"
+    if from_other_boot(alloc, clock):
+        return f"an earlier boot ({alloc.boot_id or 'unknown id'})"
+    return "this boot"
 
 
 def _repair(store: StateStore) -> tuple[State, dict[str, Any]]:

@@ -7,6 +7,7 @@ import click
 from gpulib import pools
 from gpulib.allocator import release as release_vm
 from gpulib.cli.common import Env, emit_json, json_option
+from gpulib.errors import GpulibError
 from gpulib.lifecycle import Outcome, open_store, reconcile, restore
 from gpulib.runtime import discover_host
 from gpulib.validate import check_vm_name
@@ -67,8 +68,11 @@ def pool_list(env: Env, as_json: bool) -> None:
 @click.pass_obj
 def restore_cmd(env: Env, as_json: bool) -> None:
     """Recreate every known vGPU that is not live (run at boot)."""
-    with open_store(env.ctx, env.config).transaction() as state:
-        outcomes = restore(env.ctx, state)
+    store = open_store(env.ctx, env.config)
+    with store.transaction() as state:
+        outcomes = restore(env.ctx, state,
+                           destroy_on_demand=env.config.get_bool("release", "destroy_on_demand"),
+                           checkpoint=store.checkpoint)
     _report(outcomes, as_json, "every known vGPU is live: nothing to do")
 
 
@@ -77,23 +81,39 @@ def restore_cmd(env: Env, as_json: bool) -> None:
 @click.pass_obj
 def reconcile_cmd(env: Env, as_json: bool) -> None:
     """Release allocations of VMs not running; report stray or vanished vGPUs."""
-    with open_store(env.ctx, env.config).transaction() as state:
+    store = open_store(env.ctx, env.config)
+    with store.transaction() as state:
         outcomes = reconcile(env.ctx, state,
                              destroy_on_demand=env.config.get_bool("release",
-                                                                   "destroy_on_demand"))
+                                                                   "destroy_on_demand"),
+                             checkpoint=store.checkpoint)
     _report(outcomes, as_json, "state and host agree: nothing to do")
 
 
 @click.command("release")
 @click.argument("vm")
+@click.option("--force", is_flag=True,
+              help="Release it even while the VM runs (its vGPUs are destroyed under it).")
 @click.pass_obj
-def release_cmd(env: Env, vm: str) -> None:
-    """Release what VM holds (as its stop hook does)."""
+def release_cmd(env: Env, vm: str, force: bool) -> None:
+    """Release what VM holds (as its stop hook does); refused while it runs."""
+    from gpulib.liveness import Liveness
+
     vm = check_vm_name(vm)
-    with open_store(env.ctx, env.config).transaction() as state:
-        actions = release_vm(env.ctx.sysfs, state, vm,
+    store = open_store(env.ctx, env.config)
+    liveness = Liveness(env.ctx.sysfs)
+    with store.transaction() as state:
+        alloc = state.allocations.get(vm)
+        if alloc is not None and not force and liveness.is_running(vm, alloc.domain_uuid):
+            raise GpulibError(f"{vm} is running: its devices stay held (stop it first, or "
+                              "use --force to take them from the running VM)")
+        if alloc is not None and force and liveness.is_running(vm, alloc.domain_uuid):
+            click.echo(f"gpulib: warning: {vm} is running: releasing its devices anyway "
+                       "(--force)", err=True)
+        actions = release_vm(env.ctx.sysfs, state, vm, liveness,
                              destroy_on_demand=env.config.get_bool("release",
                                                                    "destroy_on_demand"),
                              retry_seconds=env.config.get_float("release",
-                                                                "clear_retry_seconds"))
+                                                                "clear_retry_seconds"),
+                             checkpoint=store.checkpoint, force=force)
     click.echo("\n".join(actions) if actions else f"{vm} holds nothing")

@@ -52,6 +52,7 @@ from gpulib.errors import DeviceError, InputError
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, follow_definitions, open_store
+from gpulib.liveness import Liveness
 from gpulib.mdevctl import Definition, read_definitions
 from gpulib.occupancy import Occupancy, declaring_pools, whole_gpu_refusal
 from gpulib.pci import (
@@ -175,34 +176,61 @@ class Preparer:
                 self.dom.restore(pristine)
             runs[0] += 1
             running = running_domains(self.sysfs)
-            # This VM's own intents (a killed start of it) are left to its journal
-            # when this start names or derives their device: what the retry makes
-            # again is adopted in place. The others are settled now: they must not
-            # hold the capacity this start needs.
-            settle(self.sysfs, state, keep=self.vm)
+            liveness = Liveness(self.sysfs, running)
+            running_as = liveness.domain_uuid(self.vm) if liveness.is_running(self.vm) \
+                else None
+            if liveness.is_running(self.vm):
+                # libvirt refuses to start a domain under a running one's name; the
+                # running VM keeps everything it holds, whatever this start names.
+                other = "" if running_as in (None, self.domain_uuid) else \
+                    f" as domain {running_as}, not {self.domain_uuid}"
+                raise DeviceError(f"{self.vm} is already running{other}: a start under its "
+                                  "name is refused and changes nothing")
             wanted = set(uuids) | {str(a) for a in addresses} | \
                 set(self._derived_uuids(request))
-            settle(self.sysfs, state, only=[i for i in state.intents
-                                            if i.vm == self.vm and i.id not in wanted])
-            release_stale(self.ctx, state, {d.name for d in running}, self.config, keep=self.vm)
+            # This VM's own start intents (a killed start of it) are left to its
+            # journal when this start names or derives their device: what the
+            # retry makes again is adopted in place. The others are settled now:
+            # they must not hold the capacity this start needs. A removal this
+            # start names again is void: the device stays, for this start.
+            settle(self.sysfs, state, liveness, keep=self.vm, reuse=sorted(wanted))
+            settle(self.sysfs, state, liveness,
+                   only=[i for i in state.intents if i.vm == self.vm and i.id not in wanted])
+            release_stale(self.ctx, state, liveness, self.config, keep=self.vm,
+                          store=self.store)
             alloc = state.allocations.get(self.vm)
             if alloc is not None and alloc.domain_uuid not in (None, self.domain_uuid):
-                # Same name, another domain: the old one is gone for good. Before
-                # anything is prepared, so its release cannot undo this start's work.
-                release(self.sysfs, state, self.vm, retry_seconds=0.5)
+                # Same name, another domain (the old one is not running): it is
+                # gone for good. Before anything is prepared, so its release
+                # cannot undo this start's work.
+                release(self.sysfs, state, self.vm, liveness, retry_seconds=0.5,
+                        checkpoint=self.store.checkpoint)
                 alloc = None
             occ = Occupancy.build(self.sysfs, state, running)
             vm = self.vm
-            journal = Journal(self.sysfs, state, vm, checkpoint=self.store.checkpoint,
+            journal = Journal(self.sysfs, state, vm, liveness, checkpoint=self.store.checkpoint,
                               held_by_other=lambda device: occ.is_held(device, vm))
             try:
                 devices = self._named_devices(state, occ, journal, uuids, addresses, request,
                                               running)
                 if request is not None and self.edit_xml:
                     devices += self._requested_devices(state, occ, journal, request, devices)
+                if alloc is not None:
+                    # A retried start (the VM is not running): its allocation is what
+                    # this start plans, no more. What only the earlier attempt had
+                    # goes (made on demand: destroyed, through the journal).
+                    planned = {d.id for d in devices}
+                    dropped = [d for d in alloc.devices if d.id not in planned]
+                    del state.allocations[self.vm]
+                    if dropped:
+                        log.info("%s: a retried start drops what its earlier attempt "
+                                 "held: %s", self.vm, ", ".join(d.id for d in dropped))
+                        destroy = self.config.get_bool("release", "destroy_on_demand")
+                        journal.release([d for d in dropped if d.on_demand and destroy],
+                                        retry_seconds=0.5)
                 if devices:
-                    record(state, self.vm, self.domain_uuid, devices,
-                           status=alloc.status if alloc else "pending",
+                    # Pending from now: the clock of a retried start starts again.
+                    record(state, self.vm, self.domain_uuid, devices, status="pending",
                            clock=boot_clock(self.ctx))
                 journal.commit()
             except BaseException:
@@ -285,6 +313,16 @@ class Preparer:
                 pools = declaring_pools(self.config, address, fn.vendor_id, fn.device_id,
                                         mdev.list_types(self.sysfs, address))
         return whole_gpu_refusal(max(numvfs, virtfns), len(vgpus), pools=pools)
+
+    def _vf_refusal(self, state: State, address: PciAddress) -> Optional[str]:
+        """Why a VF cannot be given whole: it carries vGPUs (mdevs on VFs), live
+        or recorded (kept, pooled or allocated), as a PF with vGPUs cannot."""
+        if not mdev.is_parent(self.sysfs, address):
+            return None
+        parent = str(address)
+        vgpus = {u for u, r in state.vgpus.items() if r.parent == parent}
+        vgpus |= {u for u, m in mdev.live_mdevs(self.sysfs).items() if m.parent == address}
+        return whole_gpu_refusal(0, len(vgpus))
 
     def _address(self, h: PciHostdev) -> PciAddress:
         """The host address; CloudStack 4.21's mangled PCI domain repaired when exactly
@@ -396,6 +434,8 @@ class Preparer:
                 vendor = nvidia.current_type(self.sysfs, addr) or 0
             whole = gpulibs and vendor is None and pf is None and self._is_gpu_fn(addr)
             why = self._whole_gpu_refusal(state, addr) if whole else None
+            if gpulibs and vendor is None and physfn_of is not None:
+                why = self._vf_refusal(state, addr)
             pci[ident] = PciFacts(True, gpulibs, pf, vendor, whole, why)
             if peers_wanted and gpulibs and vendor is None:
                 members = self._group_facts(addr, set(addresses))

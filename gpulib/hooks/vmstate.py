@@ -13,26 +13,42 @@ from gpulib.allocator import release
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.lifecycle import boot_clock, open_store, release_not_running
-from gpulib.state import State, utc_now
-from gpulib.usage import running_names
+from gpulib.liveness import Liveness
+from gpulib.state import State, StateStore, utc_now
 
 log = logging.getLogger(__name__)
 
 
-def release_stale(ctx: Context, state: State, running: set[str], config: Config,
-                  keep: Optional[str] = None) -> None:
-    """Release pending allocations of VMs that never started (DESIGN 6.2), once
-    proven dead (lifecycle.pending_is_dead); `running`: running domains' names."""
-    release_not_running(ctx, state, running,
+def release_stale(ctx: Context, state: State, liveness: Liveness, config: Config,
+                  keep: Optional[str] = None, store: Optional[StateStore] = None) -> None:
+    """Release what VMs that are not running left (DESIGN 6.2): pending
+    allocations of starts proven dead, and every allocation of an earlier boot
+    (lifecycle.pending_is_dead); removals announced first (`store`'s
+    checkpoint)."""
+    release_not_running(ctx, state, liveness,
                         destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
-                        pending_only=True, keep=keep)
+                        pending_only=True, keep=keep,
+                        checkpoint=store.checkpoint if store is not None else None)
+
+
+def settle_left(ctx: Context, state: State, liveness: Liveness) -> None:
+    """Finish what a run killed mid-way left (its intents), when there is any:
+    a stop's removals are completed, a start's changes undone (journal.settle)."""
+    if state.intents:
+        from gpulib.journal import settle
+
+        settle(ctx.sysfs, state, liveness)
 
 
 def activate(ctx: Context, config: Config, vm: str) -> bool:
     """onStart: the VM runs, its allocation becomes active. False if it holds nothing."""
+    store = open_store(ctx, config)
+
     def start(state: State) -> bool:
         # Names only (no file is parsed): onStart never needs lxml.
-        release_stale(ctx, state, running_names(ctx.sysfs), config, keep=vm)
+        liveness = Liveness(ctx.sysfs)
+        settle_left(ctx, state, liveness)
+        release_stale(ctx, state, liveness, config, keep=vm, store=store)
         alloc = state.allocations.get(vm)
         if alloc is None:
             return False
@@ -42,17 +58,24 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
             alloc.boot_id, alloc.uptime = boot_clock(ctx)
         return True
 
-    return open_store(ctx, config).update(start, host=ctx.sysfs)
+    return store.update(start, host=ctx.sysfs)
 
 
 def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
-    """onStop / release end: release what the VM held."""
-    def stop(state: State) -> list[str]:
-        return release(ctx.sysfs, state, vm,
-                       destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
-                       retry_seconds=config.get_float("release", "clear_retry_seconds"))
+    """onStop / release end: release what the VM held, unless it runs (a late,
+    repeated or failed stop: libvirt's status file still names it)."""
+    store = open_store(ctx, config)
 
-    return open_store(ctx, config).update(stop, host=ctx.sysfs)
+    def stop(state: State) -> list[str]:
+        liveness = Liveness(ctx.sysfs)
+        settle_left(ctx, state, liveness)
+        release_stale(ctx, state, liveness, config, keep=vm, store=store)
+        return release(ctx.sysfs, state, vm, liveness,
+                       destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
+                       retry_seconds=config.get_float("release", "clear_retry_seconds"),
+                       checkpoint=store.checkpoint)
+
+    return store.update(stop, host=ctx.sysfs)
 
 
 def change(program: str, vm_arg: str, started: bool) -> str:
