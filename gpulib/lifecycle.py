@@ -26,7 +26,16 @@ from gpulib.errors import GpulibError, InputError
 from gpulib.lazyre import lazy
 from gpulib.liveness import Liveness
 from gpulib.pci import PciAddress, list_addresses
-from gpulib.state import Allocation, Device, State, StateStore, VfRecord, VgpuRecord, utc_now
+from gpulib.state import (
+    REBUILT_FROM_KEY,
+    Allocation,
+    Device,
+    State,
+    StateStore,
+    VfRecord,
+    VgpuRecord,
+    utc_now,
+)
 from gpulib.usage import DomainDevices, running_domains
 
 log = logging.getLogger(__name__)
@@ -42,24 +51,42 @@ def open_store(ctx: Context, config: Optional[Config] = None,
                timeout: Optional[float] = None) -> StateStore:
     if timeout is None:
         timeout = config.get_float("state", "lock_timeout") if config else 20.0
-    return StateStore.for_context(ctx, timeout=timeout, rebuild=lambda: rebuild_state(ctx))
+    store = StateStore.for_context(ctx, timeout=timeout)
+    # A damaged file is rebuilt from its copy (the last state written) and the host.
+    store.rebuild = lambda: rebuild_state(ctx, store.backup_state(), config)
+    return store
 
 
-def rebuild_state(ctx: Context) -> State:
-    """Re-learn what can be re-learned: live vGPUs, VF types, running VMs' devices."""
+def rebuild_state(ctx: Context, previous: Optional[State] = None,
+                  config: Optional[Config] = None) -> State:
+    """What a damaged state file is replaced with.
+
+    `previous`: the copy the store keeps beside the file (the state as last
+    written), when it is whole: everything gpulib knew, pending starts and pool
+    membership included, is taken from it. Then the host adds what it can
+    tell: live vGPUs that mdevctl defines, NVIDIA VF types, and the devices
+    of running VMs (an active allocation for a VM the copy does not know, or
+    knows as another domain). Without a copy, pool membership is re-learned
+    from gpulib.conf (persistent vGPUs of a pool's type on its parents, up to
+    its target), so `pool apply` does not make a second set.
+    """
     sysfs = ctx.sysfs
-    state = State()
+    state = previous.copy() if previous is not None else State()
+    state.extra[REBUILT_FROM_KEY] = "its copy and the host" if previous is not None \
+        else "the host"
     # Live vGPUs with a definition are persistent; gpulib cannot tell who made
     # the others (an on-demand vGPU, libvirt's transient one), so it leaves them.
-    state.extra[DEFINITIONS_MARKER] = "mdevctl"
+    if previous is None:
+        state.extra[DEFINITIONS_MARKER] = "mdevctl"
     defs = mdevctl.read_definitions(ctx)
     live = mdev.live_mdevs(sysfs)
     for uuid, m in live.items():
         known = defs.get(uuid)
-        if known is not None and (known.parent, known.type_id) == (str(m.parent), m.type_id):
+        if known is not None and uuid not in state.vgpus and \
+                (known.parent, known.type_id) == (str(m.parent), m.type_id):
             state.vgpus[uuid] = VgpuRecord(known.parent, known.type_id)
     for address in list_addresses(sysfs):
-        if nvidia.is_vendor_vf(sysfs, address):
+        if str(address) not in state.vf_types and nvidia.is_vendor_vf(sysfs, address):
             current = nvidia.current_type(sysfs, address) or 0
             if current:
                 state.vf_types[str(address)] = VfRecord(current)
@@ -72,13 +99,52 @@ def rebuild_state(ctx: Context) -> State:
             if used is not None and u not in state.vgpus:
                 state.vgpus[u] = VgpuRecord(str(used.parent), used.type_id)
     for dom in running:
+        known_alloc = state.allocations.get(dom.name)
+        if known_alloc is not None and known_alloc.domain_uuid in (None, dom.uuid):
+            known_alloc.status = "active"
+            continue
         devices = [Device("mdev", u) for u in dom.mdevs if u in state.vgpus]
         devices += [Device("vf" if str(a) in state.vf_types else "pci", str(a)) for a in dom.pci]
         if devices:
-            state.allocations[dom.name] = Allocation(dom.name, None, "active", utc_now(), devices)
-    log.error("state rebuilt from sysfs and libvirt: %d vGPUs, %d VF types, %d allocations",
-              len(state.vgpus), len(state.vf_types), len(state.allocations))
+            alloc = Allocation(dom.name, dom.uuid, "active", utc_now(), devices)
+            alloc.boot_id, alloc.uptime = boot_clock(ctx)
+            state.allocations[dom.name] = alloc
+    if previous is None and config is not None:
+        _relearn_pools(ctx, state, config)
+    log.error("state rebuilt from %s: %d vGPUs, %d VF types, %d allocations",
+              state.extra[REBUILT_FROM_KEY], len(state.vgpus), len(state.vf_types),
+              len(state.allocations))
     return state
+
+
+def _relearn_pools(ctx: Context, state: State, config: Config) -> None:
+    """Pool membership from gpulib.conf: each pool takes the persistent vGPUs of
+    its type on its parents that no pool has, up to its target."""
+    from gpulib.pci import PciFunction, physical_function
+
+    for name, pool in sorted(config.pools.items()):
+        if pool.type_id is None:
+            continue  # by profile name: the name needs the host's types; pool apply decides
+        taken: dict[str, int] = {}
+        total = 0
+        for _uuid, rec in sorted(state.vgpus.items()):
+            if rec.pool is not None or rec.on_demand or rec.type_id != pool.type_id:
+                continue
+            try:
+                address = PciAddress.parse(rec.parent)
+                gpu = physical_function(ctx.sysfs, address) or address
+                fn = PciFunction.read_ids(ctx.sysfs, gpu)
+            except (InputError, OSError):
+                continue
+            if not pool.parents.matches(gpu, fn.vendor_id, fn.device_id):
+                continue
+            if pool.per_parent is not None and taken.get(rec.parent, 0) >= pool.per_parent:
+                continue
+            if pool.count is not None and total >= pool.count:
+                break
+            rec.pool = name
+            taken[rec.parent] = taken.get(rec.parent, 0) + 1
+            total += 1
 
 
 # -- mdevctl's definitions ---------------------------------------------------------------

@@ -29,6 +29,11 @@ Rules this module keeps:
   and needs only fdatasync. The file may therefore end in spaces, which JSON
   allows; the directory's fsync comes after the lock is released, before the
   caller returns.
+* Every write also leaves a second copy, `state.json.bak` (same bytes, its
+  own file, written atomically after the state file, without a sync: it
+  serves only when the state file itself is damaged, not after a power cut,
+  which the state file survives). A damaged state file therefore never costs
+  ownership: the rebuild starts from the copy (`backup_state`).
 * A corrupt file (not JSON, not an object, wrong types, truncated) is moved
   aside to `state.json.corrupt-<UTC timestamp>` under the lock, logged at
   ERROR, and rebuilt with the caller's `rebuild` hook. A plain `load()` of a
@@ -847,20 +852,27 @@ def _reason(e: OSError) -> str:
 
 
 class Repair(NamedTuple):
-    """A corrupt state file moved aside and rebuilt from the host."""
+    """A corrupt state file moved aside and rebuilt (from its copy and the host)."""
 
     reason: str
     moved_to: str
     rebuilt: State
 
     def summary(self) -> str:
-        """What was rebuilt, in words (`gpulib status`)."""
+        """What was rebuilt and from where, in words (`gpulib status`, the log)."""
         st = self.rebuilt
-        vms = ", ".join(sorted(st.allocations)) or "none"
-        return (f"{len(st.vgpus)} live vGPU(s), {len(st.vf_types)} VF type(s) and "
-                f"{len(st.allocations)} running VM allocation(s) ({vms}); what only the "
-                "old file knew (on-demand marks, learned names, unmanaged devices) is in "
-                f"{self.moved_to}")
+        vms = ", ".join(f"{vm} ({a.status})" for vm, a in sorted(st.allocations.items())) \
+            or "none"
+        pooled = sum(1 for r in st.vgpus.values() if r.pool) + \
+            sum(1 for r in st.vf_types.values() if r.pool)
+        source = st.extra.get(REBUILT_FROM_KEY) or "the host"
+        return (f"from {source}: {len(st.vgpus)} vGPU(s), {len(st.vf_types)} VF type(s), "
+                f"{pooled} pool member(s), {len(st.allocations)} allocation(s) ({vms}); "
+                f"the damaged file is {self.moved_to}")
+
+
+REBUILT_FROM_KEY = "rebuilt_from"
+"""Top-level key of a rebuilt state: where what it knows came from."""
 def _changed_part(doc: dict[str, Any], loaded: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The part of a state document that differs from `loaded` (the document
     of a state read and checked before; None: all of it): the records of each
@@ -936,6 +948,7 @@ class StateStore:
         self._loaded_doc: Optional[dict[str, Any]] = None
         self._last_written: Optional[str] = None  # the last checkpoint's text
         self._before_is_raw = False
+        self._bak_existed = False  # whether the copy existed when the transaction began
         self._checkpointed = False
         self._optimistic_run = False  # inside update()'s run without the lock
         self._wait_until: Optional[float] = None  # update()'s deadline for lock waits
@@ -1025,12 +1038,40 @@ class StateStore:
     def _write(self, text: str, sync_dir: bool = True,
                prepared: Optional[atomicfile.PreparedFile] = None) -> None:
         """Replace the file atomically with `text` (the caller holds the lock)."""
+        data = text.encode("ascii")
         try:
-            atomicfile.write_atomic(self.state_path, text.encode("ascii"), 0o600,
+            atomicfile.write_atomic(self.state_path, data, 0o600,
                                     sync_dir=sync_dir, prepared=prepared)
         except OSError as e:
             raise StateError(
                 f"cannot write state file {self.state_path}: {_reason(e)}") from None
+        self._mirror(data)
+
+    @property
+    def backup_path(self) -> str:
+        return self.state_path + ".bak"
+
+    def _mirror(self, data: bytes) -> None:
+        """The second copy of what the state file now holds (the caller holds the
+        lock). Not synced, and a failure only logged: the state file is the record."""
+        try:
+            atomicfile.write_atomic(self.backup_path, data, 0o600, sync_dir=False,
+                                    durable=False)
+        except OSError as e:
+            log.warning("cannot write the state's copy %s: %s", self.backup_path, _reason(e))
+
+    def backup_state(self) -> Optional[State]:
+        """The state the copy beside the file holds, when it is whole and of a
+        version this gpulib reads (None otherwise)."""
+        raw = read_file(self.backup_path, DOCUMENT_MAX)
+        if isinstance(raw, ReadFailure):
+            return None
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+            return State.from_json(doc)
+        except (ValueError, UnicodeDecodeError, RecursionError, StateError) as e:
+            log.error("the state's copy %s is unusable too: %s", self.backup_path, e)
+            return None
 
     def _prepare(self) -> Optional[atomicfile.PreparedFile]:
         """The file the transaction will write, made before the lock is taken
@@ -1326,6 +1367,8 @@ class StateStore:
                 if found == raw:
                     hold.keep_old(self.state_path)
                     swapped = staged.commit()
+                    if swapped:
+                        self._mirror(text.encode("ascii"))
         except OSError as e:
             raise StateError(f"cannot write state file {self.state_path}: {_reason(e)}") from None
         finally:
@@ -1365,6 +1408,11 @@ class StateStore:
                 atomicfile.fsync_dir(os.path.dirname(self.state_path))
             else:
                 atomicfile.write_atomic(self.state_path, self._raw_before, 0o600)
+            # The copy as it was too: the file's mirror, or none.
+            if self._raw_before is not None and self._bak_existed:
+                self._mirror(self._raw_before)
+            elif os.path.lexists(self.backup_path):
+                os.unlink(self.backup_path)
         except OSError as e:
             log.error("cannot put back state file %s after a failed start: %s",
                       self.state_path, _reason(e))
@@ -1375,6 +1423,7 @@ class StateStore:
         """The state and the text it serialises to (the caller holds the lock)."""
         raw = self._read()
         self._raw_before = raw
+        self._bak_existed = os.path.lexists(self.backup_path)
         self._before_is_raw = False
         self._checkpointed = False
         self._last_written = None
@@ -1391,6 +1440,7 @@ class StateStore:
             text = dumps(state)
             self._write(text)
             self.last_repair = Repair(e.message, aside, State.from_json(json.loads(text)))
+            log.error("state file %s rebuilt %s", self.state_path, self.last_repair.summary())
             return state, text
         if version != SCHEMA_VERSION:
             # An older schema, migrated in memory: the first transaction writes it.
