@@ -2,6 +2,10 @@
 
 Usage: python -m tests.helpers.crash_worker N <hook module> <argv...>
 
+With CRASH_WORKER_MODE=enospc the N-th write is not a kill but a full disk:
+that write (and every state write after it) fails with ENOSPC, and the hook
+goes on as it would on a host whose /var/lib is full.
+
 Counts every sysfs write (`Sysfs.write`) and every state write
 (`atomicfile.write_atomic`, and the rename of a state file written before
 the lock, `PreparedFile.commit`) in the order they happen; the N-th one is not
@@ -12,6 +16,7 @@ nothing of its own; exit 0 from the hook means N was past the last write.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -24,20 +29,23 @@ from gpulib.sysfs import Sysfs
 def main() -> int:
     limit = int(sys.argv[1])
     module = sys.argv[2]
+    full_disk = os.environ.get("CRASH_WORKER_MODE") == "enospc"
     count = [0]
 
-    def counted(real: Any) -> Any:
+    def counted(real: Any, on_disk: bool) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             count[0] += 1
-            if count[0] == limit:
+            if count[0] >= limit and full_disk and on_disk:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            if count[0] == limit and not full_disk:
                 os._exit(137)
             return real(*args, **kwargs)
         return wrapper
 
-    Sysfs.write = counted(Sysfs.write)  # type: ignore[method-assign]
-    atomicfile.write_atomic = counted(atomicfile.write_atomic)
+    Sysfs.write = counted(Sysfs.write, False)  # type: ignore[method-assign]
+    atomicfile.write_atomic = counted(atomicfile.write_atomic, True)
     atomicfile.PreparedFile.commit = counted(  # type: ignore[method-assign]
-        atomicfile.PreparedFile.commit)
+        atomicfile.PreparedFile.commit, True)
     hook = importlib.import_module(module)
     return int(hook.main(sys.argv[2:]))
 
