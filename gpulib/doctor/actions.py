@@ -22,6 +22,7 @@ class KernelArgs:
 
     add: tuple[str, ...] = ()
     remove: tuple[str, ...] = ()
+    where: str = ""  # the file the effective value comes from (shown), "" = /etc/default/grub
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "kernel-args", "add": list(self.add), "remove": list(self.remove)}
@@ -99,7 +100,8 @@ def render(actions: list[Action], distro: Distro) -> str:
     for action in actions:
         if isinstance(action, KernelArgs):
             lines.append(distro.kernel_args_fix(add=" ".join(action.add),
-                                                remove=" ".join(action.remove)))
+                                                remove=" ".join(action.remove),
+                                                where=action.where or "/etc/default/grub"))
             chain, rebooting = False, True
             continue
         if isinstance(action, WriteFile):
