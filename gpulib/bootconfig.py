@@ -216,22 +216,37 @@ class Source:
         return "/" + self.rel
 
 
+def _quoted(line: str) -> list[bool]:
+    """For each character: inside quotes or backquotes (the quote characters themselves
+    are not), a backslash-escaped character inside double quotes included."""
+    out: list[bool] = []
+    quote = ""
+    escaped = False
+    for ch in line:
+        if not quote:
+            if ch in "\"'`":
+                quote = ch
+            out.append(False)
+        elif escaped:
+            escaped = False
+            out.append(True)
+        elif ch == "\\" and quote in '"`':
+            escaped = True
+            out.append(True)
+        elif ch == quote:
+            quote = ""
+            out.append(False)
+        else:
+            out.append(True)
+    return out
+
+
 def _strip_comment(line: str) -> str:
     """The line without a trailing `# comment` (a `#` that starts a word, outside quotes)."""
-    quote = ""
-    i = 0
-    while i < len(line):
-        ch = line[i]
-        if quote:
-            if ch == "\\" and quote in '"`':
-                i += 1  # the next character is escaped
-            elif ch == quote:
-                quote = ""
-        elif ch in "\"'`":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+    inside = _quoted(line)
+    for i, ch in enumerate(line):
+        if ch == "#" and not inside[i] and (i == 0 or line[i - 1].isspace()):
             return line[:i]
-        i += 1
     return line
 
 
@@ -239,27 +254,8 @@ def _unquoted(code: str) -> str:
     """The line with quoted text and command substitutions blanked out: what is left
     is the shell structure (`if`, `;`, `&&`, `.`) of the line itself. A `(...)` or
     backquoted part runs in a subshell and sets nothing here."""
-    out: list[str] = []
-    quote = ""
-    i = 0
-    while i < len(code):
-        ch = code[i]
-        if quote:
-            if ch == "\\" and quote in '"`':
-                i += 2
-                continue
-            if ch == quote:
-                quote = ""
-                out.append(ch)
-            else:
-                out.append("_")
-        elif ch in "\"'`":
-            quote = ch
-            out.append(ch)
-        else:
-            out.append(ch)
-        i += 1
-    text = "".join(out)
+    inside = _quoted(code)
+    text = "".join("_" if q else ch for ch, q in zip(code, inside))
     # $( ... ) and ( ... ) subshells on one line
     previous = None
     while previous != text:
