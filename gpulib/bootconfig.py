@@ -37,7 +37,12 @@ _ASSIGN = re.compile(r"(?P<lead>[ \t]*(?:export[ \t]+)?)(?P<key>[A-Za-z_][A-Za-z
 
 
 class BootConfigError(GpulibError):
-    """/etc/default/grub holds what gpulib cannot edit safely."""
+    """The boot configuration holds what gpulib cannot read or edit safely; `path` is
+    the file (as the host sees it)."""
+
+    def __init__(self, message: str, path: str = "/" + DEFAULT_GRUB) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 @dataclass
@@ -75,7 +80,7 @@ def _parse_line(number: int, line: str, name: str = "/" + DEFAULT_GRUB
             i += 2 if quote == '"' and body[i] == "\\" else 1
         if i >= len(body):
             raise BootConfigError(f"{where}: the quote does not close on the same line; edit "
-                                  "it by hand")
+                                  "it by hand", name)
         start, end = pos + 1, i
         after = body[i + 1:]
     else:
@@ -84,15 +89,15 @@ def _parse_line(number: int, line: str, name: str = "/" + DEFAULT_GRUB
         while i < len(body) and not body[i].isspace() and body[i] != "#":
             if body[i] in "\"'\\$`":
                 raise BootConfigError(f"{where}: mixed quoting gpulib does not edit; edit it "
-                                      "by hand")
+                                      "by hand", name)
             i += 1
         start, end = pos, i
         after = body[i:]
     if after.strip() and not after.strip().startswith("#"):
         raise BootConfigError(f"{where}: text after the value ({after.strip()[:40]!r}); edit "
-                              "it by hand")
+                              "it by hand", name)
     if after.rstrip().endswith("\\"):
-        raise BootConfigError(f"{where}: continued on the next line; edit it by hand")
+        raise BootConfigError(f"{where}: continued on the next line; edit it by hand", name)
     return Assignment(number, key, quote, start, end, body[start:end])
 
 
@@ -292,7 +297,7 @@ class BootConfig:
             if _SOURCES.search(code):
                 raise BootConfigError(f"{where} runs other shell code ({code.strip()[:40]!r}): "
                                       "the kernel command line it leads to cannot be known "
-                                      "without running it; edit it by hand")
+                                      "without running it; edit it by hand", source.shown)
             mentions = _KEY_WORD.search(code)
             if not mentions:
                 depth = max(0, depth + opened - closed)
@@ -306,19 +311,20 @@ class BootConfig:
                            "is set in a way gpulib does not read")
                     raise BootConfigError(
                         f"{where}: {mentions.group()} {why} ({code.strip()[:50]!r}): its "
-                        "value cannot be known without running the shell; edit it by hand")
+                        "value cannot be known without running the shell; edit it by hand",
+                        source.shown)
                 depth = max(0, depth + opened - closed)
                 continue  # only read (e.g. GRUB_CMDLINE_XEN="$GRUB_CMDLINE_LINUX")
-            self.values[found.key] = self._expand(found, where)
+            self.values[found.key] = self._expand(found, where, source.shown)
             self.last[found.key] = (index, found)
 
-    def _expand(self, a: Assignment, where: str) -> str:
+    def _expand(self, a: Assignment, where: str, path: str) -> str:
         if a.quote == "'":
             return a.value
         value = a.value
         if "`" in value or "$(" in value:
             raise BootConfigError(f"{where}: {a.key} holds a command substitution: its value "
-                                  "cannot be known without running it; edit it by hand")
+                                  "cannot be known without running it; edit it by hand", path)
 
         def ref(m: re.Match[str]) -> str:
             name = m.group("braced") if m.group("braced") is not None else m.group("plain")
@@ -326,7 +332,7 @@ class BootConfig:
                 return self.values[name]
             shown = m.group(0)
             raise BootConfigError(f"{where}: {a.key} refers to {shown}, which gpulib does "
-                                  "not work out; edit it by hand")
+                                  "not work out; edit it by hand", path)
 
         expanded = _REFERENCE.sub(ref, value)
         return re.sub(r"\\([\\\"$`])", r"\1", expanded)

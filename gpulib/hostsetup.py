@@ -393,7 +393,8 @@ class Planner:
                     step.also.append(check)
                 step.resumed = step.resumed or resumed
                 return
-        effect = NEXT_BOOT if _command_rank(argv) < 3 else NOW
+        # only the vendor's VF tool acts at once; the rest is for the next boot
+        effect = NOW if argv and os.path.basename(argv[0]) == "sriov-manage" else NEXT_BOOT
         self.commands.append(Step(check, _short(why), argv=argv, effect=effect,
                                   resumed=resumed))
 
@@ -461,10 +462,7 @@ class Planner:
                                               "file"))
             return
         except bootconfig.BootConfigError as exc:
-            where = exc.message.split(" line ", 1)[0].split(":", 1)[0]
-            self.plan.refusals.append(Refusal(where if where.startswith("/") else
-                                              host_path(bootconfig.DEFAULT_GRUB), exc.message,
-                                              "file"))
+            self.plan.refusals.append(Refusal(exc.path, exc.message, "file"))
             return
         checks = list(dict.fromkeys(self.args_for)) or ["iommu"]
         running = [r for r in self.remove if r in doctor.cmdline and r not in configured]

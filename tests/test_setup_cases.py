@@ -421,3 +421,22 @@ def test_an_edited_file_and_its_backup_keep_owner_group_and_mode(tmp_path: Any,
         st = os.stat(path)
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 4, 0o640), path
     assert "intel_iommu=on" in read(host, "etc/default/grub")
+
+
+def test_a_driverctl_override_waits_for_the_next_boot(tmp_path: Any, monkeypatch: Any,
+                                                      capsys: Any) -> None:
+    """After `driverctl --noprobe set-override` the GPU stays on its driver until it is
+    probed again: the doctor says so rather than asking for the override again."""
+    host = _twins(tmp_path)
+    _with_driverctl(host)
+    code, plan = setup_json(host, monkeypatch, capsys, "--passthrough", GPU)
+    assert code == 0 and plan["refused"] == []
+    overrides = [s["argv"][-2] for s in plan["steps"] if s.get("argv", [""])[0] == "driverctl"]
+    assert overrides == [GPU, GPU_AUDIO]
+    for address in overrides:  # what driverctl records
+        host.write_file(f"etc/driverctl.d/pci-{address}", "vfio-pci\n")
+    (result,) = [r for r in doctor(host, ["driver-binding"]).results if r.subject == GPU]
+    assert result.status == "warn" and "driverctl overrides it to vfio-pci" in result.message
+    code, again = setup_json(host, monkeypatch, capsys, "--passthrough", GPU)
+    assert not any(s.get("argv", [""])[0] == "driverctl" for s in again["steps"])
+    assert not any(n.startswith(f"{TWIN} is kept") for n in again["notes"])

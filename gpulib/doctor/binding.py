@@ -51,6 +51,17 @@ def check(d: Doctor) -> list[Result]:
                 f"configured vfio-pci for it at {applied}: a reboot is pending",
                 [Reboot()], pending="reboot"))
             continue
+        if pt.overridden(d, gpu.address):
+            # driverctl --noprobe recorded it: vfio-pci gets it when it is probed again
+            applied = d.setup_pending(cid)
+            when = (f" by gpulib setup at {applied}: a reboot is pending" if applied else
+                    ": it moves when the device is probed again (at the next boot)")
+            problems.append(d.result(
+                cid, WARN, str(gpu.address),
+                f"{d.label(gpu)} is offered for passthrough and still on {drv}; driverctl "
+                f"overrides it to vfio-pci{when}", [Reboot()],
+                pending="reboot" if applied else None))
+            continue
         if drv in HOST_DISPLAY_DRIVERS:
             # the fix is what `gpulib setup --passthrough ADDR` would apply, rendered
             found = pt.plan(d, [gpu], {gpu.address})
