@@ -54,6 +54,9 @@ def test_a_grub_d_drop_in_gets_the_edit_that_takes_effect(tmp_path: Any, monkeyp
     host = unprepared_host(str(tmp_path / "h"), "ubuntu2404", cpu="GenuineIntel")
     host.write_file(CLOUDIMG, CLOUDIMG_TEXT)
     assert "intel_iommu=on" not in effective(host)
+    # the doctor's fix names the file and the variable setup edits
+    (before,) = doctor(host, ["iommu"]).results
+    assert f"to GRUB_CMDLINE_LINUX_DEFAULT in /{CLOUDIMG}" in (before.fix or "")
     code, done = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--check", "iommu")
     assert code == 0, done
     edits = [s["path"] for s in done["steps"] if s["kind"] == "edit"]
@@ -440,3 +443,30 @@ def test_a_driverctl_override_waits_for_the_next_boot(tmp_path: Any, monkeypatch
     code, again = setup_json(host, monkeypatch, capsys, "--passthrough", GPU)
     assert not any(s.get("argv", [""])[0] == "driverctl" for s in again["steps"])
     assert not any(n.startswith(f"{TWIN} is kept") for n in again["notes"])
+
+
+def test_a_read_only_file_system_is_found_before_the_first_change(tmp_path: Any) -> None:
+    """/etc/default read-only (a bind mount in a private mount namespace): the apply
+    stops before it edits anything, the blacklist in the writable /etc/modprobe.d
+    included."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a read-only bind mount needs root and unshare")
+    from tests.hookrun import BIN, hook_env
+
+    host = unprepared_host(str(tmp_path / "h"), "debian12")
+    before = tree_state(host.root)
+    etc_default = host.p("etc/default")
+    script = (f"mount --make-rprivate / && mount --bind {etc_default} {etc_default} && "
+              f"mount -o remount,bind,ro {etc_default} && exec {BIN / 'gpulib'} setup "
+              "--apply --yes --json")
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env=hook_env(host.root, simulate=False))
+    assert proc.returncode == 1, proc.stderr
+    done = json.loads(proc.stdout)
+    assert "/etc/default/grub is on a read-only file system" in done["error"]
+    assert done["error"].startswith("nothing was changed")
+    after = tree_state(host.root)
+    for lock in ("var", "var/lib", "var/lib/gpulib", hostsetup.SETUP_LOCK):
+        after.pop(lock, None)
+    assert after == before

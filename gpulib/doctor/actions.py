@@ -9,7 +9,7 @@ the host sees them.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
@@ -22,7 +22,9 @@ class KernelArgs:
 
     add: tuple[str, ...] = ()
     remove: tuple[str, ...] = ()
-    where: str = ""  # the file the effective value comes from (shown), "" = /etc/default/grub
+    # the file the effective value comes from (shown), "" = /etc/default/grub: where
+    # the text says to edit, not what the action is
+    where: str = field(default="", compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "kernel-args", "add": list(self.add), "remove": list(self.remove)}
