@@ -59,7 +59,8 @@ def _create(tmp: str, mode: int) -> int:
 
 
 def write_atomic(path: str, data: bytes, mode: int = 0o644, sync_dir: bool = True,
-                 durable: bool = True, prepared: Optional[PreparedFile] = None) -> None:
+                 durable: bool = True, prepared: Optional[PreparedFile] = None,
+                 owner: Optional[tuple[int, int]] = None) -> None:
     """Replace `path` with `data` atomically and durably.
 
     Raises AtomicWriteError (with errno and strerror of the failing call) and
@@ -70,6 +71,8 @@ def write_atomic(path: str, data: bytes, mode: int = 0o644, sync_dir: bool = Tru
     new file as soon as it is renamed. `durable=False` (a cache) skips the
     file's fsync too: still atomic, not kept across a power cut. `prepared`:
     a PreparedFile for `path` to use when `data` fits in it (the quick way).
+    `owner` (uid, gid): the new file's, set before it replaces the old one
+    (an edited /etc file keeps its group, e.g. root:adm).
     """
     if prepared is not None and prepared.replace(data):
         if sync_dir:
@@ -79,6 +82,9 @@ def write_atomic(path: str, data: bytes, mode: int = 0o644, sync_dir: bool = Tru
     try:
         fd = _create(tmp, mode)
         try:
+            if owner is not None:
+                os.fchown(fd, *owner)
+                os.fchmod(fd, mode)  # chown clears set-id bits
             _write_all(fd, data)
             if durable:
                 os.fsync(fd)

@@ -1,11 +1,22 @@
-"""The kernel command line as the boot configuration sets it: `etc/default/grub`.
+"""The kernel command line as the boot configuration sets it: `etc/default/grub`
+and, on Debian and Ubuntu, the `etc/default/grub.d/*.cfg` drop-ins.
 
-`/etc/default/grub` is a shell fragment. gpulib reads and edits only the
-`GRUB_CMDLINE_LINUX*` assignments, and edits in place: every other line, and
-the rest of the edited line (quotes, spacing, a trailing comment), stays
-byte-identical. What it cannot edit safely (a value continued over several
-lines, an unterminated quote, text after the closing quote) it refuses with
-the line named, rather than guess.
+These files are shell fragments that grub-mkconfig sources one after the
+other: `/etc/default/grub` first, then (Debian's grub-mkconfig) every
+`/etc/default/grub.d/*.cfg` in the shell's glob order, so a drop-in such as
+Ubuntu's cloud images' `50-cloudimg-settings.cfg` overrides what
+`/etc/default/grub` says. `BootConfig` reads them in that order and works out
+the value grub-mkconfig will see; an edit goes to the assignment that value
+comes from, so it takes effect. When the value cannot be known without
+running the shell (an assignment under a condition, a command substitution,
+a file sourced, a variable gpulib does not know) it is refused with the file
+and line named, never guessed.
+
+gpulib reads and edits only the `GRUB_CMDLINE_LINUX*` assignments, and edits
+in place: every other line, and the rest of the edited line (quotes, spacing,
+a trailing comment), stays byte-identical. What it cannot edit safely (a
+value continued over several lines, an unterminated quote, text after the
+closing quote) it refuses with the line named, rather than guess.
 """
 
 from __future__ import annotations
@@ -13,11 +24,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from gpulib.errors import GpulibError
 
 DEFAULT_GRUB = "etc/default/grub"
+GRUB_D = "etc/default/grub.d"
 CMDLINE_KEYS = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")
 # The arguments gpulib adds: nothing a shell would expand or split.
 _SAFE_ARG = re.compile(r"[A-Za-z0-9_.,:=+/@-]+\Z")
@@ -25,7 +37,12 @@ _ASSIGN = re.compile(r"(?P<lead>[ \t]*(?:export[ \t]+)?)(?P<key>[A-Za-z_][A-Za-z
 
 
 class BootConfigError(GpulibError):
-    """/etc/default/grub holds what gpulib cannot edit safely."""
+    """The boot configuration holds what gpulib cannot read or edit safely; `path` is
+    the file (as the host sees it)."""
+
+    def __init__(self, message: str, path: str = "/" + DEFAULT_GRUB) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 @dataclass
@@ -47,13 +64,14 @@ def check_arg(arg: str) -> str:
     return arg
 
 
-def _parse_line(number: int, line: str) -> Optional[Assignment]:
+def _parse_line(number: int, line: str, name: str = "/" + DEFAULT_GRUB
+                ) -> Optional[Assignment]:
     m = _ASSIGN.match(line)
     if not m or m.group("key") not in CMDLINE_KEYS:
         return None
     key, pos = m.group("key"), m.end()
     body = line.rstrip("\n")
-    where = f"/etc/default/grub line {number + 1} ({key})"
+    where = f"{name} line {number + 1} ({key})"
     if pos < len(body) and body[pos] in "\"'":
         quote = body[pos]
         i = pos + 1
@@ -62,7 +80,7 @@ def _parse_line(number: int, line: str) -> Optional[Assignment]:
             i += 2 if quote == '"' and body[i] == "\\" else 1
         if i >= len(body):
             raise BootConfigError(f"{where}: the quote does not close on the same line; edit "
-                                  "it by hand")
+                                  "it by hand", name)
         start, end = pos + 1, i
         after = body[i + 1:]
     else:
@@ -71,22 +89,23 @@ def _parse_line(number: int, line: str) -> Optional[Assignment]:
         while i < len(body) and not body[i].isspace() and body[i] != "#":
             if body[i] in "\"'\\$`":
                 raise BootConfigError(f"{where}: mixed quoting gpulib does not edit; edit it "
-                                      "by hand")
+                                      "by hand", name)
             i += 1
         start, end = pos, i
         after = body[i:]
     if after.strip() and not after.strip().startswith("#"):
         raise BootConfigError(f"{where}: text after the value ({after.strip()[:40]!r}); edit "
-                              "it by hand")
+                              "it by hand", name)
     if after.rstrip().endswith("\\"):
-        raise BootConfigError(f"{where}: continued on the next line; edit it by hand")
+        raise BootConfigError(f"{where}: continued on the next line; edit it by hand", name)
     return Assignment(number, key, quote, start, end, body[start:end])
 
 
-def assignments(text: str, key: Optional[str] = None) -> list[Assignment]:
+def assignments(text: str, key: Optional[str] = None,
+                name: str = "/" + DEFAULT_GRUB) -> list[Assignment]:
     out = []
     for number, line in enumerate(text.splitlines(keepends=True)):
-        found = _parse_line(number, line)
+        found = _parse_line(number, line, name)
         if found and (key is None or found.key == key):
             out.append(found)
     return out
@@ -133,7 +152,7 @@ def _edit_value(value: str, add: Iterable[str], remove: Iterable[str]) -> str:
 
 
 def edit_cmdline(text: str, key: str, add: Iterable[str] = (),
-                 remove: Iterable[str] = ()) -> str:
+                 remove: Iterable[str] = (), name: str = "/" + DEFAULT_GRUB) -> str:
     """`text` with `add` appended to and `remove` taken from the last `key=` line.
 
     Only that line changes (or one line is appended when `key` is not set).
@@ -141,7 +160,7 @@ def edit_cmdline(text: str, key: str, add: Iterable[str] = (),
     """
     add = [check_arg(a) for a in add]
     remove = list(remove)
-    found = assignments(text, key)
+    found = assignments(text, key, name)
     lines = text.splitlines(keepends=True)
     if not found:
         if not add:
@@ -164,3 +183,226 @@ def _replace(line: str, a: Assignment, value: str) -> str:
         # an unquoted value that now holds spaces needs quotes to stay one word
         return line[:a.start] + f'"{value}"' + line[a.end:]
     return line[:a.start] + value + line[a.end:]
+
+
+# -- the effective value, as grub-mkconfig sources the files ------------------------------
+
+_KEY_WORD = re.compile(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\b")
+_KEY_TARGET = re.compile(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\+?=")
+# A command's first word: at the line's start or after ; & | ( { or then/do/else.
+_COMMAND_START = r"(?:^|[;&|({]|\b(?:then|do|else|elif)\b)\s*"
+_OPENS = re.compile(_COMMAND_START + r"(if|case|while|until|for|select)\b")
+_CLOSES = re.compile(_COMMAND_START + r"(fi|esac|done)\b")
+_FUNCTION = re.compile(r"^\s*(?:function\s+)?[A-Za-z_][A-Za-z0-9_]*\s*\(\s*\)")
+_SOURCES = re.compile(_COMMAND_START + r"(\.|source|eval)\s")
+_REFERENCE = re.compile(
+    r"\$(?:\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*)|(?P<other>.))")
+
+
+def drop_in_names(names: Iterable[str]) -> list[str]:
+    """The `grub.d/*.cfg` names in the order `for x in grub.d/*.cfg` visits them.
+
+    grub-mkconfig runs under the caller's locale; drop-in names are ASCII
+    (`50-cloudimg-settings.cfg`), for which byte order is what the glob gives
+    in the C locale, the one update-grub's kernel hooks run with.
+    """
+    return sorted(n for n in names if n.endswith(".cfg") and not n.startswith("."))
+
+
+@dataclass
+class Source:
+    """One file grub-mkconfig sources: root-relative path and its text."""
+
+    rel: str
+    text: str
+
+    @property
+    def shown(self) -> str:
+        return "/" + self.rel
+
+
+def _quoted(line: str) -> list[bool]:
+    """For each character: inside quotes or backquotes (the quote characters themselves
+    are not), a backslash-escaped character inside double quotes included."""
+    out: list[bool] = []
+    quote = ""
+    escaped = False
+    for ch in line:
+        if not quote:
+            if ch in "\"'`":
+                quote = ch
+            out.append(False)
+        elif escaped:
+            escaped = False
+            out.append(True)
+        elif ch == "\\" and quote in '"`':
+            escaped = True
+            out.append(True)
+        elif ch == quote:
+            quote = ""
+            out.append(False)
+        else:
+            out.append(True)
+    return out
+
+
+def _strip_comment(line: str) -> str:
+    """The line without a trailing `# comment` (a `#` that starts a word, outside quotes)."""
+    inside = _quoted(line)
+    for i, ch in enumerate(line):
+        if ch == "#" and not inside[i] and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def _unquoted(code: str) -> str:
+    """The line with quoted text and command substitutions blanked out: what is left
+    is the shell structure (`if`, `;`, `&&`, `.`) of the line itself. A `(...)` or
+    backquoted part runs in a subshell and sets nothing here."""
+    inside = _quoted(code)
+    text = "".join("_" if q else ch for ch, q in zip(code, inside))
+    # $( ... ) and ( ... ) subshells on one line
+    previous = None
+    while previous != text:
+        previous = text
+        text = re.sub(r"\$?\([^()]*\)", lambda m: "_" * len(m.group()), text)
+    return text
+
+
+class BootConfig:
+    """The boot configuration's files in the order grub-mkconfig reads them, the
+    effective `GRUB_CMDLINE_LINUX*` values, and where each was last assigned.
+
+    BootConfigError when the effective value cannot be known without running
+    the shell; the message names the file and line.
+    """
+
+    def __init__(self, sources: list[Source]) -> None:
+        self.sources = sources
+        self.values: dict[str, str] = {k: "" for k in CMDLINE_KEYS}
+        # key -> (index of the source, the assignment) the value comes from
+        self.last: dict[str, tuple[int, Assignment]] = {}
+        for index, source in enumerate(sources):
+            self._read(index, source)
+
+    def _read(self, index: int, source: Source) -> None:
+        depth = 0
+        for number, raw in enumerate(source.text.splitlines()):
+            where = f"{source.shown} line {number + 1}"
+            code = _unquoted(_strip_comment(raw))
+            if not code.strip():
+                continue
+            opened = len(_OPENS.findall(code)) + (1 if _FUNCTION.match(code) else 0)
+            closed = len(_CLOSES.findall(code)) + (1 if re.match(r"^\s*}", code) else 0)
+            if _SOURCES.search(code):
+                raise BootConfigError(f"{where} runs other shell code ({code.strip()[:40]!r}): "
+                                      "the kernel command line it leads to cannot be known "
+                                      "without running it; edit it by hand", source.shown)
+            mentions = _KEY_WORD.search(code)
+            if not mentions:
+                depth = max(0, depth + opened - closed)
+                continue
+            found = _parse_line(number, raw, source.shown)
+            conditional = depth > 0 or opened or closed
+            if found is None or conditional:
+                if _KEY_TARGET.search(code) or re.search(r"\bunset\b", code):
+                    guarded = conditional or re.search(r"&&|\|\|", code)
+                    why = ("is assigned under a condition" if guarded else
+                           "is set in a way gpulib does not read")
+                    raise BootConfigError(
+                        f"{where}: {mentions.group()} {why} ({code.strip()[:50]!r}): its "
+                        "value cannot be known without running the shell; edit it by hand",
+                        source.shown)
+                depth = max(0, depth + opened - closed)
+                continue  # only read (e.g. GRUB_CMDLINE_XEN="$GRUB_CMDLINE_LINUX")
+            self.values[found.key] = self._expand(found, where, source.shown)
+            self.last[found.key] = (index, found)
+
+    def _expand(self, a: Assignment, where: str, path: str) -> str:
+        if a.quote == "'":
+            return a.value
+        value = a.value
+        if "`" in value or "$(" in value:
+            raise BootConfigError(f"{where}: {a.key} holds a command substitution: its value "
+                                  "cannot be known without running it; edit it by hand", path)
+
+        def ref(m: re.Match[str]) -> str:
+            name = m.group("braced") if m.group("braced") is not None else m.group("plain")
+            if name in CMDLINE_KEYS:
+                return self.values[name]
+            shown = m.group(0)
+            raise BootConfigError(f"{where}: {a.key} refers to {shown}, which gpulib does "
+                                  "not work out; edit it by hand", path)
+
+        expanded = _REFERENCE.sub(ref, value)
+        return re.sub(r"\\([\\\"$`])", r"\1", expanded)
+
+    # -- reading ----------------------------------------------------------------------
+    def args(self, key: Optional[str] = None) -> list[str]:
+        """The arguments the generated linux lines get (normal boots: both keys)."""
+        keys = (key,) if key else CMDLINE_KEYS
+        out: list[str] = []
+        for k in keys:
+            for token in self.values[k].split():
+                if token not in out:
+                    out.append(token)
+        return out
+
+    def where(self, key: str) -> str:
+        """The file whose assignment of `key` grub-mkconfig ends with (root-relative)."""
+        if key in self.last:
+            return self.sources[self.last[key][0]].rel
+        return self.sources[0].rel if self.sources else DEFAULT_GRUB
+
+    def overridden(self) -> list[str]:
+        """Drop-ins that assign a command-line key after /etc/default/grub (shown paths)."""
+        return [s.shown for s in self.sources[1:]
+                if any(a.key in CMDLINE_KEYS for a in assignments(s.text, None, s.shown))]
+
+    # -- editing ----------------------------------------------------------------------
+    def edit(self, key: str, add: Iterable[str] = (), remove: Iterable[str] = ()
+             ) -> dict[str, str]:
+        """The new text of each file that changes: `add` goes to the assignment the
+        effective value of `key` comes from (so it takes effect), `remove` leaves
+        every assignment of either key in every file."""
+        add, remove = list(add), list(remove)
+        texts = {s.rel: s.text for s in self.sources}
+        target = self.where(key)
+        texts.setdefault(target, "")
+        for rel in list(texts):
+            name = "/" + rel
+            new = texts[rel]
+            for k in CMDLINE_KEYS:
+                new = edit_cmdline(new, k, add if (k == key and rel == target) else (),
+                                   remove, name)
+            texts[rel] = new
+        before = {s.rel: s.text for s in self.sources}
+        return {rel: text for rel, text in texts.items() if before.get(rel) != text}
+
+
+def read_sources(read: Callable[[str], Optional[str]], listdir: Callable[[str], Iterable[str]],
+                 with_drop_ins: bool) -> list[Source]:
+    """The files grub-mkconfig sources, read with the caller's reader (None = absent)."""
+    out = [Source(DEFAULT_GRUB, read(DEFAULT_GRUB) or "")]
+    if with_drop_ins:
+        for name in drop_in_names(listdir(GRUB_D)):
+            text = read(f"{GRUB_D}/{name}")
+            if text is not None:
+                out.append(Source(f"{GRUB_D}/{name}", text))
+    return out
+
+
+def text_reader(read_bytes: Callable[[str], Optional[bytes]]) -> Callable[[str], Optional[str]]:
+    """A file's whole text (None: absent or unreadable), for read_sources: line numbers
+    and leading blank lines as in the file, unlike an attribute reader's stripped text."""
+    def read(rel: str) -> Optional[str]:
+        data = read_bytes(rel)
+        return None if data is None else data.decode("utf-8", "replace")
+    return read
+
+
+def read_config(read: Callable[[str], Optional[str]], listdir: Callable[[str], Iterable[str]],
+                family: str) -> BootConfig:
+    """The boot configuration as `family`'s grub-mkconfig reads it (Debian's sources the
+    grub.d drop-ins; the others only /etc/default/grub). BootConfigError as BootConfig."""
+    return BootConfig(read_sources(read, listdir, family == "debian"))

@@ -3,16 +3,26 @@
 The plan comes from the doctor's findings (one place decides what is wrong):
 the typed actions of the `iommu`, `nouveau` and `sriov` checks, plus the GPUs
 the operator asks to keep from the host for passthrough (`--passthrough`,
-`[setup] passthrough`). Planning changes nothing. Applying edits files first
-(each with a timestamped backup), then runs the commands that make the boot
-configuration and the initramfs see them, then records in
-`var/lib/gpulib/setup.json` what waits for a reboot, so the doctor can say
-"pending" rather than "broken" until the host boots again.
+`[setup] passthrough`, planned by `gpulib.doctor.passthrough`, whose actions
+are also the doctor's fix text), plus the steps an earlier apply did not
+complete (setup's journal). Planning changes nothing.
 
-A GPU is never taken from the host unasked: only named devices, never the
-boot VGA device without `--include-boot-vga`, never a device whose IOMMU group
-holds storage or network the host needs, and never by vendor:device id when
-that id would also take a device nobody named.
+Applying is a plan that survives a failed step. Every step is checked before
+the first change (the file is not a symbolic link, not immutable, on a
+writable file system, unchanged since the plan; the command is installed);
+then files are edited (each with a timestamped backup; both keep the file's
+owner, group and mode), the effective kernel command line is read back as
+grub-mkconfig will read it, and the commands that make the boot entries and
+every installed kernel's initramfs see the files run, each one's outcome
+written to `var/lib/gpulib/setup.json` as it happens. A step that failed or
+was never reached stays in the journal and is planned again by the next run;
+what waits for a reboot is kept for the whole boot (a second apply adds to
+it), so the doctor says "pending" rather than "broken" until the host boots
+again.
+
+Nothing is rebound while the host runs: every change takes effect at the
+next boot (per-device overrides with `driverctl --noprobe`), except VFs
+enabled with the vendor's tool, which the plan says.
 
 Below a `GPULIB_ROOT` other than `/`, files are edited below that root and
 commands are listed, not run.
@@ -21,6 +31,7 @@ commands are listed, not run.
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import logging
 import os
@@ -34,17 +45,16 @@ from typing import Any, Optional
 from gpulib import bootconfig
 from gpulib.atomicfile import write_atomic
 from gpulib.config import Config
-from gpulib.context import MODPROBE_DIR, Context
-from gpulib.discovery import BRIDGE_BASE_CLASS, Gpu
+from gpulib.context import Context
+from gpulib.discovery import Gpu
 from gpulib.doctor import (
     HOST_DISPLAY_DRIVERS,
     SETUP_JOURNAL,
     Doctor,
     Report,
     host_path,
-    is_free_for_vfio,
-    is_vfio_driver,
 )
+from gpulib.doctor import passthrough as pt
 from gpulib.doctor.actions import (
     Action,
     KernelArgs,
@@ -55,23 +65,36 @@ from gpulib.doctor.actions import (
     WriteFile,
 )
 from gpulib.errors import GpulibError, InputError, LockTimeout
-from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction
+from gpulib.pci import PciAddress
 from gpulib.sysfs import ReadFailure, Sysfs
 
 log = logging.getLogger(__name__)
 
 SCHEMA = 1
+JOURNAL_VERSION = 2
 # The checks whose actions setup applies; `driver-binding` stands for --passthrough.
 SETUP_CHECKS = ("iommu", "nouveau", "driver-binding", "sriov")
-VFIO_CONF = MODPROBE_DIR + "/gpulib-vfio.conf"
-# PCI base classes the host cannot lose with a GPU's IOMMU group.
-HOST_NEEDED = {0x01: "storage", 0x02: "network"}
-DRIVERCTL = ("usr/sbin/driverctl", "usr/bin/driverctl", "sbin/driverctl")
+VFIO_CONF = pt.VFIO_CONF
+HOST_NEEDED = pt.HOST_NEEDED
+DRIVERCTL = pt.DRIVERCTL
+SETUP_LOCK = "var/lib/gpulib/setup.lock"
 _VENDOR_DEVICE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\Z")
+# The failing command's own output shown: its last lines, enough for a hook's message.
+OUTPUT_LINES = 20
+NEXT_BOOT = "at the next boot"
+NOW = "now"
+# Linux inode flags (FS_IOC_GETFLAGS): a file the kernel will not let root replace.
+_FS_IOC_GETFLAGS = 0x80086601
+_FS_IMMUTABLE_FL = 0x10
+_FS_APPEND_FL = 0x20
 
 
 class SetupError(GpulibError):
-    """A step of the plan failed while applying it."""
+    """A step of the plan failed (or would fail) while applying it."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(message)
+        self.output = output
 
 
 def _current_text(sysfs: Sysfs, rel: str) -> Optional[str]:
@@ -102,6 +125,8 @@ class Step:
     argv: Optional[tuple[str, ...]] = None
     done: str = ""  # after apply: "edited", "ran", "listed", or why it failed
     also: list[str] = field(default_factory=list)  # other checks this step serves
+    effect: str = NEXT_BOOT  # when the host sees the change
+    resumed: bool = False  # an earlier apply's step that did not complete
 
     @property
     def checks(self) -> list[str]:
@@ -110,6 +135,10 @@ class Step:
     @property
     def kind(self) -> str:
         return "edit" if self.path is not None else "command"
+
+    @property
+    def completed(self) -> bool:
+        return self.done in ("edited", "created", "ran", "listed, not run")
 
     def diff(self) -> str:
         if self.path is None:
@@ -120,11 +149,14 @@ class Step:
             fromfile=shown if self.old is not None else "/dev/null", tofile=shown))
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"kind": self.kind, "check": self.check, "why": self.why}
+        doc: dict[str, Any] = {"kind": self.kind, "check": self.check, "why": self.why,
+                               "takes_effect": self.effect}
         if self.path is not None:
             doc.update(path=host_path(self.path), new_file=self.old is None, diff=self.diff())
         else:
             doc["argv"] = list(self.argv or ())
+        if self.resumed:
+            doc["resumed"] = True
         if self.done:
             doc["done"] = self.done
         return doc
@@ -132,11 +164,29 @@ class Step:
 
 @dataclass
 class Refusal:
+    """A GPU not taken from the host, or a file setup will not edit."""
+
     device: str
     why: str
+    kind: str = "device"  # or "file"
 
     def to_json(self) -> dict[str, str]:
-        return {"device": self.device, "why": self.why}
+        return {"kind": self.kind, "device": self.device, "why": self.why}
+
+    @property
+    def shown(self) -> str:
+        label = "not taken from the host" if self.kind == "device" else "not edited"
+        return f"{label}: {self.device}: {self.why}"
+
+
+@dataclass
+class Expectation:
+    """What the effective kernel command line must say once the files are edited."""
+
+    key: str
+    add: list[str]
+    remove: list[str]
+    drop_ins: bool
 
 
 @dataclass
@@ -149,6 +199,9 @@ class Plan:
     pending: list[str] = field(default_factory=list)  # check ids a reboot completes
     notes: list[str] = field(default_factory=list)
     backups: list[str] = field(default_factory=list)
+    expect: Optional[Expectation] = None
+    error: str = ""  # after a failed apply: the one-line reason
+    error_output: str = ""  # the failing command's own output (its last lines)
 
     run_commands: Optional[bool] = None  # None: decided by the root
 
@@ -162,6 +215,13 @@ class Plan:
     def add_todo(self, text: str) -> None:
         if text not in self.todo:
             self.todo.append(text)
+
+    def failed(self, error: SetupError) -> None:
+        """After a failed apply: no reboot promised; the rest is planned again."""
+        self.error, self.error_output = error.message, error.output
+        self.todo = [t for t in self.todo if t != "reboot the host"]
+        self.add_todo("fix what failed, then run gpulib setup --apply again (what did not "
+                      "complete is planned again)")
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "root": self.root, "distribution": self.distro,
@@ -182,16 +242,18 @@ class Plan:
             out.append("nothing to change")
         for n, step in enumerate(self.steps, 1):
             state = f" [{step.done}]" if step.done else ""
+            when = f"; takes effect {step.effect}"
+            again = "; not completed by an earlier run" if step.resumed else ""
             if step.path is not None:
                 verb = "create" if step.old is None else "edit"
                 out.append(f"{n}. {verb} {host_path(step.path)}{state}  ({step.check}: "
-                           f"{step.why})")
+                           f"{step.why}{when})")
                 out.extend("   " + line for line in step.diff().rstrip("\n").splitlines())
             else:
                 shown = RunCommand(step.argv or ()).shown
-                out.append(f"{n}. run: {shown}{state}  ({step.check}: {step.why})")
-        for r in self.refusals:
-            out.append(f"not taken from the host: {r.device}: {r.why}")
+                out.append(f"{n}. run: {shown}{state}  ({step.check}: {step.why}{when}"
+                           f"{again})")
+        out.extend(r.shown for r in self.refusals)
         out.extend(f"note: {n}" for n in self.notes)
         for b in self.backups:
             out.append(f"backup: {host_path(b)}")
@@ -215,9 +277,12 @@ def _parse_selector(word: str) -> tuple[Optional[PciAddress], Optional[tuple[int
                          "vendor:device") from None
 
 
-def _select(doctor: Doctor, words: list[str], from_config: list[str]) -> list[Gpu]:
-    """The GPUs named; a name on the command line that matches none is bad input."""
+def _select(doctor: Doctor, words: list[str], from_config: list[str]
+            ) -> tuple[list[Gpu], set[PciAddress]]:
+    """The GPUs named, and those of them named by address; a name on the command line
+    that matches none is bad input."""
     chosen: list[Gpu] = []
+    by_address: set[PciAddress] = set()
     for word, strict in [(w, True) for w in words] + [(w, False) for w in from_config]:
         address, ids = _parse_selector(word)
         found = [g for g in doctor.inventory.gpus
@@ -228,35 +293,22 @@ def _select(doctor: Doctor, words: list[str], from_config: list[str]) -> list[Gp
                                  "(see gpulib discover)")
             log.warning("[setup] passthrough %s: no such GPU on this host", word)
             continue
+        if address is not None:
+            by_address.add(address)
         chosen.extend(g for g in found if g not in chosen)
-    return chosen
-
-
-def _all_functions(doctor: Doctor) -> list[PciFunction]:
-    out = []
-    for name in sorted(doctor.sysfs.listdir(PCI_DEVICES.rstrip("/"))):
-        try:
-            fn = PciFunction.read_ids(doctor.sysfs, PciAddress.parse(name))
-        except Exception:
-            continue
-        fn.driver = doctor.sysfs.link_name(f"{PCI_DEVICES}{name}/driver")
-        out.append(fn)
-    return out
-
-
-def _ids(fn: PciFunction) -> str:
-    return f"{fn.vendor_id:04x}:{fn.device_id:04x}"
+    return chosen, by_address
 
 
 class Planner:
     def __init__(self, ctx: Context, config: Optional[Config] = None,
                  passthrough: tuple[str, ...] = (), include_boot_vga: bool = False,
-                 only: Optional[list[str]] = None) -> None:
+                 only: Optional[list[str]] = None, include_vgpu: bool = False) -> None:
         self.ctx = ctx
         self.doctor = Doctor(ctx, config, lock_timeout=0.1)
         self.config = self.doctor.config
         self.passthrough = list(passthrough)
         self.include_boot_vga = include_boot_vga
+        self.include_vgpu = include_vgpu
         self.only = only
         distro = self.doctor.distro
         self.plan = Plan(ctx.root.rstrip("/") or "/", distro.name or distro.id)
@@ -282,21 +334,12 @@ class Planner:
             for action in result.actions:
                 self._take(result.check, result.message, action)
         if self.wanted("driver-binding"):
-            configured = self.config.get("setup", "passthrough")
-            from_config = [w for w in re.split(r"[\s,]+", configured.strip()) if w]
-            chosen = _select(self.doctor, self.passthrough, from_config)
-            for gpu in self.doctor.inventory.gpus:
-                if gpu not in chosen and not self.doctor.is_vgpu_gpu(gpu) and \
-                        gpu.fn.driver in HOST_DISPLAY_DRIVERS:
-                    self.plan.notes.append(
-                        f"{gpu.address} stays with the host (on {gpu.fn.driver}): setup takes "
-                        "a GPU from the host only when named with --passthrough or in "
-                        "[setup] passthrough")
-            self._passthrough(chosen)
+            self._binding()
         elif self.passthrough:
             raise InputError("--passthrough needs the driver-binding check (it was left out "
                              "with --check)")
         self._kernel_args()
+        self._resume()
         plan = self.plan
         # Safe order: files first, then what makes the boot see them (boot entries, then
         # the initramfs), then the rest; nothing runs before every file is in place.
@@ -329,62 +372,121 @@ class Planner:
         try:
             old_text = _current_text(self.doctor.sysfs, action.path)
         except SetupError as exc:
-            self.plan.refusals.append(Refusal(host_path(action.path), exc.message))
+            self.plan.refusals.append(Refusal(host_path(action.path), exc.message, "file"))
             return
         if old_text == action.content:
+            return
+        step = self.files.get(action.path)
+        if step is not None:
+            if check not in step.checks:
+                step.also.append(check)
             return
         self.files[action.path] = Step(check, _short(why), path=action.path, old=old_text,
                                        new=action.content, mode=action.mode)
 
-    def _command(self, check: str, why: str, argv: tuple[str, ...]) -> None:
+    def _command(self, check: str, why: str, argv: tuple[str, ...],
+                 resumed: bool = False) -> None:
         why = _PURPOSE.get(os.path.basename(argv[0]) if argv else "", why)
         for step in self.commands:
             if step.argv == argv:
                 if check not in step.checks:
                     step.also.append(check)
+                step.resumed = step.resumed or resumed
                 return
-        self.commands.append(Step(check, _short(why), argv=argv))
+        # only the vendor's VF tool acts at once; the rest is for the next boot
+        effect = NOW if argv and os.path.basename(argv[0]) == "sriov-manage" else NEXT_BOOT
+        self.commands.append(Step(check, _short(why), argv=argv, effect=effect,
+                                  resumed=resumed))
+
+    def _resume(self) -> None:
+        """The commands an earlier apply did not complete (failed, or never reached):
+        their files are in place, so nothing else would plan them again."""
+        for item in outstanding(self.doctor):
+            checks = [c for c in item["checks"] if self.wanted(c)]
+            for check in checks:
+                self._command(check, item["why"], tuple(item["argv"]), resumed=True)
+                if check not in self.reboot_for and _command_rank(tuple(item["argv"])) < 3:
+                    self.reboot_for.append(check)
+            if checks and _command_rank(tuple(item["argv"])) < 3:
+                self.plan.add_todo("reboot the host")
+
+    # -- passthrough ----------------------------------------------------------------------
+    def _binding(self) -> None:
+        configured = self.config.get("setup", "passthrough")
+        from_config = [w for w in re.split(r"[\s,]+", configured.strip()) if w]
+        chosen, by_address = _select(self.doctor, self.passthrough, from_config)
+        for gpu in self.doctor.inventory.gpus:
+            if gpu in chosen or gpu.fn.driver not in HOST_DISPLAY_DRIVERS:
+                continue
+            if pt.kept_for_passthrough(self.doctor, gpu):
+                self.plan.notes.append(f"{gpu.address} is kept for passthrough from the next "
+                                       "boot on (vfio-pci is configured for it)")
+            elif not pt.vgpu_use(self.doctor, gpu):
+                self.plan.notes.append(
+                    f"{gpu.address} stays with the host (on {gpu.fn.driver}): setup takes "
+                    "a GPU from the host only when named with --passthrough or in "
+                    "[setup] passthrough")
+        if not chosen:
+            return
+        found = pt.plan(self.doctor, chosen, by_address, self.include_boot_vga,
+                        self.include_vgpu)
+        for address, why in found.refusals:
+            self.plan.refusals.append(Refusal(address, why))
+        why = "keep " + ", ".join(str(a) for a in found.taken) + " from the host for passthrough"
+        for action in found.actions:
+            if isinstance(action, RunCommand) and os.path.basename(action.argv[0]) == \
+                    "driverctl":
+                address = action.argv[-2]
+                self._command("driver-binding", f"keep {address} for passthrough (per device: "
+                              "its id is shared with a device the host keeps)", action.argv)
+            else:
+                self._take("driver-binding", why, action)
 
     # -- the kernel command line ----------------------------------------------------------
     def _kernel_args(self) -> None:
         if not self.add and not self.remove:
             return
-        distro = self.doctor.distro
+        doctor = self.doctor
+        distro = doctor.distro
+        drop_ins = distro.family == "debian"
         try:
-            old = _current_text(self.doctor.sysfs, bootconfig.DEFAULT_GRUB)
-        except SetupError as exc:
-            self.plan.refusals.append(Refusal(host_path(bootconfig.DEFAULT_GRUB), exc.message))
-            return
-        text = old if old is not None else ""
-        try:
-            configured = bootconfig.configured_args(text)
+            sources = bootconfig.read_sources(
+                lambda rel: _current_text(doctor.sysfs, rel), doctor.sysfs.listdir, drop_ins)
+            config = bootconfig.BootConfig(sources)
+            configured = config.args()
             add = [a for a in self.add if a not in configured]
             remove = [r for r in self.remove if r in configured]
-            new = bootconfig.edit_cmdline(text, distro.grub_key, add, remove)
-            for key in bootconfig.CMDLINE_KEYS:
-                if key != distro.grub_key:  # an argument to remove may sit in either
-                    new = bootconfig.edit_cmdline(new, key, (), remove)
-        except bootconfig.BootConfigError as exc:
-            self.plan.refusals.append(Refusal(host_path(bootconfig.DEFAULT_GRUB), exc.message))
+            changes = config.edit(distro.grub_key, add, remove)
+        except SetupError as exc:
+            self.plan.refusals.append(Refusal(host_path(bootconfig.DEFAULT_GRUB), exc.message,
+                                              "file"))
             return
-        for name in sorted(self.doctor.sysfs.listdir("etc/default/grub.d")):
-            other = self.doctor.sysfs.read(f"etc/default/grub.d/{name}") or ""
-            if name.endswith(".cfg") and re.search(rf"^\s*{distro.grub_key}=", other, re.M):
-                self.plan.notes.append(
-                    f"/etc/default/grub.d/{name} sets {distro.grub_key} too and is read after "
-                    "/etc/default/grub: check that it keeps the arguments")
+        except bootconfig.BootConfigError as exc:
+            self.plan.refusals.append(Refusal(exc.path, exc.message, "file"))
+            return
         checks = list(dict.fromkeys(self.args_for)) or ["iommu"]
-        running = [r for r in self.remove if r in self.doctor.cmdline and r not in configured]
-        if new != text:
+        running = [r for r in self.remove if r in doctor.cmdline and r not in configured]
+        if changes:
             why = "kernel command line: " + " ".join(
                 [f"+{a}" for a in add] + [f"-{r}" for r in remove])
-            self.files[bootconfig.DEFAULT_GRUB] = Step(
-                checks[0], why, path=bootconfig.DEFAULT_GRUB,
-                old=old, new=new, also=checks[1:])
+            existing = {s.rel for s in sources if doctor.sysfs.exists(s.rel)}
+            for rel, new in changes.items():
+                self.files[rel] = Step(checks[0], why, path=rel,
+                                       old=config_text(sources, rel) if rel in existing
+                                       else None, new=new, also=checks[1:])
+            self.plan.expect = Expectation(distro.grub_key, list(self.add),
+                                           [r for r in self.remove if r not in self.add],
+                                           drop_ins)
+            target = config.where(distro.grub_key)
+            if target != bootconfig.DEFAULT_GRUB and add:
+                self.plan.notes.append(
+                    f"{host_path(target)} sets {distro.grub_key} after "
+                    f"{host_path(bootconfig.DEFAULT_GRUB)}: the arguments go there, where "
+                    "grub-mkconfig takes them from")
         elif running and distro.family != "rhel":
             self.plan.notes.append(f"{' '.join(running)} is on the running kernel command line "
-                                   f"but not in {host_path(bootconfig.DEFAULT_GRUB)}: look in "
-                                   "/etc/default/grub.d/ and the boot loader's own files")
+                                   "but in none of the files grub-mkconfig reads: look in the "
+                                   "boot loader's own files")
             return
         elif not running:
             return
@@ -397,112 +499,18 @@ class Planner:
                                "/etc/default/grub (unknown distribution)")
         self.plan.add_todo("reboot the host")
 
-    # -- passthrough ----------------------------------------------------------------------
-    def _refuse(self, gpu: Gpu, why: str) -> None:
-        self.plan.refusals.append(Refusal(str(gpu.address), why))
 
-    def _passthrough(self, gpus: list[Gpu]) -> None:
-        if not gpus:
-            return
-        doctor = self.doctor
-        functions = _all_functions(doctor)
-        named = {g.address for g in gpus}
-        take: list[PciFunction] = []
-        per_device: list[PciFunction] = []
-        driverctl = next((p for p in DRIVERCTL if doctor.sysfs.exists(p)), None)
-        for gpu in gpus:
-            rel = f"{PCI_DEVICES}{gpu.address}"
-            if doctor.sysfs.read(f"{rel}/boot_vga") == "1" and not self.include_boot_vga:
-                self._refuse(gpu, "it is the boot VGA device (the host's console); name it "
-                                  "with --include-boot-vga as well to take it")
-                continue
-            if gpu.fn.iommu_group is None:
-                self._refuse(gpu, "it has no IOMMU group (enable the IOMMU first, then run "
-                                  "gpulib setup again after the reboot)")
-                continue
-            members = [PciFunction.read_ids(doctor.sysfs, m) for m in gpu.group_members
-                       if m != gpu.address]
-            for fn in members:
-                fn.driver = doctor.sysfs.link_name(f"{PCI_DEVICES}{fn.address}/driver")
-            members = [fn for fn in members if fn.class_code >> 8 != BRIDGE_BASE_CLASS]
-            needed = [f"{fn.address} ({HOST_NEEDED[fn.class_code >> 8]})" for fn in members
-                      if fn.class_code >> 8 in HOST_NEEDED]
-            if needed:
-                self._refuse(gpu, f"its IOMMU group {gpu.fn.iommu_group} also holds "
-                                  f"{', '.join(needed)}, which the host needs: the whole group "
-                                  "would go to the VM")
-                continue
-            gpu_fn = PciFunction.read_ids(doctor.sysfs, gpu.address)
-            gpu_fn.driver = gpu.fn.driver
-            group = [gpu_fn, *members]
-            ids = {_ids(fn) for fn in group}
-            mine = {fn.address for fn in group} | named
-            others = [fn for fn in functions if _ids(fn) in ids and fn.address not in mine
-                      and not is_free_for_vfio(fn.driver)]
-            if others:
-                shown = ", ".join(f"{fn.address} ({_ids(fn)})" for fn in others)
-                if driverctl is None:
-                    self._refuse(gpu, f"vfio-pci.ids= binds by vendor:device and would also "
-                                      f"take {shown} from the host; install driverctl to bind "
-                                      "per device")
-                    continue
-                per_device.extend(group)
-            else:
-                take.extend(group)
-        for fn in per_device:
-            if not is_vfio_driver(fn.driver):
-                self._command("driver-binding", f"keep {fn.address} for passthrough (per "
-                              "device: its id is shared with a device the host keeps)",
-                              ("driverctl", "set-override", str(fn.address), "vfio-pci"))
-        if take:
-            self._vfio_ids(take)
-
-    def _vfio_ids(self, take: list[PciFunction]) -> None:
-        ids: list[str] = []
-        drivers: list[str] = []
-        for fn in take:
-            if _ids(fn) not in ids:
-                ids.append(_ids(fn))
-            if fn.driver and not is_free_for_vfio(fn.driver) and fn.driver not in drivers:
-                drivers.append(fn.driver)
-        # What earlier runs configured stays: the union, in a stable order.
-        existing_arg = [a for a in self.doctor.configured_args if a.startswith("vfio-pci.ids=")]
-        old_ids = [i for a in existing_arg for i in a.split("=", 1)[1].split(",") if i]
-        conf = self.doctor.sysfs.read(VFIO_CONF) or ""
-        for m in re.finditer(r"^options\s+vfio[-_]pci\s+ids=(\S+)", conf, re.M):
-            old_ids += [i for i in m.group(1).split(",") if i]
-        old_drivers = re.findall(r"^softdep\s+(\S+)\s+pre:\s+vfio-pci", conf, re.M)
-        all_ids = list(dict.fromkeys(old_ids + ids))
-        all_drivers = list(dict.fromkeys(old_drivers + drivers))
-        arg = "vfio-pci.ids=" + ",".join(all_ids)
-        why = f"keep {', '.join(str(fn.address) for fn in take)} from the host for passthrough"
-        changed = False
-        if arg not in existing_arg:
-            self.remove += [a for a in existing_arg if a not in self.remove]
-            self.add.append(arg)
-            self.args_for.append("driver-binding")
-            self.reboot_for.append("driver-binding")
-            changed = True
-        content = ("# gpulib setup: these devices go to virtual machines, not to the host\n"
-                   f"options vfio-pci ids={','.join(all_ids)}\n" +
-                   "".join(f"softdep {d} pre: vfio-pci\n" for d in all_drivers))
-        before = len(self.files)
-        self._write("driver-binding", why, WriteFile(VFIO_CONF, content))
-        if len(self.files) != before or changed:
-            argv = self.doctor.distro.initramfs_argv()
-            if argv:
-                self._command("driver-binding", "the initramfs must load vfio-pci first", argv)
-            self.plan.add_todo("reboot the host")
-            if "driver-binding" not in self.reboot_for:
-                self.reboot_for.append("driver-binding")
+def config_text(sources: list[bootconfig.Source], rel: str) -> str:
+    return next((s.text for s in sources if s.rel == rel), "")
 
 
 _PURPOSE = {
-    "update-grub": "make the boot entries use /etc/default/grub's command line",
-    "grub2-mkconfig": "make the boot entries use /etc/default/grub's command line",
+    "update-grub": "make the boot entries use the new kernel command line",
+    "grub2-mkconfig": "make the boot entries use the new kernel command line",
     "grubby": "give every installed kernel's boot entry the new arguments",
-    "update-initramfs": "the initramfs must hold the new modprobe.d files",
-    "dracut": "the initramfs must hold the new modprobe.d files",
+    "update-initramfs": "every installed kernel's initramfs must hold the new files",
+    "dracut": "every installed kernel's initramfs must hold the new files",
+    "driverctl": "keep the device for passthrough from the next boot on",
 }
 
 
@@ -519,27 +527,183 @@ def _command_rank(argv: tuple[str, ...]) -> int:
 
 def make_plan(ctx: Context, config: Optional[Config] = None,
               passthrough: tuple[str, ...] = (), include_boot_vga: bool = False,
-              only: Optional[list[str]] = None) -> tuple[Plan, list[str]]:
+              only: Optional[list[str]] = None,
+              include_vgpu: bool = False) -> tuple[Plan, list[str]]:
     """The plan, and the check ids whose changes take effect at the next boot."""
-    planner = Planner(ctx, config, passthrough, include_boot_vga, only)
+    planner = Planner(ctx, config, passthrough, include_boot_vga, only, include_vgpu)
     plan = planner.make()
     return plan, planner.reboot_for
+
+
+# -- the journal ----------------------------------------------------------------------
+
+
+def outstanding(doctor: Doctor) -> list[dict[str, Any]]:
+    """The commands an earlier apply planned and did not complete (any boot)."""
+    items = doctor.journal.get("outstanding")
+    out = []
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("argv"), list) and item["argv"] \
+                and all(isinstance(a, str) for a in item["argv"]) \
+                and isinstance(item.get("checks"), list):
+            out.append({"argv": item["argv"], "why": str(item.get("why", "")),
+                        "checks": [str(c) for c in item["checks"]]})
+    return out
+
+
+class Journal:
+    """setup.json: this boot's applies, what waits for the reboot, what is outstanding.
+
+    Written before the first change (every step "planned") and after each step,
+    so a run killed half-way leaves its unfinished steps for the next run.
+    """
+
+    def __init__(self, ctx: Context, plan: Plan, reboot_for: list[str], now: float) -> None:
+        self.ctx = ctx
+        self.plan = plan
+        self.reboot_for = reboot_for
+        self.now = now
+        doctor = Doctor(ctx)
+        old = doctor.journal
+        self.boot_id = doctor.boot_id()
+        self.btime = doctor.btime()
+        same_boot = bool(old) and (old.get("boot_id") == self.boot_id if self.boot_id else
+                                   old.get("btime") == self.btime)
+        pending = old.get("pending_reboot") if same_boot else None
+        self.pending: list[str] = [str(c) for c in pending] if isinstance(pending, list) else []
+        applied = old.get("applied_at")
+        self.applied_at = applied if same_boot and self.pending and \
+            isinstance(applied, (int, float)) else now
+        runs = old.get("runs") if same_boot else None
+        self.runs: list[Any] = list(runs)[-9:] if isinstance(runs, list) else []
+        backups = old.get("backups") if same_boot else None
+        self.backups: list[str] = [str(b) for b in backups] if isinstance(backups, list) else []
+        self.outstanding = [o for o in outstanding(doctor)
+                            if not any(s.argv == tuple(o["argv"]) for s in plan.steps)]
+
+    def write(self, final: bool = False) -> None:
+        steps = self.plan.steps
+        run = {"at": self.now, "steps": [dict(s.to_json(), outcome=s.done or
+                                              ("not reached" if final else "planned"))
+                                         for s in steps]}
+        pending = list(self.pending)
+        if final:
+            for check in dict.fromkeys(self.reboot_for):
+                mine = [s for s in steps if check in s.checks]
+                if mine and all(s.completed for s in mine) and check not in pending:
+                    pending.append(check)
+        left = list(self.outstanding)
+        for s in steps:
+            if s.argv is not None and not s.completed:
+                left.append({"argv": list(s.argv), "checks": s.checks, "why": s.why})
+        doc = {"version": JOURNAL_VERSION, "applied_at": self.applied_at,
+               "boot_id": self.boot_id, "btime": self.btime, "pending_reboot": pending,
+               "outstanding": left, "steps": run["steps"],
+               "backups": self.backups + [host_path(b) for b in self.plan.backups
+                                          if host_path(b) not in self.backups],
+               "runs": [*self.runs, run]}
+        path = self.ctx.path(SETUP_JOURNAL)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
+        if final:
+            self.plan.pending = list(dict.fromkeys(self.plan.pending + pending))
 
 
 # -- applying -------------------------------------------------------------------------
 
 
 def _backup(ctx: Context, rel: str, stamp: str) -> str:
+    """A copy of the file beside it, with its owner, group and mode."""
     base = f"{rel}.gpulib-{stamp}.bak"
     candidate, n = base, 1
     while os.path.lexists(ctx.path(candidate)):
         candidate = f"{base}.{n}"
         n += 1
-    shutil.copy2(ctx.path(rel), ctx.path(candidate))
+    st = os.stat(ctx.path(rel))
+    with open(ctx.path(rel), "rb") as fh:
+        data = fh.read()
+    write_atomic(ctx.path(candidate), data, st.st_mode & 0o7777, owner=(st.st_uid, st.st_gid))
     return candidate
 
 
-SETUP_LOCK = "var/lib/gpulib/setup.lock"
+def _existing_dir(path: str) -> str:
+    directory = os.path.dirname(path)
+    while directory and not os.path.isdir(directory):
+        directory = os.path.dirname(directory)
+    return directory or "/"
+
+
+def _inode_flags(path: str) -> int:
+    import fcntl
+    import struct
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        got = fcntl.ioctl(fd, _FS_IOC_GETFLAGS, struct.pack("l", 0))
+        return int(struct.unpack("l", got)[0])
+    except OSError:
+        return 0  # a file system without inode flags
+    finally:
+        os.close(fd)
+
+
+def _file_problem(ctx: Context, step: Step) -> str:
+    rel = step.path or ""
+    path = ctx.path(rel)
+    shown = host_path(rel)
+    if os.path.islink(path):
+        return f"{shown} is a symbolic link (to {os.readlink(path)}): edit its target by hand"
+    try:
+        now_text = _current_text(ctx.sysfs, rel)
+    except SetupError as exc:
+        return exc.message
+    if now_text != step.old:
+        return f"{shown} changed since the plan was made: run gpulib setup again"
+    directory = _existing_dir(path)
+    for target in ([path] if step.old is not None else []) + [directory]:
+        flags = _inode_flags(target)
+        if flags & (_FS_IMMUTABLE_FL | _FS_APPEND_FL):
+            what = "immutable" if flags & _FS_IMMUTABLE_FL else "append-only"
+            return (f"{host_path(os.path.relpath(target, ctx.path('')))} is {what} (chattr): "
+                    "remove the flag with chattr -i, or edit it by hand")
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return f"{shown} is on a read-only file system"
+    except OSError:
+        pass
+    if not os.access(directory, os.W_OK):
+        return f"{shown}: its directory is not writable"
+    return ""
+
+
+def _command_problem(step: Step) -> str:
+    argv = step.argv or ()
+    if not argv:
+        return "an empty command"
+    if shutil.which(argv[0]) is None:
+        return f"{argv[0]} is not installed (not found on PATH)"
+    return ""
+
+
+def validate(ctx: Context, plan: Plan) -> None:
+    """Every step checked before the first change: SetupError naming what would fail."""
+    problems: list[str] = []
+    for step in plan.steps:
+        if step.path is not None:
+            why = _file_problem(ctx, step)
+        elif plan.runs_commands:
+            why = _command_problem(step)
+        else:
+            why = ""
+        if why:
+            step.done = "refused: " + why
+            problems.append(why)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SetupError(f"nothing was changed: {problems[0]}{more}")
 
 
 def apply(ctx: Context, plan: Plan, reboot_for: list[str],
@@ -559,7 +723,11 @@ def apply(ctx: Context, plan: Plan, reboot_for: list[str],
         except BlockingIOError:
             raise LockTimeout(f"another gpulib setup is applying ({host_path(SETUP_LOCK)} is "
                               "locked)") from None
-        _apply(ctx, plan, reboot_for, now)
+        try:
+            _apply(ctx, plan, reboot_for, now)
+        except SetupError as exc:
+            plan.failed(exc)
+            raise
     finally:
         os.close(fd)
 
@@ -567,66 +735,99 @@ def apply(ctx: Context, plan: Plan, reboot_for: list[str],
 def _apply(ctx: Context, plan: Plan, reboot_for: list[str], now: Optional[float]) -> None:
     now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-    applied: list[Step] = []
+    validate(ctx, plan)
+    journal = Journal(ctx, plan, reboot_for, now)
+    journal.write()
     try:
+        edits = [s for s in plan.steps if s.path is not None]
+        for step in edits:
+            _edit(ctx, plan, step, stamp)
+            journal.write()
+        if plan.expect is not None:
+            _verify(ctx, plan)
         for step in plan.steps:
-            if step.path is not None:
-                path = ctx.path(step.path)
-                if os.path.islink(path):
-                    raise SetupError(f"{host_path(step.path)} is a symbolic link: edit its "
-                                     "target by hand")
-                try:
-                    now_text = _current_text(ctx.sysfs, step.path)
-                except SetupError:
-                    step.done = "cannot read"
-                    raise
-                if now_text != step.old:
-                    # someone edited it while the plan waited for the operator's yes
-                    step.done = "changed since the plan"
-                    raise SetupError(f"{host_path(step.path)} changed since the plan was made: "
-                                     "run gpulib setup again")
-                mode = step.mode
-                if step.old is not None:
-                    mode = os.stat(path).st_mode & 0o7777
-                    plan.backups.append(_backup(ctx, step.path, stamp))
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                write_atomic(path, (step.new or "").encode("utf-8"), mode)
-                step.done = "edited" if step.old is not None else "created"
-            elif not plan.runs_commands:
-                step.done = "listed, not run"
-            else:
-                argv = list(step.argv or ())
-                try:
-                    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                                          text=True, check=False)
-                except OSError as exc:
-                    step.done = f"failed: {exc.strerror}"
-                    raise SetupError(f"{argv[0]}: {exc.strerror}") from None
-                if proc.returncode != 0:
-                    last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-                    step.done = f"failed (exit {proc.returncode})"
-                    raise SetupError(f"{RunCommand(tuple(argv)).shown} failed with exit "
-                                     f"{proc.returncode}: {last[0]}")
-                step.done = "ran"
-            applied.append(step)
+            if step.path is None:
+                _run(plan, step)
+                journal.write()
     finally:
-        if applied:
-            _record(ctx, plan, reboot_for, applied, now)
+        journal.write(final=True)
 
 
-def _record(ctx: Context, plan: Plan, reboot_for: list[str], applied: list[Step],
-            now: float) -> None:
-    """What waits for the next boot, for the doctor (see Doctor.setup_pending)."""
-    doctor = Doctor(ctx)
-    # A check waits only for the reboot when every step it needed was applied.
-    pending = [c for c in dict.fromkeys(reboot_for)
-               if all(s in applied for s in plan.steps if c in s.checks)
-               and any(c in s.checks for s in applied)]
-    doc = {"version": 1, "applied_at": now, "boot_id": doctor.boot_id(),
-           "btime": doctor.btime(), "pending_reboot": pending,
-           "steps": [s.to_json() for s in applied],
-           "backups": [host_path(b) for b in plan.backups]}
-    path = ctx.path(SETUP_JOURNAL)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
-    plan.pending = list(dict.fromkeys(plan.pending + pending))
+def _edit(ctx: Context, plan: Plan, step: Step, stamp: str) -> None:
+    rel = step.path or ""
+    path = ctx.path(rel)
+    try:
+        if step.old is not None:
+            st = os.stat(path)
+            mode, owner = st.st_mode & 0o7777, (st.st_uid, st.st_gid)
+            plan.backups.append(_backup(ctx, rel, stamp))
+        else:
+            mode, owner = step.mode, None
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(path, (step.new or "").encode("utf-8"), mode, owner=owner)
+    except OSError as exc:
+        step.done = f"failed: {exc.strerror or exc}"
+        raise SetupError(f"cannot write {host_path(rel)}: "
+                         f"{exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))}"
+                         ) from None
+    step.done = "edited" if step.old is not None else "created"
+
+
+def _verify(ctx: Context, plan: Plan) -> None:
+    """The command line grub-mkconfig will see, read back from the edited files."""
+    want = plan.expect
+    assert want is not None
+    sources = bootconfig.read_sources(bootconfig.text_reader(ctx.sysfs.read_bytes),
+                                      ctx.sysfs.listdir, want.drop_ins)
+    try:
+        args = bootconfig.BootConfig(sources).args()
+    except bootconfig.BootConfigError as exc:
+        raise SetupError(f"after the edit: {exc.message}") from None
+    if plan.runs_commands and want.drop_ins:
+        args = _shell_args() or args
+    missing = [a for a in want.add if a not in args]
+    left = [a for a in want.remove if a in args]
+    if missing or left:
+        what = ", ".join([f"lacks {' '.join(missing)}"] * bool(missing) +
+                         [f"still has {' '.join(left)}"] * bool(left))
+        raise SetupError(f"after the edit the kernel command line grub-mkconfig reads {what}: "
+                         "the boot entries were not regenerated; see the files named above")
+
+
+_SOURCE_LIKE_GRUB_MKCONFIG = (
+    'if test -f /etc/default/grub; then . /etc/default/grub; fi; '
+    'for x in /etc/default/grub.d/*.cfg; do if [ -e "$x" ]; then . "$x"; fi; done; '
+    'printf "%s\\n%s\\n" "$GRUB_CMDLINE_LINUX" "$GRUB_CMDLINE_LINUX_DEFAULT"')
+
+
+def _shell_args() -> list[str]:
+    """On the real host: the files sourced by the shell, as grub-mkconfig does."""
+    try:
+        proc = subprocess.run(["sh", "-c", _SOURCE_LIKE_GRUB_MKCONFIG], capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if proc.returncode != 0:
+        return []
+    return list(dict.fromkeys(proc.stdout.split()))
+
+
+def _run(plan: Plan, step: Step) -> None:
+    if not plan.runs_commands:
+        step.done = "listed, not run"
+        return
+    argv = list(step.argv or ())
+    shown = RunCommand(tuple(argv)).shown
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace",
+                              check=False)
+    except OSError as exc:
+        step.done = f"failed: {exc.strerror}"
+        raise SetupError(f"{shown}: {exc.strerror}") from None
+    if proc.returncode != 0:
+        step.done = f"failed (exit {proc.returncode})"
+        lines = (proc.stdout or "").rstrip().splitlines()
+        raise SetupError(f"{shown} failed with exit {proc.returncode}",
+                         "\n".join(lines[-OUTPUT_LINES:]))
+    step.done = "ran"

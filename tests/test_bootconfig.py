@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,3 +103,54 @@ def test_what_cannot_be_edited_safely_is_refused(line: str) -> None:
 def test_unsafe_arguments_are_not_written(arg: str) -> None:
     with pytest.raises(bc.BootConfigError):
         bc.edit_cmdline(f'{KEY}="quiet"\n', KEY, [arg])
+
+
+# -- the effective value over /etc/default/grub and its drop-ins -------------------------
+
+KEYS = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")
+
+
+@st.composite
+def cmdline_line(draw: st.DrawFn) -> str:
+    key = draw(st.sampled_from(KEYS))
+    words = draw(st.lists(token, max_size=3))
+    kind = draw(st.sampled_from(["set", "extend", "braced", "single", "other", "export"]))
+    value = " ".join(words)
+    if kind == "extend":
+        return f'{key}="${draw(st.sampled_from(KEYS))} {value}"'
+    if kind == "braced":
+        return f'{key}="{value} ${{{draw(st.sampled_from(KEYS))}}}"'
+    if kind == "single":
+        return f"{key}='{value}'"
+    if kind == "export":
+        return f'export {key}="{value}"'
+    if kind == "other":
+        return draw(other_line)
+    return f'{key}="{value}"  # set here'
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(cmdline_line(), max_size=4), min_size=1, max_size=4))
+def test_the_effective_value_is_what_the_shell_sources(tmp_path_factory: Any,
+                                                     files: list[list[str]]) -> None:
+    """BootConfig agrees with sh sourcing the files in grub-mkconfig's order."""
+    base = tmp_path_factory.mktemp("grub")
+    sources = [bc.Source(bc.DEFAULT_GRUB if i == 0 else f"{bc.GRUB_D}/{i:02d}-x.cfg",
+                         "\n".join(lines) + "\n") for i, lines in enumerate(files)]
+    for s in sources:
+        path = base / s.rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(s.text)
+    script = (f'. "{base}/{bc.DEFAULT_GRUB}"; for x in "{base}/{bc.GRUB_D}"/*.cfg; do '
+              'if [ -e "$x" ]; then . "$x"; fi; done; '
+              'printf "%s\\n%s\\n" "$GRUB_CMDLINE_LINUX" "$GRUB_CMDLINE_LINUX_DEFAULT"')
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True,
+                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}).stdout
+    linux, default = out.split("\n")[:2]
+    config = bc.BootConfig(sources)
+    assert config.values["GRUB_CMDLINE_LINUX"].split() == linux.split()
+    assert config.values["GRUB_CMDLINE_LINUX_DEFAULT"].split() == default.split()
+    # an edit goes where it takes effect: the shell then sees the added argument
+    changes = config.edit(KEY, ["gpulib.test=1"])
+    edited = bc.BootConfig([bc.Source(s.rel, changes.get(s.rel, s.text)) for s in sources])
+    assert "gpulib.test=1" in edited.args(KEY)

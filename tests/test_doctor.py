@@ -135,8 +135,10 @@ def test_passthrough_gpu_on_host_driver(host: FakeHost) -> None:
     host.bind_driver(RTX, "nvidia")
     r = assert_fault(run(host), "driver-binding", "fail", RTX)
     fix = r.fix or ""
-    assert f"driverctl set-override {RTX} vfio-pci" in fix
-    # the GPU and its HDMI audio function, for the command line alternative
+    # what gpulib setup --passthrough applies: nothing rebound now, vfio-pci at the next boot
+    assert f"gpulib setup --apply --passthrough {RTX}" in fix and "unbind" not in fix
+    # the GPU and its HDMI audio function, in modprobe.d and on the command line
+    assert "options vfio-pci ids=10de:2484,10de:228b" in fix
     assert "vfio-pci.ids=10de:2484,10de:228b" in fix and "update-grub" in fix
     assert "no vfio-pci.ids=" in r.message
 
@@ -385,7 +387,7 @@ def test_fixes_are_the_rendered_actions(host: FakeHost) -> None:
     assert nouveau.actions == [
         WriteFile("etc/modprobe.d/blacklist-nouveau.conf",
                   "blacklist nouveau\noptions nouveau modeset=0\n"),
-        RunCommand(("update-initramfs", "-u")), Reboot()]
+        RunCommand(("update-initramfs", "-u", "-k", "all")), Reboot()]
     assert nouveau.fix == render(nouveau.actions, report.distro)
     iommu = only(report, "iommu")
     assert iommu.actions == [KernelArgs(add=("intel_iommu=on", "iommu=pt"))]

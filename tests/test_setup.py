@@ -39,16 +39,16 @@ EXPECTED = {
                  DEBIAN_GRUB.replace('GRUB_CMDLINE_LINUX_DEFAULT="quiet"',
                                      'GRUB_CMDLINE_LINUX_DEFAULT="quiet intel_iommu=on '
                                      'iommu=pt"'),
-                 ["update-grub"], ["update-initramfs", "-u"]),
+                 ["update-grub"], ["update-initramfs", "-u", "-k", "all"]),
     # An AMD host: the AMD IOMMU is on by default, iommu=pt is what it needs.
     "ubuntu2404": ("AuthenticAMD",
                    UBUNTU_GRUB.replace('GRUB_CMDLINE_LINUX_DEFAULT="quiet splash"',
                                        'GRUB_CMDLINE_LINUX_DEFAULT="quiet splash iommu=pt"'),
-                   ["update-grub"], ["update-initramfs", "-u"]),
+                   ["update-grub"], ["update-initramfs", "-u", "-k", "all"]),
     "el9": ("GenuineIntel",
             EL9_GRUB.replace('rd.lvm.lv=rl/swap"', 'rd.lvm.lv=rl/swap intel_iommu=on iommu=pt"'),
             ["grubby", "--update-kernel=ALL", "--args=intel_iommu=on iommu=pt"],
-            ["dracut", "-f"]),
+            ["dracut", "-f", "--regenerate-all"]),
 }
 
 
@@ -178,12 +178,12 @@ def test_reboot_without_the_change_is_not_pending(tmp_path: Any, monkeypatch: An
     assert "configured in /etc/default/grub" in iommu.message
     assert iommu.fix == "update-grub && reboot"
     (nouveau,) = report.results_for("nouveau")
-    assert nouveau.status == "fail" and nouveau.fix == "update-initramfs -u && reboot"
+    assert nouveau.status == "fail" and nouveau.fix == "update-initramfs -u -k all && reboot"
     # setup now plans exactly those commands, no file edit
     code, plan = setup_json(host, monkeypatch, capsys)
     assert code == 0
     assert [s.get("argv") for s in plan["steps"]] == [["update-grub"],
-                                                      ["update-initramfs", "-u"]]
+                                                      ["update-initramfs", "-u", "-k", "all"]]
 
 
 def test_already_right_host_has_an_empty_plan(tmp_path: Any, monkeypatch: Any,
@@ -215,7 +215,7 @@ def test_check_limits_the_plan(tmp_path: Any, monkeypatch: Any, capsys: Any) -> 
     code, plan = setup_json(host, monkeypatch, capsys, "--check", "nouveau")
     assert code == 0
     assert [s.get("path") or s["argv"] for s in plan["steps"]] == [
-        "/" + BLACKLIST, ["dracut", "-f"]]
+        "/" + BLACKLIST, ["dracut", "-f", "--regenerate-all"]]
 
 
 # -- never take a GPU from the host unasked ----------------------------------------------------
@@ -306,8 +306,11 @@ def test_shared_id_needs_per_device_binding(tmp_path: Any, monkeypatch: Any,
     code, plan = setup_json(host, monkeypatch, capsys, "--passthrough", GPU)
     assert code == 0 and plan["refused"] == []
     commands = [s["argv"] for s in plan["steps"] if s["kind"] == "command"]
-    assert ["driverctl", "set-override", GPU, "vfio-pci"] in commands
-    assert ["driverctl", "set-override", GPU_AUDIO, "vfio-pci"] in commands
+    # --noprobe: recorded for the next boot, nothing unbound or rebound now
+    assert ["driverctl", "--noprobe", "set-override", GPU, "vfio-pci"] in commands
+    assert ["driverctl", "--noprobe", "set-override", GPU_AUDIO, "vfio-pci"] in commands
+    assert not any(argv[0] == "driverctl" and "--noprobe" not in argv for argv in commands)
+    assert all(s["takes_effect"] == "at the next boot" for s in plan["steps"])
     assert not any(twin in argv for argv in commands)
     assert not any("vfio-pci.ids" in json.dumps(s) for s in plan["steps"])
 
@@ -444,7 +447,7 @@ def test_a_failing_command_stops_the_apply(tmp_path: Any) -> None:
     assert journal["pending_reboot"] == ["iommu"]  # nouveau's initramfs never got built
     report = doctor(host, ["iommu", "nouveau"])
     assert [r.pending for r in report.results] == ["reboot", None]
-    assert report.results_for("nouveau")[0].fix == "update-initramfs -u && reboot"
+    assert report.results_for("nouveau")[0].fix == "update-initramfs -u -k all && reboot"
 
 
 def test_a_file_changed_after_planning_is_not_overwritten(tmp_path: Any) -> None:
@@ -484,7 +487,9 @@ def test_a_fifo_in_place_of_a_planned_file_is_never_waited_on(tmp_path: Any) -> 
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-    assert [s.done for s in plan.steps] == ["cannot read", ""]  # update-grub never reached
+    # checked before the first change: nothing edited, update-grub never reached
+    assert [s.done for s in plan.steps] == [
+        "refused: cannot read /etc/default/grub: a FIFO, not a file", ""]
     assert stat.S_ISFIFO(os.lstat(host.p("etc/default/grub")).st_mode)
     assert not glob.glob(host.p("etc/default/grub.gpulib-*"))
     assert not os.path.exists(host.p(dr.SETUP_JOURNAL))
@@ -502,7 +507,7 @@ def test_a_file_that_cannot_be_read_is_refused_not_planned(tmp_path: Any) -> Non
                           env=hook_env(host.root, simulate=False))
     assert proc.returncode == 1, proc.stderr
     done = json.loads(proc.stdout)
-    assert done["refused"] == [{"device": "/" + BLACKLIST,
+    assert done["refused"] == [{"kind": "file", "device": "/" + BLACKLIST,
                                 "why": f"cannot read /{BLACKLIST}: a FIFO, not a file"}]
     assert [s["path"] for s in done["steps"] if s["kind"] == "edit"] == ["/etc/default/grub"]
     assert stat.S_ISFIFO(os.lstat(host.p(BLACKLIST)).st_mode)

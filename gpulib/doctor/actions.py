@@ -9,7 +9,7 @@ the host sees them.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
@@ -22,6 +22,9 @@ class KernelArgs:
 
     add: tuple[str, ...] = ()
     remove: tuple[str, ...] = ()
+    # the file the effective value comes from (shown), "" = /etc/default/grub: where
+    # the text says to edit, not what the action is
+    where: str = field(default="", compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "kernel-args", "add": list(self.add), "remove": list(self.remove)}
@@ -99,7 +102,8 @@ def render(actions: list[Action], distro: Distro) -> str:
     for action in actions:
         if isinstance(action, KernelArgs):
             lines.append(distro.kernel_args_fix(add=" ".join(action.add),
-                                                remove=" ".join(action.remove)))
+                                                remove=" ".join(action.remove),
+                                                where=action.where or "/etc/default/grub"))
             chain, rebooting = False, True
             continue
         if isinstance(action, WriteFile):

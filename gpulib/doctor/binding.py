@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gpulib.doctor.actions import Reboot
+from gpulib.doctor import passthrough as pt
+from gpulib.doctor.actions import Action, Manual, Reboot
 from gpulib.doctor.core import FAIL, HOST_DISPLAY_DRIVERS, OK, WARN, Result, is_free_for_vfio
 
 if TYPE_CHECKING:
@@ -37,12 +38,11 @@ def check(d: Doctor) -> list[Result]:
                     "vfio-pci or pci-stub may claim it and its vGPUs disappear",
                     d.distro.kernel_args_fix(remove=' '.join(tokens)) +
                     "\n(keep the passthrough GPUs away from the host per device instead: "
-                    "driverctl set-override <address> vfio-pci)"))
+                    "driverctl --noprobe set-override <address> vfio-pci)"))
             continue
         passthrough += 1
         if is_free_for_vfio(drv):
             continue
-        group_ids = ",".join(d.group_ids(gpu))
         applied = d.vfio_pending({ids})
         if applied:
             problems.append(d.result(
@@ -51,23 +51,35 @@ def check(d: Doctor) -> list[Result]:
                 f"configured vfio-pci for it at {applied}: a reboot is pending",
                 [Reboot()], pending="reboot"))
             continue
+        if pt.overridden(d, gpu.address):
+            # driverctl --noprobe recorded it: vfio-pci gets it when it is probed again
+            applied = d.setup_pending(cid)
+            when = (f" by gpulib setup at {applied}: a reboot is pending" if applied else
+                    ": it moves when the device is probed again (at the next boot)")
+            problems.append(d.result(
+                cid, WARN, str(gpu.address),
+                f"{d.label(gpu)} is offered for passthrough and still on {drv}; driverctl "
+                f"overrides it to vfio-pci{when}", [Reboot()],
+                pending="reboot" if applied else None))
+            continue
         if drv in HOST_DISPLAY_DRIVERS:
+            # the fix is what `gpulib setup --passthrough ADDR` would apply, rendered
+            found = pt.plan(d, [gpu], {gpu.address})
             if ids in stub:
                 msg = (f"{d.label(gpu)} is offered for passthrough but bound to the host "
                        f"driver {drv}, although {on_cmdline}: {drv} claimed it first")
-                fix = (d.rebind_fix(gpu.address) +
-                       f"\nor load vfio-pci first at boot: echo 'softdep {drv} pre: "
-                       f"vfio-pci' > /etc/modprobe.d/gpulib-vfio.conf && "
-                       f"{d.distro.initramfs_update()} && reboot")
             else:
                 msg = (f"{d.label(gpu)} is offered for passthrough but bound to the host "
                        f"driver {drv}; {on_cmdline}")
-                fix = (d.rebind_fix(gpu.address) +
-                       "\nor keep it from the host from boot on: " +
-                       d.distro.kernel_args_fix(add=f"vfio-pci.ids={group_ids}"))
-            fix += ("\n(or, if the host needs this GPU, exclude it: [discovery] exclude = "
-                    f"{gpu.address} in /etc/gpulib/gpulib.conf)")
-            problems.append(Result(cid, FAIL, str(gpu.address), msg, fix))
+            actions: list[Action] = list(found.actions)
+            for _, why in found.refusals:
+                msg += f"; gpulib setup would not take it: {why}"
+            if actions:
+                actions.append(Manual(f"(gpulib setup --apply --passthrough {gpu.address} "
+                                      "does this; nothing is rebound before the reboot)"))
+            actions.append(Manual("(or, if the host needs this GPU, exclude it: [discovery] "
+                                  f"exclude = {gpu.address} in /etc/gpulib/gpulib.conf)"))
+            problems.append(d.result(cid, FAIL, str(gpu.address), msg, actions))
         else:
             problems.append(Result(
                 cid, WARN, str(gpu.address),

@@ -149,15 +149,19 @@ class Distro:
                 "family": self.family}
 
     # -- commands for fixes -------------------------------------------------------------
-    def kernel_args_fix(self, add: str = "", remove: str = "") -> str:
-        """How to change the kernel command line for good, on this distribution."""
+    def kernel_args_fix(self, add: str = "", remove: str = "",
+                        where: str = "/etc/default/grub") -> str:
+        """How to change the kernel command line for good, on this distribution
+        (the variable and file gpulib setup edits: `where` is the file the
+        effective value comes from)."""
+        key = self.grub_key
         if remove and add:
-            edit = f'replace "{remove}" with "{add}" in GRUB_CMDLINE_LINUX'
+            edit = f'replace "{remove}" with "{add}" in {key}'
         elif remove:
-            edit = f'remove "{remove}" from GRUB_CMDLINE_LINUX'
+            edit = f'remove "{remove}" from {key}'
         else:
-            edit = f'add "{add}" to GRUB_CMDLINE_LINUX'
-        edit += " in /etc/default/grub"
+            edit = f'add "{add}" to {key}'
+        edit += f" in {where}"
         family = self.family
         if family == "debian":
             return f"{edit}, then: update-grub && reboot"
@@ -207,16 +211,18 @@ class Distro:
         return []
 
     def initramfs_argv(self) -> Optional[tuple[str, ...]]:
+        """Every installed kernel's initramfs, not only the newest: a host pinned to
+        an older kernel (a vendor vGPU driver's) boots that one."""
         if self.family == "debian":
-            return ("update-initramfs", "-u")
+            return ("update-initramfs", "-u", "-k", "all")
         if self.family in ("rhel", "suse"):
-            return ("dracut", "-f")
+            return ("dracut", "-f", "--regenerate-all")
         return None
 
     def initramfs_update(self) -> str:
-        return self._by_family("update-initramfs -u", "dracut -f",
-                               "update-initramfs -u (Debian/Ubuntu) or dracut -f "
-                               "(RHEL/Fedora/SUSE)")
+        return self._by_family("update-initramfs -u -k all", "dracut -f --regenerate-all",
+                               "update-initramfs -u -k all (Debian/Ubuntu) or dracut -f "
+                               "--regenerate-all (RHEL/Fedora/SUSE)")
 
 
 class Report:

@@ -243,12 +243,15 @@ class Doctor:
     # -- what gpulib setup changed, and whether the host booted since -------------------
     @property
     def configured_args(self) -> list[str]:
-        """The kernel arguments /etc/default/grub gives (what the next boot gets)."""
+        """The kernel arguments the boot configuration gives (what the next boot gets):
+        /etc/default/grub and the drop-ins grub-mkconfig reads after it."""
         if self._configured is None:
-            text = self.sysfs.read(DEFAULT_GRUB) or ""
             try:
-                self._configured = bootconfig.configured_args(text)
+                self._configured = bootconfig.read_config(
+                    bootconfig.text_reader(self.sysfs.read_bytes), self.sysfs.listdir,
+                    self.distro.family).args()
             except GpulibError:
+                text = self.sysfs.read(DEFAULT_GRUB) or ""
                 self._configured = [t for t in text.split() if "=" in t]
         return self._configured
 

@@ -4,12 +4,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpulib import bootconfig
 from gpulib.context import PROC_CMDLINE
 from gpulib.doctor.actions import Action, KernelArgs, Manual, Reboot, RunCommand
 from gpulib.doctor.core import DEFAULT_GRUB, FAIL, OK, WARN, Result, host_path
+from gpulib.errors import GpulibError
 
 if TYPE_CHECKING:
     from gpulib.doctor.facts import Doctor
+
+
+def _where(d: Doctor) -> str:
+    """The file the kernel command line's effective value comes from (as shown)."""
+    try:
+        config = bootconfig.read_config(bootconfig.text_reader(d.sysfs.read_bytes),
+                                        d.sysfs.listdir, d.distro.family)
+    except GpulibError:
+        return host_path(DEFAULT_GRUB)
+    return host_path(config.where(d.distro.grub_key))
 
 
 def check(d: Doctor) -> list[Result]:
@@ -58,7 +70,7 @@ def check(d: Doctor) -> list[Result]:
         return [d.result(cid, FAIL, subject,
                          f"the IOMMU is switched off on the kernel command line "
                          f"({' '.join(off)}); {what}",
-                         [KernelArgs(add=wanted, remove=tuple(off))])]
+                         [KernelArgs(add=wanted, remove=tuple(off), where=_where(d))])]
     if not active:
         if on_cmdline and shown:
             firmware = {"intel": "VT-d", "amd": "AMD-Vi/IOMMU"}.get(vendor or "",
@@ -68,7 +80,7 @@ def check(d: Doctor) -> list[Result]:
                              f"({shown or 'AMD: on by default'}); {what}",
                              [Manual(f"enable {firmware} (and SR-IOV) in the firmware setup, "
                                      "then reboot")])]
-        actions: list[Action] = [KernelArgs(add=wanted)]
+        actions: list[Action] = [KernelArgs(add=wanted, where=_where(d))]
         if vendor == "amd":
             actions.append(Manual("(the AMD IOMMU is on by default: if it stays off after the "
                                   "reboot, enable AMD-Vi/IOMMU in the firmware setup)"))
@@ -82,6 +94,6 @@ def check(d: Doctor) -> list[Result]:
         return [d.result(cid, WARN, subject,
                          f"the IOMMU is active by the kernel's default but not enabled on "
                          f"the command line ({what}): another kernel may boot without it",
-                         [KernelArgs(add=wanted)])]
+                         [KernelArgs(add=wanted, where=_where(d))])]
     how = shown or "AMD: on by default"
     return [Result(cid, OK, subject, f"the IOMMU is enabled ({how}) and active: {what}")]

@@ -90,5 +90,23 @@ def check(d: Doctor) -> list[Result]:
                          "nouveau is not loaded but not blacklisted either: it may claim the "
                          "NVIDIA GPUs at the next boot",
                          [blacklist_action(d), *initramfs_actions(d)])]
+    unfinished = _initramfs_outstanding(d)
+    if unfinished:
+        return [d.result(cid, WARN, "/boot",
+                         f"nouveau is not loaded and is blacklisted ({', '.join(blacklisted)}), "
+                         f"but gpulib setup's `{unfinished}` did not complete: an initramfs "
+                         "may still load nouveau at the next boot",
+                         [*initramfs_actions(d), Reboot()])]
     return [Result(cid, OK, "/sys/module/nouveau",
                    f"nouveau is not loaded and is blacklisted ({', '.join(blacklisted)})")]
+
+
+def _initramfs_outstanding(d: Doctor) -> str:
+    """The initramfs rebuild gpulib setup planned and did not complete ("" if none)."""
+    items = d.journal.get("outstanding")
+    for item in items if isinstance(items, list) else []:
+        argv = item.get("argv") if isinstance(item, dict) else None
+        if isinstance(argv, list) and argv and isinstance(argv[0], str) and \
+                os.path.basename(argv[0]) in ("update-initramfs", "dracut"):
+            return " ".join(str(a) for a in argv)
+    return ""
