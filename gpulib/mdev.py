@@ -405,6 +405,8 @@ def create(sysfs: Sysfs, parent: PciAddress, type_id: str, uuid: Optional[str] =
                           f"not {parent} {type_id}; removed it")
     write_attrs(sysfs, value, attrs)
     log.info("created mdev %s type %s on %s", value, type_id, parent)
+    from gpulib import counters
+    counters.note(sysfs.root, "vgpus_created", kind="mdev")
     return made
 
 
@@ -448,4 +450,6 @@ def remove(sysfs: Sysfs, uuid: str, retry_seconds: float = 0.0) -> bool:
             reason = "still in use by a VM" if exc.errno == errno.EBUSY else exc.strerror
             raise DeviceError(f"removing mdev {value} failed: {reason}") from None
     log.info("removed mdev %s", value)
+    from gpulib import counters
+    counters.note(sysfs.root, "vgpus_destroyed", kind="mdev")
     return True

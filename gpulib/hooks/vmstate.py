@@ -52,7 +52,10 @@ def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
                        retry_seconds=config.get_float("release", "clear_retry_seconds"))
 
-    return open_store(ctx, config).update(stop, host=ctx.sysfs)
+    actions = open_store(ctx, config).update(stop, host=ctx.sysfs)
+    from gpulib import counters
+    counters.note(ctx.root, "releases", times=1 if actions else 0, by="stop")
+    return actions
 
 
 def change(program: str, vm_arg: str, started: bool) -> str:
