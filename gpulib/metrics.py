@@ -192,17 +192,28 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
             c[1] += v.used_by is not None
             rec = records.get(v.uuid)
             c[2] += rec is not None and rec.pool is not None
-        parents: dict[object, str] = {}
+        # The label set of a parent's type, from parts made once: a large host
+        # has 16 VFs x 24 types a GPU, and every VF offers the same types.
+        parents: dict[object, tuple[str, str]] = {}
+        type_parts: dict[tuple[str, str], str] = {}
+        gpu_part = label_set(("gpu",), (address,))[:-1]
         for t in _all_types(gpu):
-            parent = parents.get(t.parent)
-            if parent is None:
-                parent = parents[t.parent] = str(t.parent)
+            known = parents.get(t.parent)
+            if known is None:
+                name = str(t.parent)
+                known = parents[t.parent] = (name, label_set(("parent",), (name,))[1:-1])
+            parent, parent_part = known
+            profile = t.profile_name
+            type_part = type_parts.get((t.type_id, profile))
+            if type_part is None:
+                type_part = type_parts[(t.type_id, profile)] = \
+                    label_set(("type", "profile"), (t.type_id, profile))[1:]
             n = t.available_instances
-            values = label_set(labels, (address, parent, t.type_id, t.profile_name))
+            values = f"{gpu_part},{parent_part},{type_part}"
             if n is not None:
                 creatable.add_set(n, values)
-            c = counts.pop((parent, t.type_id), None)
-            if c is not None:
+            c = counts.pop((parent, t.type_id), [])
+            if c:
                 live.add_set(c[0], values)
                 held.add_set(c[1], values)
                 pooled.add_set(c[2], values)
@@ -238,10 +249,10 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
                     type_names.setdefault(tid, name)
                     free[tid] = free.get(tid, 0) + 1
         for tid in sorted({*typed, *free}):
-            values = (address, str(tid), type_names.get(tid, str(tid)))
-            nv_type_typed.add(typed.get(tid, 0), *values)
-            nv_type_held.add(held_vfs.get(tid, 0), *values)
-            nv_type_creatable.add(free.get(tid, 0), *values)
+            vf_set = label_set(vf_labels, (address, str(tid), type_names.get(tid, str(tid))))
+            nv_type_typed.add_set(typed.get(tid, 0), vf_set)
+            nv_type_held.add_set(held_vfs.get(tid, 0), vf_set)
+            nv_type_creatable.add_set(free.get(tid, 0), vf_set)
 
 
 def _all_types(gpu: Gpu) -> list[MdevType]:
@@ -370,7 +381,7 @@ def _counters(exp: Exposition, totals: dict[str, int]) -> None:
                          *(label for label, _ in spec))
         combos: list[tuple[str, ...]] = [()]
         for _label, allowed in spec:
-            combos = [c + (v,) for c in combos for v in allowed]
+            combos = [(*c, v) for c in combos for v in allowed]
         for combo in combos:
             key = " ".join([name, *(f"{label}={v}" for (label, _), v in zip(spec, combo))])
             fam.add(totals.get(key, 0), *combo)

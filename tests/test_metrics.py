@@ -244,6 +244,20 @@ def test_a_gpu_held_whole_and_a_gpu_whose_vgpu_is_held(tmp_path: Path) -> None:
     assert value(scrape(host.root), "gpulib_gpu_in_use", gpu="0000:3b:00.0") == 1
 
 
+def two_allocations(pool_members: tuple[str, ...]) -> State:
+    """U1 held by a pending allocation made long ago (the wall clock decides:
+    no boot clock), U2 by an active one; `pool_members` in pool t4."""
+    state = State()
+    for uuid in pool_members:
+        state.vgpus[uuid] = VgpuRecord(T4, "nvidia-232", pool="t4")
+    state.allocations["i-1-1-VM"] = Allocation("i-1-1-VM", status="pending",
+                                               since="2020-01-01T00:00:00Z",
+                                               devices=[Device("mdev", U1)])
+    state.allocations["i-1-2-VM"] = Allocation("i-1-2-VM", status="active",
+                                               devices=[Device("mdev", U2)])
+    return state
+
+
 def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
     host = t4_host(str(tmp_path), live=(U1, U2))
     root = host.root
@@ -254,15 +268,9 @@ def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
     assert value(series, "gpulib_allocation_pending_oldest_age_seconds") == 0
     assert value(series, "gpulib_state_healthy") == 1
     assert not matching(series, "gpulib_state_last_write_timestamp_seconds")
-    # A pending allocation made long ago (another boot's clock: the wall clock
-    # decides), and an active one; the registry knows U1 as a pool member.
-    state = State()
-    state.vgpus[U1] = VgpuRecord(T4, "nvidia-232", pool="t4")
-    state.allocations["i-1-1-VM"] = Allocation("i-1-1-VM", status="pending",
-                                               since="2020-01-01T00:00:00Z",
-                                               devices=[Device("mdev", U1)])
-    state.allocations["i-1-2-VM"] = Allocation("i-1-2-VM", status="active",
-                                               devices=[Device("mdev", U2)])
+    # A pending allocation made long ago and an active one; the registry
+    # knows U1 as a pool member.
+    state = two_allocations(pool_members=(U1,))
     os.makedirs(os.path.join(root, "var/lib/gpulib"), exist_ok=True)
     Path(root, "var/lib/gpulib/state.json").write_text(dumps(state))
     os.makedirs(os.path.join(root, "etc/gpulib"), exist_ok=True)
@@ -812,14 +820,7 @@ def test_alert_rules_fire_on_gpulib_output(tmp_path: Path) -> None:
              "44444444-5555-4666-8777-888888888888")
     host = t4_host(str(tmp_path / "h"), live=uuids)
     root = host.root
-    state = State()
-    state.vgpus[U1] = VgpuRecord(T4, "nvidia-232", pool="t4")
-    state.vgpus[U2] = VgpuRecord(T4, "nvidia-232", pool="t4")
-    state.allocations["i-1-1-VM"] = Allocation("i-1-1-VM", status="pending",
-                                               since="2020-01-01T00:00:00Z",
-                                               devices=[Device("mdev", U1)])
-    state.allocations["i-1-2-VM"] = Allocation("i-1-2-VM", status="active",
-                                               devices=[Device("mdev", U2)])
+    state = two_allocations(pool_members=(U1, U2))
     store = StateStore(os.path.join(root, "var/lib/gpulib/state.json"),
                        os.path.join(root, "var/lib/gpulib/state.lock"))
     with store.transaction() as st_:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+from gpulib.cli import plain
 from gpulib.cli.env import Env
-from gpulib.errors import GpulibError
+from gpulib.cli.plain import leading_verbosity
 
 HELP = """Print the host's GPU facts in Prometheus' text format.
 
@@ -41,20 +42,10 @@ def run(env: Env, output: Optional[str]) -> None:
 def parse_args(args: list[str]) -> Optional[tuple[int, Optional[str]]]:
     """(verbosity, output) of `[-v...] metrics [--output FILE | -o FILE]`, or
     None for anything else (click then parses it, errors and help included)."""
-    verbose = 0
-    i = 0
-    while i < len(args) and args[i] != "metrics":
-        arg = args[i]
-        if arg == "--verbose":
-            verbose += 1
-        elif len(arg) > 1 and arg.startswith("-") and set(arg[1:]) == {"v"}:
-            verbose += len(arg) - 1
-        else:
-            return None
-        i += 1
-    rest = args[i + 1:]
-    if i == len(args):
+    leading = leading_verbosity(args, "metrics")
+    if leading is None:
         return None
+    verbose, rest = leading
     if not rest:
         return verbose, None
     if len(rest) == 2 and rest[0] in ("--output", "-o") and rest[1] and \
@@ -72,16 +63,7 @@ def main(args: list[str]) -> Optional[int]:
     if parsed is None:
         return None
     verbose, output = parsed
-    try:
-        run(Env.from_environment(verbose), output)
-    except GpulibError as exc:
-        sys.stderr.write(f"gpulib: error: {exc.message}\n")
-        return exc.exit_code
-    except BrokenPipeError:
-        return 0
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return plain.run(lambda: run(Env.from_environment(verbose), output))
 
 
 def _command() -> Any:
