@@ -208,7 +208,8 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
             if type_part is None:
                 type_part = type_parts[(t.type_id, profile)] = \
                     label_set(("type", "profile"), (t.type_id, profile))[1:]
-            n = t.available_instances
+            # Kept for the doctor's `mdev` check, which asks every type again.
+            n = t.available_once()
             values = f"{gpu_part},{parent_part},{type_part}"
             if n is not None:
                 creatable.add_set(n, values)
