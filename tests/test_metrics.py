@@ -302,6 +302,30 @@ def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
     assert value(scrape(root), "gpulib_state_healthy") == 0
 
 
+@needs_promtool
+def test_unreadable_files_cost_only_their_own_series(tmp_path: Path) -> None:
+    """A type's `available_instances` failing with EIO, a VF's vGPU state
+    unreadable: the rest is reported, the output still valid."""
+    from gpulib.sim import faults
+
+    host = build_demo(str(tmp_path / "demo"))
+    t4_types = "sys/bus/pci/devices/0000:af:00.0/mdev_supported_types"
+    faults.inject(host.root, f"{t4_types}/nvidia-232/available_instances", "eio")
+    faults.inject(host.root, "sys/bus/pci/devices/0000:41:00.4/nvidia/current_vgpu_type",
+                  "eio")
+    r = run_metrics(host.root)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    series = parse(r.stdout)
+    left = {dict(ls)["type"] for ls in matching(series, "gpulib_vgpu_creatable_instances",
+                                                gpu="0000:af:00.0")}
+    assert "nvidia-232" not in left and "nvidia-231" in left
+    assert value(series, "gpulib_gpu_read_errors", gpu="0000:41:00.0") >= 1
+    assert PROMTOOL is not None
+    check = subprocess.run([PROMTOOL, "check", "metrics"], input=r.stdout,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_label_values_are_escaped(tmp_path: Path) -> None:
     """A device name with quotes and backslashes (pci.ids has some) stays one label."""
     host = empty_host(str(tmp_path))
