@@ -308,8 +308,10 @@ def fold(root: str, now: Optional[float] = None,
                 files[ROTATED_FILE] = (ino, offset)
             else:
                 files[EVENTS_FILE] = (ino, offset)
-        folded = Totals(counts, files)
-        atomicfile.write_atomic(os.path.join(root, TOTALS_FILE), folded.to_bytes())
+        if counts != totals.counts or files != totals.files:
+            # Only when something moved: the timer folds every minute.
+            folded = Totals(counts, files)
+            atomicfile.write_atomic(os.path.join(root, TOTALS_FILE), folded.to_bytes())
         return counts
     except OSError:
         return read(root)
