@@ -85,9 +85,9 @@ class Description:
 class MdevType:
     """One directory under a parent's mdev_supported_types."""
 
-    __slots__ = ("_description", "_description_read", "_description_text", "_device_api",
-                 "_name", "_name_read", "_same_as", "_sysfs", "failures", "parent", "rel",
-                 "type_id")
+    __slots__ = ("_available", "_available_kept", "_description", "_description_read",
+                 "_description_text", "_device_api", "_name", "_name_read", "_same_as",
+                 "_sysfs", "failures", "parent", "rel", "type_id")
 
     def __init__(self, sysfs: Sysfs, parent: PciAddress, type_id: str,
                  same_as: Optional[MdevType] = None, rel: Optional[str] = None) -> None:
@@ -110,6 +110,9 @@ class MdevType:
         self._description_text: Optional[str] = None
         # What `load` could not read (paths and reasons).
         self.failures: list[str] = []
+        # Kept by `available_once`: answered from then on without a read.
+        self._available: Optional[int] = None
+        self._available_kept = False
 
     @property
     def same_as(self) -> Optional[MdevType]:
@@ -189,7 +192,20 @@ class MdevType:
 
     @property
     def available_instances(self) -> Optional[int]:
+        """Read afresh each time (a start's own creations change it), unless
+        `available_once` was asked."""
+        if self._available_kept:
+            return self._available
         return self._sysfs.read_int(self.rel + "/available_instances", low=0, high=1 << 20)
+
+    def available_once(self) -> Optional[int]:
+        """`available_instances`, read now and answered from then on without
+        a read: for a report of one instant (`gpulib metrics`, whose doctor
+        asks every type again), never for what a start allocates from."""
+        if not self._available_kept:
+            self._available = self.available_instances
+            self._available_kept = True
+        return self._available
 
     @property
     def device_api(self) -> Optional[str]:
@@ -405,6 +421,8 @@ def create(sysfs: Sysfs, parent: PciAddress, type_id: str, uuid: Optional[str] =
                           f"not {parent} {type_id}; removed it")
     write_attrs(sysfs, value, attrs)
     log.info("created mdev %s type %s on %s", value, type_id, parent)
+    from gpulib import counters
+    counters.note(sysfs.root, "vgpus_created", kind="mdev")
     return made
 
 
@@ -448,4 +466,6 @@ def remove(sysfs: Sysfs, uuid: str, retry_seconds: float = 0.0) -> bool:
             reason = "still in use by a VM" if exc.errno == errno.EBUSY else exc.strerror
             raise DeviceError(f"removing mdev {value} failed: {reason}") from None
     log.info("removed mdev %s", value)
+    from gpulib import counters
+    counters.note(sysfs.root, "vgpus_destroyed", kind="mdev")
     return True

@@ -119,6 +119,8 @@ def set_type(sysfs: Sysfs, vf: PciAddress, type_id: int,
     if after != type_id:
         raise DeviceError(f"{vf} reads vGPU type {after} after writing {type_id}")
     log.info("set vGPU type %s (%s) on %s", type_id, label, vf)
+    from gpulib import counters
+    counters.note(sysfs.root, "vgpus_created", kind="vf")
 
 
 def clear_type(sysfs: Sysfs, vf: PciAddress, retry_seconds: float = 5.0) -> bool:
@@ -140,6 +142,8 @@ def clear_type(sysfs: Sysfs, vf: PciAddress, retry_seconds: float = 5.0) -> bool
             raise DeviceError(f"clearing the vGPU type of {vf} failed: {exc.strerror}") from None
         if current_type(sysfs, vf) == 0:
             log.info("cleared vGPU type %s on %s", current, vf)
+            from gpulib import counters
+            counters.note(sysfs.root, "vgpus_destroyed", kind="vf")
             return True
         if time.monotonic() >= deadline:
             raise DeviceError(f"{vf} still reads vGPU type {current_type(sysfs, vf)} "

@@ -122,19 +122,24 @@ def healthy_host(tmp: str) -> FakeHost:
 
 # -- what a test compares before and after ----------------------------------------------
 
+COUNTERS = "var/lib/gpulib/counters."
+
+
 def tree_contents(root: str) -> dict[str, str]:
     """Every file and link below root (content in hex, or link target).
 
-    The log, the lock file and gpulib's cache of running domains
-    (`run/gpulib/`) are left out: none is state, and taking the lock creates
-    its file.
+    The log, the lock file, gpulib's cache of running domains (`run/gpulib/`)
+    and the hooks' counters (`var/lib/gpulib/counters.*`: a refused start
+    counts too) are left out: none is state, and taking the lock creates its
+    file.
     """
     out = {}
     for d, dirs, files in os.walk(root):
         for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             p = os.path.join(d, name)
             rel = os.path.relpath(p, root)
-            if rel.startswith(("var/log/", "run/gpulib/")) or rel.endswith("state.lock"):
+            if rel.startswith(("var/log/", "run/gpulib/", COUNTERS)) or \
+                    rel.endswith("state.lock"):
                 continue
             if os.path.islink(p):
                 out[rel] = os.readlink(p)

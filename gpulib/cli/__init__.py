@@ -22,6 +22,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     code = inventory.main(args)
     if code is not None:
         return code
+    if "metrics" in args:  # its plain forms without click too (gpulib.cli.metrics)
+        from gpulib.cli import metrics
+
+        code = metrics.main(args)
+        if code is not None:
+            return code
     from gpulib.cli.commands import cli
     from gpulib.cli.common import run_main
 

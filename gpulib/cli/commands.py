@@ -27,6 +27,7 @@ COMMANDS = {
     "attach": ("gpulib.cli.attach", "attach_cmd"),
     "detach": ("gpulib.cli.attach", "detach_cmd"),
     "setup": ("gpulib.cli.setup", "setup"),
+    "metrics": ("gpulib.cli.metrics", "metrics"),
 }
 
 

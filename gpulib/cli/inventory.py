@@ -14,10 +14,9 @@ import sys
 from typing import Optional
 
 from gpulib.cli.env import Env
-from gpulib.errors import GpulibError
+from gpulib.cli.plain import leading_verbosity, run
 
 FORMATS = ("cloudstack", "json", "table")
-_VERBOSE = {"-v": 1, "--verbose": 1}
 
 
 def default_format() -> str:
@@ -48,22 +47,12 @@ def render(env: Env, fmt: str) -> str:
 def parse_args(args: list[str]) -> Optional[tuple[int, str]]:
     """(verbosity, format) of `[-v...] discover [--format F | -f F | --json]...`,
     or None for anything else (click then parses it, errors and help included)."""
-    verbose = 0
-    i = 0
-    while i < len(args) and args[i] != "discover":
-        arg = args[i]
-        if arg in _VERBOSE:
-            verbose += 1
-        elif len(arg) > 1 and arg.startswith("-") and set(arg[1:]) == {"v"}:
-            verbose += len(arg) - 1
-        else:
-            return None
-        i += 1
-    if i == len(args):
+    leading = leading_verbosity(args, "discover")
+    if leading is None:
         return None
+    verbose, rest = leading
     fmt: Optional[str] = None
     as_json = False
-    rest = args[i + 1:]
     j = 0
     while j < len(rest):
         arg = rest[j]
@@ -93,15 +82,9 @@ def main(args: list[str]) -> Optional[int]:
     verbose, fmt = parsed
     if fmt == "table":
         return None  # for a person at a terminal: click's echo, as every listing
-    try:
-        text = render(Env.from_environment(verbose), fmt)
-        sys.stdout.write(text)
+
+    def body() -> None:
+        sys.stdout.write(render(Env.from_environment(verbose), fmt))
         sys.stdout.flush()
-    except GpulibError as exc:
-        sys.stderr.write(f"gpulib: error: {exc.message}\n")
-        return exc.exit_code
-    except BrokenPipeError:
-        return 0
-    except KeyboardInterrupt:
-        return 130
-    return 0
+
+    return run(body)

@@ -87,6 +87,9 @@ def reconcile_cmd(env: Env, as_json: bool) -> None:
                              destroy_on_demand=env.config.get_bool("release",
                                                                    "destroy_on_demand"),
                              checkpoint=store.checkpoint)
+    from gpulib import counters
+    counters.note(env.ctx.root, "releases", by="reconcile",
+                  times=sum(o.action.startswith("released") for o in outcomes))
     _report(outcomes, as_json, "state and host agree: nothing to do")
 
 
@@ -116,4 +119,6 @@ def release_cmd(env: Env, vm: str, force: bool) -> None:
                              retry_seconds=env.config.get_float("release",
                                                                 "clear_retry_seconds"),
                              checkpoint=store.checkpoint, force=force)
+    from gpulib import counters
+    counters.note(env.ctx.root, "releases", times=1 if actions else 0, by="command")
     click.echo("\n".join(actions) if actions else f"{vm} holds nothing")

@@ -55,7 +55,8 @@ class Doctor:
     """Runs the checks against the host below `ctx`'s root; never writes."""
 
     def __init__(self, ctx: Context, config: Optional[Config] = None,
-                 lock_timeout: float = 2.0, clock_ticks: Optional[int] = None) -> None:
+                 lock_timeout: float = 2.0, clock_ticks: Optional[int] = None,
+                 inventory: Optional[Inventory] = None) -> None:
         self.ctx = ctx
         self.sysfs = ctx.sysfs
         self.lock_timeout = lock_timeout
@@ -68,7 +69,7 @@ class Doctor:
         self._state: Optional[State] = None
         self._state_error: Optional[tuple[str, str, str]] = None  # (status, message, fix)
         self._state_loaded = False
-        self._inventory: Optional[Inventory] = None
+        self._inventory: Optional[Inventory] = inventory  # given: the caller read the host
         self._cmdline: Optional[list[str]] = None
         self._configured: Optional[list[str]] = None
         self._journal: Optional[dict[str, object]] = None

@@ -40,6 +40,7 @@ from gpulib import mdev, nvidia
 from gpulib.allocator import Allocator, record, release
 from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
+from gpulib.counters import counted_start
 from gpulib.domain import (
     Domain,
     DomainXmlError,
@@ -140,6 +141,7 @@ class Preparer:
         request = self.dom.metadata_request() if self.allow_metadata else None
         return uuids, addresses, request
 
+    @counted_start
     def run(self) -> list[Device]:
         uuids, addresses, request = self._validate()
         # Read before the lock what can be: the running domains (re-checked under

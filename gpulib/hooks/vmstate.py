@@ -75,7 +75,12 @@ def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
                        retry_seconds=config.get_float("release", "clear_retry_seconds"),
                        checkpoint=store.checkpoint)
 
-    return store.update(stop, host=ctx.sysfs)
+    actions = store.update(stop, host=ctx.sysfs)
+    from gpulib import counters
+
+    released = any(not a.startswith("kept") for a in actions)
+    counters.note(ctx.root, "releases", times=1 if released else 0, by="stop")
+    return actions
 
 
 def change(program: str, vm_arg: str, started: bool) -> str:

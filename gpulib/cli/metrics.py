@@ -1,0 +1,88 @@
+"""`gpulib metrics [--output FILE]`: the host's GPU facts for Prometheus.
+
+A timer runs it every minute for node_exporter's textfile collector, and
+importing click would cost it about as much as reading a large host's sysfs.
+So `gpulib.cli.main` serves its plain forms here (`main`) without click, as
+it does for `discover`; help and anything unusual go to the click command,
+which this module makes only when asked for (`metrics`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+from gpulib.cli import plain
+from gpulib.cli.env import Env
+from gpulib.cli.plain import leading_verbosity
+
+HELP = """Print the host's GPU facts in Prometheus' text format.
+
+vGPU capacity and use per GPU, parent and type, NVIDIA vendor VFs,
+allocations, stray vGPUs, pools, the doctor's checks, the state file's
+health and the hooks' counters. With --output, FILE is replaced atomically
+(for node_exporter's textfile collector, e.g.
+/var/lib/prometheus/node-exporter/gpulib.prom).
+"""
+
+
+def run(env: Env, output: Optional[str]) -> None:
+    from gpulib import metrics
+
+    # Reports on the host: a problem in gpulib.conf must not hide it (the
+    # `config` check's series says what is wrong).
+    text = metrics.render(env.ctx, env.readable_config)
+    if output is None or output == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        metrics.write(output, text)
+
+
+def parse_args(args: list[str]) -> Optional[tuple[int, Optional[str]]]:
+    """(verbosity, output) of `[-v...] metrics [--output FILE | -o FILE]`, or
+    None for anything else (click then parses it, errors and help included)."""
+    leading = leading_verbosity(args, "metrics")
+    if leading is None:
+        return None
+    verbose, rest = leading
+    if not rest:
+        return verbose, None
+    if len(rest) == 2 and rest[0] in ("--output", "-o") and rest[1] and \
+            not rest[1].startswith("-"):
+        return verbose, rest[1]
+    if len(rest) == 1 and rest[0].startswith("--output=") and len(rest[0]) > len("--output="):
+        return verbose, rest[0][len("--output="):]
+    return None
+
+
+def main(args: list[str]) -> Optional[int]:
+    """Run `gpulib metrics` if `args` are one of its plain forms; the exit
+    code, or None when click must handle `args`."""
+    parsed = parse_args(args)
+    if parsed is None:
+        return None
+    verbose, output = parsed
+    return plain.run(lambda: run(Env.from_environment(verbose), output))
+
+
+def _command() -> Any:
+    import click
+
+    @click.command("metrics", help=HELP)
+    @click.option("-o", "--output", metavar="FILE", default=None,
+                  help="Replace FILE atomically instead of printing (- prints).")
+    @click.pass_obj
+    def metrics(env: Env, output: Optional[str]) -> None:
+        run(env, output)
+
+    return metrics
+
+
+def __getattr__(name: str) -> Any:
+    # `gpulib.cli.metrics.metrics`, the click command, made when first asked for.
+    if name == "metrics":
+        command = _command()
+        globals()["metrics"] = command
+        return command
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

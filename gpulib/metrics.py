@@ -1,0 +1,419 @@
+"""The host's GPU facts in Prometheus' text exposition format (`gpulib metrics`).
+
+Everything comes from the model discovery and the hooks share: the
+Inventory (`gpulib.runtime.discover_host`, with the occupancy of gpulib's
+allocations and the running domains), gpulib's state file, the doctor's
+checks and the hooks' counters (`gpulib.counters`). Nothing here writes but
+the counters' fold and, with `--output`, the file it renders (atomically, so
+node_exporter's textfile collector never reads half of it).
+
+Naming follows Prometheus' practice: a `gpulib_` prefix, base units
+(seconds), `_total` on counters, capacity and use as separate metrics, and
+labels drawn from bounded sets (the host's devices, its vGPU types, the
+doctor's check ids, the counters' fixed values). Per (parent, vGPU type) the
+instances a parent could still create are always given; the live, held and
+pooled instances only where the parent has a vGPU of that type (a missing
+series is 0: a large host has thousands of parent and type pairs).
+
+Series (labels in braces):
+  gpulib_gpu_info{gpu,vendor_id,device_id,vendor,device,driver,mode,numa_node} 1
+  gpulib_gpu_in_use{gpu}                     1 when a VM holds the GPU whole
+  gpulib_gpu_whole_offered{gpu}              1 when it may be given whole
+  gpulib_gpu_read_errors{gpu}                files of the GPU that could not be read
+  gpulib_vgpu_creatable_instances{gpu,parent,type,profile}
+  gpulib_vgpu_live_instances{...}, gpulib_vgpu_held_instances{...},
+  gpulib_vgpu_pool_instances{...}
+  gpulib_nvidia_vfs{gpu}, gpulib_nvidia_vfs_typed{gpu}, gpulib_nvidia_vfs_held{gpu}
+  gpulib_nvidia_vf_type_typed_vfs{gpu,type,profile}, ..._held_vfs, ..._creatable_vfs
+  gpulib_allocations{state}                  state: active | pending
+  gpulib_allocation_pending_oldest_age_seconds, gpulib_allocation_pending_grace_seconds
+  gpulib_stray_vgpus
+  gpulib_pool_members{pool}, gpulib_pool_held_members{pool}, gpulib_pool_target_members{pool}
+  gpulib_readiness_check_status{check}       0 ok, 1 warn, 2 fail
+  gpulib_state_healthy, gpulib_state_last_write_timestamp_seconds, gpulib_state_intents
+  gpulib_starts_prepared_total{hook}, gpulib_starts_refused_total{hook,reason},
+  gpulib_vgpus_created_total{kind}, gpulib_vgpus_destroyed_total{kind},
+  gpulib_releases_total{by}
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Optional, Union
+
+from gpulib import counters
+
+if TYPE_CHECKING:
+    from gpulib.config import Config
+    from gpulib.context import Context
+    from gpulib.discovery import Gpu, Inventory
+    from gpulib.mdev import MdevType
+    from gpulib.state import State
+
+Number = Union[int, float]
+STATUS_VALUES = {"ok": 0, "warn": 1, "fail": 2}
+
+
+def escape_label(value: str) -> str:
+    """A label value as the text format writes it between double quotes."""
+    if "\\" in value or "\"" in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+    return value
+
+
+def escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def number(value: Number) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def label_set(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    """`{name="value",...}` (empty without labels): made once for a device and
+    type, and shared by every family that has the same labels."""
+    if not names:
+        return ""
+    return "{" + ",".join(f'{n}="{escape_label(v)}"' for n, v in zip(names, values)) + "}"
+
+
+class Family:
+    """One metric: its name, type, help and samples, each a rendered label
+    set (`label_set` of the family's label names) and a value."""
+
+    def __init__(self, name: str, kind: str, help_text: str, labels: tuple[str, ...] = ()
+                 ) -> None:
+        self.name = name
+        self.kind = kind
+        self.help = help_text
+        self.labels = labels
+        self.samples: list[tuple[str, Number]] = []
+
+    def add(self, value: Number, *values: str) -> None:
+        assert len(values) == len(self.labels), (self.name, values)
+        self.samples.append((label_set(self.labels, values), value))
+
+    def add_set(self, value: Number, labels: str) -> None:
+        """A sample whose label set (of this family's label names) is rendered."""
+        self.samples.append((labels, value))
+
+    def lines(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {escape_help(self.help)}"
+        yield f"# TYPE {self.name} {self.kind}"
+        name = self.name
+        for labels, value in self.samples:
+            yield f"{name}{labels} {number(value)}"
+
+
+class Exposition:
+    """The families of one scrape, in the order they were made."""
+
+    def __init__(self) -> None:
+        self.families: dict[str, Family] = {}
+
+    def family(self, name: str, kind: str, help_text: str, *labels: str) -> Family:
+        fam = self.families[name] = Family(name, kind, help_text, labels)
+        return fam
+
+    def text(self) -> str:
+        out: list[str] = []
+        for fam in self.families.values():
+            out.extend(fam.lines())
+        return "\n".join(out) + "\n"
+
+
+# -- the host's devices ---------------------------------------------------------------
+
+
+def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
+    info = exp.family("gpulib_gpu_info", "gauge", "A GPU (physical function) of the host.",
+                      "gpu", "vendor_id", "device_id", "vendor", "device", "driver", "mode",
+                      "numa_node")
+    in_use = exp.family("gpulib_gpu_in_use", "gauge",
+                        "1 when a VM holds the GPU whole, else 0.", "gpu")
+    offered = exp.family("gpulib_gpu_whole_offered", "gauge",
+                         "1 when the GPU may be given whole (no vGPU use declared, no VFs).",
+                         "gpu")
+    errors = exp.family("gpulib_gpu_read_errors", "gauge",
+                        "Files of the GPU discovery could not read.", "gpu")
+    labels = ("gpu", "parent", "type", "profile")
+    creatable = exp.family("gpulib_vgpu_creatable_instances", "gauge",
+                           "vGPUs of the type the parent could still create "
+                           "(available_instances).", *labels)
+    live = exp.family("gpulib_vgpu_live_instances", "gauge",
+                      "Live vGPUs of the type on the parent (absent: 0).", *labels)
+    held = exp.family("gpulib_vgpu_held_instances", "gauge",
+                      "vGPUs of the type on the parent held by a VM (absent: 0).", *labels)
+    pooled = exp.family("gpulib_vgpu_pool_instances", "gauge",
+                        "vGPUs of the type on the parent that are pool members, live or "
+                        "to be recreated (absent: 0).", *labels)
+    nv_vfs = exp.family("gpulib_nvidia_vfs", "gauge",
+                        "NVIDIA vendor-specific vGPU VFs of the GPU.", "gpu")
+    nv_typed = exp.family("gpulib_nvidia_vfs_typed", "gauge",
+                          "NVIDIA vendor VFs of the GPU with a vGPU type set.", "gpu")
+    nv_held = exp.family("gpulib_nvidia_vfs_held", "gauge",
+                         "NVIDIA vendor VFs of the GPU held by a VM.", "gpu")
+    vf_labels = ("gpu", "type", "profile")
+    nv_type_typed = exp.family("gpulib_nvidia_vf_type_typed_vfs", "gauge",
+                               "NVIDIA vendor VFs of the GPU that have this vGPU type.",
+                               *vf_labels)
+    nv_type_held = exp.family("gpulib_nvidia_vf_type_held_vfs", "gauge",
+                              "NVIDIA vendor VFs of the GPU with this vGPU type held by a VM.",
+                              *vf_labels)
+    nv_type_creatable = exp.family("gpulib_nvidia_vf_type_creatable_vfs", "gauge",
+                                   "Idle NVIDIA vendor VFs of the GPU that could be given "
+                                   "this vGPU type now.", *vf_labels)
+    records = state.vgpus
+    occ = inventory.occupancy
+    for gpu in inventory.gpus:
+        fn = gpu.fn
+        address = str(gpu.address)
+        info.add(1, address, f"{fn.vendor_id:04x}", f"{fn.device_id:04x}", gpu.vendor_name,
+                 gpu.device_name, fn.driver or "", gpu.mode, str(fn.numa_node))
+        # Discovery's `used_by` of a GPU names whoever keeps it from being
+        # given whole (a VM of one of its vGPUs too): held whole is a hold
+        # on the GPU's own node.
+        in_use.add(1 if any(h.device == address for h in occ.conflicts(address)) else 0,
+                   address)
+        offered.add(1 if gpu.passthrough_enabled else 0, address)
+        errors.add(len(gpu.errors), address)
+        # (parent, type id) -> [live, held, pooled] of its vGPUs.
+        counts: dict[tuple[str, str], list[int]] = {}
+        for v in gpu.vgpus:
+            c = counts.setdefault((str(v.parent), v.mdev_type.type_id), [0, 0, 0])
+            c[0] += v.live
+            c[1] += v.used_by is not None
+            rec = records.get(v.uuid)
+            c[2] += rec is not None and rec.pool is not None
+        # The label set of a parent's type, from parts made once: a large host
+        # has 16 VFs x 24 types a GPU, and every VF offers the same types.
+        parents: dict[object, tuple[str, str]] = {}
+        type_parts: dict[tuple[str, str], str] = {}
+        gpu_part = label_set(("gpu",), (address,))[:-1]
+        for t in _all_types(gpu):
+            known = parents.get(t.parent)
+            if known is None:
+                name = str(t.parent)
+                known = parents[t.parent] = (name, label_set(("parent",), (name,))[1:-1])
+            parent, parent_part = known
+            profile = t.profile_name
+            type_part = type_parts.get((t.type_id, profile))
+            if type_part is None:
+                type_part = type_parts[(t.type_id, profile)] = \
+                    label_set(("type", "profile"), (t.type_id, profile))[1:]
+            # Kept for the doctor's `mdev` check, which asks every type again.
+            n = t.available_once()
+            values = f"{gpu_part},{parent_part},{type_part}"
+            if n is not None:
+                creatable.add_set(n, values)
+            c = counts.pop((parent, t.type_id), [])
+            if c:
+                live.add_set(c[0], values)
+                held.add_set(c[1], values)
+                pooled.add_set(c[2], values)
+        # vGPUs of a type their parent no longer lists (unreadable files).
+        for (parent, type_id), c in sorted(counts.items()):
+            profile = next(v.mdev_type.profile_name for v in gpu.vgpus
+                           if str(v.parent) == parent and v.mdev_type.type_id == type_id)
+            live.add(c[0], address, parent, type_id, profile)
+            held.add(c[1], address, parent, type_id, profile)
+            pooled.add(c[2], address, parent, type_id, profile)
+        vendor = [vf for vf in gpu.vfs if vf.nvidia is not None]
+        if not vendor:
+            continue
+        nv_vfs.add(len(vendor), address)
+        nv_typed.add(sum(1 for vf in vendor if vf.nvidia and vf.nvidia.current_type), address)
+        nv_held.add(sum(1 for vf in vendor if vf.used_by), address)
+        # type id -> its name, and its typed, held and creatable VFs.
+        type_names: dict[int, str] = {}
+        typed: dict[int, int] = {}
+        held_vfs: dict[int, int] = {}
+        free: dict[int, int] = {}
+        for vf in vendor:
+            nv = vf.nvidia
+            assert nv is not None
+            if nv.current_type:
+                tid = nv.current_type
+                if nv.current_name:
+                    type_names.setdefault(tid, nv.current_name)
+                typed[tid] = typed.get(tid, 0) + 1
+                held_vfs[tid] = held_vfs.get(tid, 0) + (vf.used_by is not None)
+            else:
+                for tid, name in nv.creatable.items():
+                    type_names.setdefault(tid, name)
+                    free[tid] = free.get(tid, 0) + 1
+        for tid in sorted({*typed, *free}):
+            vf_set = label_set(vf_labels, (address, str(tid), type_names.get(tid, str(tid))))
+            nv_type_typed.add_set(typed.get(tid, 0), vf_set)
+            nv_type_held.add_set(held_vfs.get(tid, 0), vf_set)
+            nv_type_creatable.add_set(free.get(tid, 0), vf_set)
+
+
+def _all_types(gpu: Gpu) -> list[MdevType]:
+    return [*gpu.mdev_types, *(t for vf in gpu.vfs for t in vf.mdev_types)]
+
+
+# -- gpulib's own records ---------------------------------------------------------------
+
+
+def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Inventory,
+                 config: Config) -> None:
+    from gpulib import mdev, pools
+    from gpulib.lifecycle import PENDING_GRACE_SECONDS, age_seconds, boot_clock
+
+    allocs = exp.family("gpulib_allocations", "gauge",
+                        "VMs holding devices, by the state of their allocation.", "state")
+    statuses = [a.status for a in state.allocations.values()]
+    for status in ("active", "pending"):
+        allocs.add(statuses.count(status), status)
+    boot_id, uptime = boot_clock(ctx)
+    ages = []
+    for a in state.allocations.values():
+        if a.status != "pending":
+            continue
+        if a.uptime is not None and a.boot_id is not None and a.boot_id == boot_id:
+            ages.append(max(uptime - a.uptime, 0.0))
+        else:
+            age = age_seconds(a.since)
+            ages.append(age if age != float("inf") else 0.0)
+    exp.family("gpulib_allocation_pending_oldest_age_seconds", "gauge",
+               "Age of the oldest pending allocation (0: none is pending)."
+               ).add(round(max(ages, default=0.0), 3))
+    exp.family("gpulib_allocation_pending_grace_seconds", "gauge",
+               "How long a pending allocation of a VM that does not run is kept."
+               ).add(PENDING_GRACE_SECONDS)
+    live = mdev.live_mdevs(ctx.sysfs)
+    exp.family("gpulib_stray_vgpus", "gauge",
+               "Live vGPUs gpulib has no record of and no VM holds."
+               ).add(len(inventory.occupancy.stray_mdevs(live, state.vgpus)))
+    members = exp.family("gpulib_pool_members", "gauge",
+                         "Members of the pool (vGPUs, or VFs given its type).", "pool")
+    held = exp.family("gpulib_pool_held_members", "gauge",
+                      "Members of the pool held by a VM.", "pool")
+    target = exp.family("gpulib_pool_target_members", "gauge",
+                        "Members the pool declares (gpulib.conf) on the parents it finds.",
+                        "pool")
+    holding = {d.id for a in state.allocations.values() for d in a.devices}
+    unmanaged = frozenset(state.unmanaged)
+    names = set(config.pools) | {r.pool for r in state.vgpus.values() if r.pool} | \
+        {r.pool for r in state.vf_types.values() if r.pool}
+    for name in sorted(n for n in names if n):
+        ids = [u for u, r in state.vgpus.items() if r.pool == name] + \
+            [a for a, vr in state.vf_types.items() if vr.pool == name]
+        members.add(len(ids), name)
+        held.add(sum(1 for i in ids if i in holding), name)
+        pool = config.pools.get(name)
+        if pool is None:
+            target.add(0, name)
+            continue
+        planned = pools.plan(pool, inventory, unmanaged)
+        found = {str(t.parent) for _, t in planned.mdev_parents} if planned.mdev_parents \
+            else {str(a) for _, a, _, _ in planned.vf_parents}
+        if pool.per_parent is not None:
+            target.add(pool.per_parent * len(found), name)
+        else:
+            target.add((pool.count or 0) if found else 0, name)
+
+
+def _state(exp: Exposition, ctx: Context, config: Config) -> State:
+    """The state file's health and age; the state as read (empty when unusable)."""
+    from gpulib.errors import GpulibError
+    from gpulib.lifecycle import open_store
+    from gpulib.state import State
+
+    store = open_store(ctx, config)
+    try:
+        state = store.load()
+        healthy = store.corrupt_reason is None
+    except GpulibError:
+        state, healthy = State(), False
+    exp.family("gpulib_state_healthy", "gauge",
+               "1 when gpulib's state file is missing or readable and valid, 0 when it is "
+               "corrupt, unreadable or from a newer gpulib.").add(1 if healthy else 0)
+    try:
+        mtime: Optional[float] = os.stat(ctx.state_path).st_mtime
+    except OSError:
+        mtime = None
+    last = exp.family("gpulib_state_last_write_timestamp_seconds", "gauge",
+                      "When gpulib's state file was last written (absent: no file yet).")
+    if mtime is not None:
+        last.add(round(mtime, 3))
+    exp.family("gpulib_state_intents", "gauge",
+               "Write-ahead intents in the state: sysfs changes of starts not yet settled."
+               ).add(len(state.intents))
+    return state
+
+
+def _readiness(exp: Exposition, ctx: Context, config: Config, inventory: Inventory) -> None:
+    from gpulib.doctor import CHECK_IDS, Doctor, worst
+
+    # The doctor reads the state file itself (its `state` check says what is
+    # wrong with it); the host's GPUs it is given, not read again.
+    report = Doctor(ctx, config, lock_timeout=0.5, inventory=inventory).run()
+    fam = exp.family("gpulib_readiness_check_status", "gauge",
+                     "The worst status of a gpulib doctor check: 0 ok, 1 warn, 2 fail.",
+                     "check")
+    by_check: dict[str, list[str]] = {}
+    for r in report.results:
+        by_check.setdefault(r.check, []).append(r.status)
+    for check in CHECK_IDS:
+        if check in by_check:
+            fam.add(STATUS_VALUES[worst(by_check[check])], check)
+
+
+def _counters(exp: Exposition, totals: dict[str, int]) -> None:
+    helps = {
+        "starts_prepared": "VM starts whose GPU devices a hook made ready.",
+        "starts_refused": "VM starts a hook refused, by the kind of reason.",
+        "vgpus_created": "vGPUs created (mdevs, and types set on NVIDIA vendor VFs).",
+        "vgpus_destroyed": "vGPUs destroyed (mdevs removed, NVIDIA vendor VF types cleared).",
+        "releases": "Allocations released: at a VM's stop, by gpulib reconcile, or by "
+                    "gpulib release.",
+    }
+    for name, spec in counters.COUNTERS.items():
+        fam = exp.family(f"gpulib_{name}_total", "counter", helps[name],
+                         *(label for label, _ in spec))
+        combos: list[tuple[str, ...]] = [()]
+        for _label, allowed in spec:
+            combos = [(*c, v) for c in combos for v in allowed]
+        for combo in combos:
+            key = " ".join([name, *(f"{label}={v}" for (label, _), v in zip(spec, combo))])
+            fam.add(totals.get(key, 0), *combo)
+
+
+def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
+    """Every gpulib metric of the host below ctx's root. `fold`: move the
+    hooks' counted events into the counters' totals file (else only read)."""
+    from gpulib.runtime import discover_host
+
+    exp = Exposition()
+    state = _state(exp, ctx, config)
+    inventory = discover_host(ctx, config, state=state, learn=False)
+    _gpus(exp, inventory, state)
+    _allocations(exp, ctx, state, inventory, config)
+    _readiness(exp, ctx, config, inventory)
+    _counters(exp, counters.fold(ctx.root) if fold else counters.read(ctx.root))
+    return exp
+
+
+def render(ctx: Context, config: Config, fold: bool = True) -> str:
+    return collect(ctx, config, fold).text()
+
+
+def write(path: str, text: str) -> None:
+    """Replace `path` with `text` atomically (temp file, fsync, rename): the
+    textfile collector reads the old file or the new one, never a part."""
+    from gpulib import atomicfile
+    from gpulib.errors import GpulibError
+
+    try:
+        atomicfile.write_atomic(path, text.encode("utf-8"), mode=0o644)
+    except OSError as exc:
+        raise GpulibError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -1,0 +1,897 @@
+"""`gpulib metrics`, the hooks' counters, the metrics timer and the alert rules.
+
+The output is checked by Prometheus' own tools where the machine has them
+(Debian's `prometheus` package: promtool; `prometheus-node-exporter`): the
+format by `promtool check metrics` on every simulated host, the alert rules
+by `promtool test rules` against series made from gpulib's output, and a
+real node exporter's textfile collector serves the file over HTTP before and
+after a VM started through the real hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpulib import counters, metrics
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.sim.fakehost import FakeHost
+from gpulib.sim.hosts import build_demo, build_large, build_pool64
+from gpulib.state import Allocation, Device, State, StateStore, VgpuRecord, dumps
+from tests.hookrun import BIN, STATE_CHANGE, as_agent, hook_env, mdev_xml
+from tests.hosts import a10_host, empty_host, healthy_host, t4_farm, t4_host, two_t4_host
+
+ROOT = Path(__file__).resolve().parent.parent
+ETC = ROOT / "etc"
+ALERTS = ETC / "prometheus" / "gpulib-alerts.yml"
+GPULIB = str(BIN / "gpulib")
+PROMTOOL = shutil.which("promtool")
+NODE_EXPORTER = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None,
+                                    reason="promtool (Debian package prometheus) is not "
+                                           "installed")
+needs_node_exporter = pytest.mark.skipif(
+    NODE_EXPORTER is None, reason="prometheus-node-exporter is not installed")
+
+T4 = "0000:3b:00.0"
+U1 = "11111111-2222-4333-8444-555555555555"
+U2 = "22222222-3333-4444-8555-666666666666"
+DOMAIN_UUID = "9f3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b"
+
+
+# -- reading the text format back (the test's own reader) -----------------------------------
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(?:,|$)')
+
+Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
+
+
+def parse(text: str) -> Series:
+    """Every sample of an exposition: (name, labels) -> value."""
+    out: Series = {}
+    for line in text.split("\n"):  # the format's one line end (a "\r" is a character)
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, line
+        labels: dict[str, str] = {}
+        if m.group(2):
+            pos = 0
+            body = m.group(2)
+            while pos < len(body):
+                lm = _LABEL.match(body, pos)
+                assert lm, line
+                labels[lm.group(1)] = _unescape(lm.group(2))
+                pos = lm.end()
+        key = (m.group(1), frozenset(labels.items()))
+        assert key not in out, f"duplicate series {line}"
+        out[key] = float(m.group(3))
+    return out
+
+
+def value(series: Series, name: str, **labels: str) -> float:
+    return series[(name, frozenset(labels.items()))]
+
+
+def matching(series: Series, name: str, **labels: str) -> dict[frozenset[tuple[str, str]],
+                                                               float]:
+    want = set(labels.items())
+    return {ls: v for (n, ls), v in series.items() if n == name and want <= ls}
+
+
+def run_metrics(root: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GPULIB, "metrics", *args], capture_output=True, text=True,
+                          env=hook_env(root), timeout=60)
+
+
+def scrape(root: str) -> Series:
+    r = run_metrics(root)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    return parse(r.stdout)
+
+
+def native(root: str) -> dict:  # type: ignore[type-arg]
+    r = subprocess.run([GPULIB, "discover", "--format", "json"], capture_output=True,
+                       text=True, env=hook_env(root), timeout=60, check=True)
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+# -- every simulated host -------------------------------------------------------------------
+
+HOSTS: dict[str, Callable[[str], FakeHost]] = {
+    "empty": empty_host,
+    "demo": lambda tmp: build_demo(os.path.join(tmp, "demo")),
+    "healthy": healthy_host,
+    "large": lambda tmp: build_large(os.path.join(tmp, "large")),
+    "pool64": lambda tmp: build_pool64(os.path.join(tmp, "pool64")),
+    "t4": lambda tmp: t4_host(tmp, live=(U1,)),
+    "a10": a10_host,
+    "t4-farm": t4_farm,
+    "two-t4": lambda tmp: two_t4_host(os.path.join(tmp, "host")),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Every simulated host, built once, with its metrics (the large one
+    takes a while)."""
+    out = {}
+    for name, build in HOSTS.items():
+        host = build(str(tmp_path_factory.mktemp(name)))
+        out[name] = host.root
+    return out
+
+
+@needs_promtool
+@pytest.mark.parametrize("name", sorted(HOSTS))
+def test_promtool_accepts_every_simulated_host(built: dict[str, str], name: str) -> None:
+    r = run_metrics(built[name])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert PROMTOOL is not None
+    check = subprocess.run([PROMTOOL, "check", "metrics"], input=r.stdout, capture_output=True,
+                           text=True, timeout=60)
+    # promtool prints its lint findings (naming, units, HELP) and exits 1 on any.
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.strip() == "" and check.stderr.strip() == ""
+
+
+@pytest.mark.parametrize("name", sorted(HOSTS))
+def test_metrics_agree_with_discovery(built: dict[str, str], name: str) -> None:
+    """The same model as `gpulib discover`: its GPUs, their types' instances
+    left, the vGPUs per parent and type and their users, the vendor VFs."""
+    root = built[name]
+    series = scrape(root)
+    doc = native(root)
+    gpus = {g["address"]: g for g in doc["gpus"]}
+    info = matching(series, "gpulib_gpu_info")
+    assert {dict(ls)["gpu"] for ls in info} == set(gpus)
+    for ls in info:
+        labels = dict(ls)
+        g = gpus[labels["gpu"]]
+        assert (labels["vendor_id"], labels["device_id"], labels["mode"], labels["numa_node"]) \
+            == (g["vendor_id"], g["device_id"], g["mode"], str(g["numa_node"]))
+        assert labels["device"] == g["device"] and labels["driver"] == (g["driver"] or "")
+    creatable = {(dict(ls)["parent"], dict(ls)["type"]): v
+                 for ls, v in matching(series, "gpulib_vgpu_creatable_instances").items()}
+    assert creatable == {(t["parent"], t["type_id"]): t["available_instances"]
+                         for g in doc["gpus"] for t in g["mdev_types"]
+                         if t["available_instances"] is not None}
+    for kind, pick in (("live", lambda v: v["live"]),
+                       ("held", lambda v: v["used_by"] is not None)):
+        want: dict[tuple[str, str], int] = {}
+        for g in doc["gpus"]:
+            for v in g["vgpus"]:
+                key = (v["parent"], v["type_id"])
+                want[key] = want.get(key, 0) + bool(pick(v))
+        got = {(dict(ls)["parent"], dict(ls)["type"]): v
+               for ls, v in matching(series, f"gpulib_vgpu_{kind}_instances").items()}
+        assert got == want, kind
+    for g in doc["gpus"]:
+        vendor = [vf for vf in g["vfs"] if vf["nvidia"] is not None]
+        if not vendor:
+            assert not matching(series, "gpulib_nvidia_vfs", gpu=g["address"])
+            continue
+        assert value(series, "gpulib_nvidia_vfs", gpu=g["address"]) == len(vendor)
+        assert value(series, "gpulib_nvidia_vfs_typed", gpu=g["address"]) == \
+            sum(1 for vf in vendor if vf["nvidia"]["current_type"])
+        assert value(series, "gpulib_nvidia_vfs_held", gpu=g["address"]) == \
+            sum(1 for vf in vendor if vf["used_by"])
+        free = matching(series, "gpulib_nvidia_vf_type_creatable_vfs", gpu=g["address"])
+        for ls, n in free.items():
+            tid = dict(ls)["type"]
+            assert n == sum(1 for vf in vendor if not vf["nvidia"]["current_type"]
+                            and tid in vf["nvidia"]["creatable"])
+    # Every doctor check has its series.
+    from gpulib.doctor import CHECK_IDS
+
+    checks = {dict(ls)["check"]: v
+              for ls, v in matching(series, "gpulib_readiness_check_status").items()}
+    assert set(checks) == set(CHECK_IDS) and set(checks.values()) <= {0, 1, 2}
+
+
+def test_readiness_is_the_doctors_report(built: dict[str, str]) -> None:
+    root = built["healthy"]
+    series = scrape(root)
+    r = subprocess.run([GPULIB, "doctor", "--json"], capture_output=True, text=True,
+                       env=hook_env(root), timeout=60)
+    summary = json.loads(r.stdout)["summary"]
+    got = {dict(ls)["check"]: v
+           for ls, v in matching(series, "gpulib_readiness_check_status").items()}
+    assert got == {c: {"ok": 0, "warn": 1, "fail": 2}[s] for c, s in summary.items()}
+
+
+def test_a_gpu_held_whole_and_a_gpu_whose_vgpu_is_held(tmp_path: Path) -> None:
+    """In use means held whole: the VM of one of a GPU's VFs keeps the GPU
+    from being given whole (discovery's used_by names it) but does not hold
+    the GPU itself. Offered whole is the CloudStack report's `enabled`."""
+    host = build_demo(str(tmp_path / "demo"))
+    series = scrape(host.root)
+    doc = native(host.root)
+    vf_user = next(g for g in doc["gpus"] if g["address"] == "0000:82:00.0")
+    assert vf_user["used_by"] == "i-4-20-VM" and vf_user["mode"] == "nvidia-vf"
+    assert {dict(ls)["gpu"]: v for ls, v in matching(series, "gpulib_gpu_in_use").items()} \
+        == {g["address"]: 0 for g in doc["gpus"]}
+    r = subprocess.run([GPULIB, "discover", "--format", "cloudstack"], capture_output=True,
+                       text=True, env=hook_env(host.root), check=True)
+    enabled = {g["pci_address"]: g["full_passthrough"]["enabled"]
+               for g in json.loads(r.stdout)["gpus"]}
+    offered = {dict(ls)["gpu"]: v
+               for ls, v in matching(series, "gpulib_gpu_whole_offered").items()}
+    assert {a[5:] if a.startswith("0000:") else a: v for a, v in offered.items()} == enabled
+    # A passthrough GPU given to a running VM is in use.
+    host.add_running_domain("i-9-9-VM", "7a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b",
+                            pci=("0000:3b:00.0",))
+    assert value(scrape(host.root), "gpulib_gpu_in_use", gpu="0000:3b:00.0") == 1
+
+
+def two_allocations(pool_members: tuple[str, ...]) -> State:
+    """U1 held by a pending allocation made long ago (the wall clock decides:
+    no boot clock), U2 by an active one; `pool_members` in pool t4."""
+    state = State()
+    for uuid in pool_members:
+        state.vgpus[uuid] = VgpuRecord(T4, "nvidia-232", pool="t4")
+    state.allocations["i-1-1-VM"] = Allocation("i-1-1-VM", status="pending",
+                                               since="2020-01-01T00:00:00Z",
+                                               devices=[Device("mdev", U1)])
+    state.allocations["i-1-2-VM"] = Allocation("i-1-2-VM", status="active",
+                                               devices=[Device("mdev", U2)])
+    return state
+
+
+def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
+    host = t4_host(str(tmp_path), live=(U1, U2))
+    root = host.root
+    series = scrape(root)
+    # Two live vGPUs gpulib has no record of, used by nobody: stray.
+    assert value(series, "gpulib_stray_vgpus") == 2
+    assert value(series, "gpulib_allocations", state="pending") == 0
+    assert value(series, "gpulib_allocation_pending_oldest_age_seconds") == 0
+    assert value(series, "gpulib_state_healthy") == 1
+    assert not matching(series, "gpulib_state_last_write_timestamp_seconds")
+    # A pending allocation made long ago and an active one; the registry
+    # knows U1 as a pool member.
+    state = two_allocations(pool_members=(U1,))
+    os.makedirs(os.path.join(root, "var/lib/gpulib"), exist_ok=True)
+    Path(root, "var/lib/gpulib/state.json").write_text(dumps(state))
+    os.makedirs(os.path.join(root, "etc/gpulib"), exist_ok=True)
+    Path(root, "etc/gpulib/gpulib.conf").write_text(
+        f"[pool t4]\nparents = {T4}\ntype = nvidia-232\ncount = 3\n")
+    before = time.time()
+    series = scrape(root)
+    assert value(series, "gpulib_stray_vgpus") == 0
+    assert value(series, "gpulib_allocations", state="pending") == 1
+    assert value(series, "gpulib_allocations", state="active") == 1
+    assert value(series, "gpulib_allocation_pending_oldest_age_seconds") >= \
+        before - 1577836800
+    assert value(series, "gpulib_pool_members", pool="t4") == 1
+    assert value(series, "gpulib_pool_held_members", pool="t4") == 1
+    assert value(series, "gpulib_pool_target_members", pool="t4") == 3
+    assert value(series, "gpulib_vgpu_pool_instances", gpu=T4, parent=T4, type="nvidia-232",
+                 profile="GRID T4-4Q") == 1
+    mtime = os.stat(os.path.join(root, "var/lib/gpulib/state.json")).st_mtime
+    assert value(series, "gpulib_state_last_write_timestamp_seconds") == pytest.approx(
+        mtime, abs=0.01)
+    # A damaged state file: unhealthy, the doctor's state check fails, the
+    # host's GPUs are still reported.
+    Path(root, "var/lib/gpulib/state.json").write_text("{not json")
+    series = scrape(root)
+    assert value(series, "gpulib_state_healthy") == 0
+    assert value(series, "gpulib_readiness_check_status", check="state") == 2
+    assert matching(series, "gpulib_gpu_info", gpu=T4)
+    Path(root, "var/lib/gpulib/state.json").write_text('{"version": 99}')
+    assert value(scrape(root), "gpulib_state_healthy") == 0
+
+
+@needs_promtool
+def test_unreadable_files_cost_only_their_own_series(tmp_path: Path) -> None:
+    """A type's `available_instances` failing with EIO, a VF's vGPU state
+    unreadable: the rest is reported, the output still valid."""
+    from gpulib.sim import faults
+
+    host = build_demo(str(tmp_path / "demo"))
+    t4_types = "sys/bus/pci/devices/0000:af:00.0/mdev_supported_types"
+    faults.inject(host.root, f"{t4_types}/nvidia-232/available_instances", "eio")
+    faults.inject(host.root, "sys/bus/pci/devices/0000:41:00.4/nvidia/current_vgpu_type",
+                  "eio")
+    r = run_metrics(host.root)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    series = parse(r.stdout)
+    left = {dict(ls)["type"] for ls in matching(series, "gpulib_vgpu_creatable_instances",
+                                                gpu="0000:af:00.0")}
+    assert "nvidia-232" not in left and "nvidia-231" in left
+    assert value(series, "gpulib_gpu_read_errors", gpu="0000:41:00.0") >= 1
+    assert PROMTOOL is not None
+    check = subprocess.run([PROMTOOL, "check", "metrics"], input=r.stdout,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_label_values_are_escaped(tmp_path: Path) -> None:
+    """A device name with quotes and backslashes (pci.ids has some) stays one label."""
+    host = empty_host(str(tmp_path))
+    name = 'GPU "X" \\ 2\nnext'
+    host.add_function("0000:3b:00.0", 0x10DE, 0x1EB8, 0x030200, driver="vfio-pci",
+                      iommu_group=host.new_iommu_group(), numa_node=0,
+                      vendor_name="NVIDIA Corporation", device_name=name)
+    series = scrape(host.root)
+    (labels,) = matching(series, "gpulib_gpu_info")
+    assert dict(labels)["device"] in (name, name.split("\n")[0])
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_label_escaping_reads_back(text: str) -> None:
+    fam = metrics.Family("gpulib_x_info", "gauge", "x", "v")
+    fam.add(1, text)
+    lines = list(fam.lines())
+    assert len(lines) == 3  # HELP, TYPE, one sample: no newline survives unescaped
+    assert parse("\n".join(lines)) == {("gpulib_x_info", frozenset({("v", text)})): 1.0}
+
+
+# -- output file, errors, the CLI ----------------------------------------------------------
+
+
+def test_output_replaces_the_file_atomically(tmp_path: Path) -> None:
+    host = t4_host(str(tmp_path), live=(U1,))
+    out_dir = tmp_path / "textfile"
+    out_dir.mkdir()
+    target = out_dir / "gpulib.prom"
+    target.write_text("old\n")
+    inode = target.stat().st_ino
+    r = run_metrics(host.root, "--output", str(target))
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
+    assert os.listdir(out_dir) == ["gpulib.prom"]  # no temp file left
+    assert target.stat().st_ino != inode  # renamed over, never rewritten in place
+    assert oct(target.stat().st_mode & 0o777) == oct(0o644)
+    assert parse(target.read_text()) == scrape(host.root) | {
+        k: v for k, v in parse(target.read_text()).items()
+        if k[0] == "gpulib_state_last_write_timestamp_seconds"}
+    r = run_metrics(host.root, f"--output={out_dir / 'other.prom'}")
+    assert r.returncode == 0 and (out_dir / "other.prom").exists()
+
+
+def test_output_into_a_missing_directory_is_one_line(tmp_path: Path) -> None:
+    host = t4_host(str(tmp_path))
+    r = run_metrics(host.root, "--output", str(tmp_path / "nowhere" / "gpulib.prom"))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("gpulib: error: cannot write ") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_help_and_bad_options_go_through_click(tmp_path: Path) -> None:
+    host = t4_host(str(tmp_path))
+    r = run_metrics(host.root, "--help")
+    assert r.returncode == 0 and "--output" in r.stdout and "Prometheus" in r.stdout
+    r = run_metrics(host.root, "--bogus")
+    assert r.returncode == 2 and r.stderr.startswith("gpulib: error:")
+
+
+def test_plain_forms_are_served_without_click() -> None:
+    from gpulib.cli import metrics as cli_metrics
+
+    assert cli_metrics.parse_args(["metrics"]) == (0, None)
+    assert cli_metrics.parse_args(["-vv", "metrics", "-o", "f.prom"]) == (2, "f.prom")
+    assert cli_metrics.parse_args(["metrics", "--output=f.prom"]) == (0, "f.prom")
+    for args in (["metrics", "--help"], ["metrics", "--output"], ["metrics", "-o", "-x"],
+                 ["discover"], ["metrics", "extra"], ["-x", "metrics"]):
+        assert cli_metrics.parse_args(args) is None, args
+    r = subprocess.run([sys.executable, "-c",
+                        "import sys; from gpulib.cli import main; main(['metrics']); "
+                        "sys.stderr.write(str('click' in sys.modules))"],
+                       capture_output=True, text=True, timeout=60,
+                       env=hook_env(str(ROOT / "tests" / "data" / "no-such-root")))
+    assert r.stderr.endswith("False"), r.stderr
+
+
+# -- the hooks' counters -------------------------------------------------------------------
+
+
+def totals(root: str) -> dict[str, float]:
+    series = scrape(root)
+    out = {}
+    for (name, labels), v in series.items():
+        if name.endswith("_total"):
+            out[name + "".join(f" {k}={val}" for k, val in sorted(labels))] = v
+    return out
+
+
+def test_counters_start_at_zero_for_every_label_value(tmp_path: Path) -> None:
+    t = totals(t4_host(str(tmp_path)).root)
+    expected = 0
+    for spec in counters.COUNTERS.values():
+        n = 1
+        for _label, allowed in spec:
+            n *= len(allowed)
+        expected += n
+    assert len(t) == expected and set(t.values()) == {0}
+
+
+def test_hooks_count_what_they_did(tmp_path: Path) -> None:
+    """A start prepared, a start refused (the vGPU is another VM's), a vGPU
+    the CLI created, a stop: each counted once, through the real executables."""
+    host = t4_host(str(tmp_path))
+    root = host.root
+    made = subprocess.run([GPULIB, "mdev", "create", "--parent", T4, "--type", "nvidia-232"],
+                          capture_output=True, text=True, env=hook_env(root), check=True)
+    uuid = made.stdout.strip()
+    r = as_agent(root, mdev_xml("i-2-10-VM", DOMAIN_UUID, uuid))
+    assert r.returncode == 0, r.stdout
+    other = mdev_xml("i-2-11-VM", "0f3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b", uuid)
+    r = as_agent(root, other)
+    assert r.returncode == 1 and b"in use" in r.stdout
+    assert subprocess.run([STATE_CHANGE, "onStart", "i-2-10-VM"], env=hook_env(root)
+                          ).returncode == 0
+    t = totals(root)
+    assert t["gpulib_starts_prepared_total hook=transformer"] == 1
+    assert t["gpulib_starts_refused_total hook=transformer reason=device"] == 1
+    assert t["gpulib_vgpus_created_total kind=mdev"] == 1
+    assert t["gpulib_releases_total by=stop"] == 0
+    assert subprocess.run([STATE_CHANGE, "onStop", "i-2-10-VM"], env=hook_env(root)
+                          ).returncode == 0
+    # A second stop releases nothing: not counted.
+    assert subprocess.run([STATE_CHANGE, "onStop", "i-2-10-VM"], env=hook_env(root)
+                          ).returncode == 0
+    r = subprocess.run([GPULIB, "mdev", "remove", uuid], capture_output=True,
+                       env=hook_env(root))
+    assert r.returncode == 0, r.stderr
+    t = totals(root)
+    assert t["gpulib_releases_total by=stop"] == 1
+    assert t["gpulib_vgpus_destroyed_total kind=mdev"] == 1
+    assert sum(t.values()) == 5
+
+
+def test_nvidia_vf_types_count_as_vgpus(tmp_path: Path) -> None:
+    host = a10_host(str(tmp_path), numvfs=2)
+    root = host.root
+    vf = "0000:41:00.4"
+    for args in (["vf", "set-type", vf, "NVIDIA A10-4Q"], ["vf", "clear", vf]):
+        r = subprocess.run([GPULIB, *args], capture_output=True, text=True,
+                           env=hook_env(root))
+        assert r.returncode == 0, r.stderr
+    t = totals(root)
+    assert t["gpulib_vgpus_created_total kind=vf"] == 1
+    assert t["gpulib_vgpus_destroyed_total kind=vf"] == 1
+
+
+def test_no_gpu_start_writes_nothing(tmp_path: Path) -> None:
+    host = t4_host(str(tmp_path))
+    xml = (ROOT / "tests" / "data" / "cloudstack-xml" / "no-gpu.xml").read_text()
+    r = as_agent(host.root, xml)
+    assert r.returncode == 0
+    assert not os.path.exists(os.path.join(host.root, counters.EVENTS_FILE))
+    assert not os.path.exists(os.path.join(host.root, "var/lib/gpulib"))
+
+
+def test_a_hook_never_imports_the_metrics(tmp_path: Path) -> None:
+    """The counters are written by a module of their own; the renderer, the
+    doctor and pools stay out of every hook."""
+    host = t4_host(str(tmp_path))
+    made = subprocess.run([GPULIB, "mdev", "create", "--parent", T4, "--type", "nvidia-232"],
+                          capture_output=True, text=True, env=hook_env(host.root), check=True)
+    xml = mdev_xml("i-2-10-VM", DOMAIN_UUID, made.stdout.strip())
+    code = ("import sys; from gpulib.hooks.transformer import main; "
+            f"rc = main(['t', 'transform', {xml!r}]); "
+            "sys.stderr.write(repr((rc, sorted(m for m in sys.modules "
+            "if m.startswith(('gpulib.metrics', 'gpulib.doctor', 'gpulib.pools', 'click'))))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=hook_env(host.root), timeout=60)
+    assert r.stderr.endswith("(0, [])"), r.stderr
+
+
+def test_counter_file_is_folded_and_rotated(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    for _ in range(3):
+        counters.note(root, "starts_prepared", hook="qemu")
+    counters.note(root, "releases", times=2, by="stop")
+    counters.note(root, "releases", times=0, by="stop")
+    key = "starts_prepared hook=qemu"
+    assert counters.read(root) == {key: 3, "releases by=stop": 2}
+    assert counters.fold(root) == {key: 3, "releases by=stop": 2}
+    # Nothing new: the totals file is not written again.
+    totals_file = os.path.join(root, counters.TOTALS_FILE)
+    inode = os.stat(totals_file).st_ino
+    assert counters.fold(root)[key] == 3 and os.stat(totals_file).st_ino == inode
+    # Folded once: the same events are not counted again, new ones are.
+    counters.note(root, "starts_prepared", hook="qemu")
+    assert counters.read(root)[key] == 4
+    assert counters.fold(root)[key] == 4 and counters.fold(root)[key] == 4
+    # A long event file is rotated; a late write into the rotated file (a hook
+    # that opened it just before) still counts; it goes once folded and old.
+    line = counters.event_line("starts_prepared", hook="qemu").encode()
+    events = os.path.join(root, counters.EVENTS_FILE)
+    n = counters.ROTATE_BYTES // len(line) + 1
+    with open(events, "ab") as fh:
+        fh.write(line * n)
+    assert counters.fold(root)[key] == 4 + n
+    rotated = os.path.join(root, counters.ROTATED_FILE)
+    assert os.path.exists(rotated) and not os.path.exists(events)
+    with open(rotated, "ab") as fh:
+        fh.write(line)
+    counters.note(root, "starts_prepared", hook="qemu")
+    assert counters.read(root)[key] == 6 + n
+    assert counters.fold(root)[key] == 6 + n and os.path.exists(rotated)
+    assert counters.fold(root, now=time.time() + counters.ROTATED_KEEP_SECONDS + 1)[key] == \
+        6 + n
+    assert not os.path.exists(rotated)
+    assert counters.fold(root)[key] == 6 + n
+    # A torn last line is left for later; a garbage line is skipped.
+    with open(events, "ab") as fh:
+        fh.write(b"garbage line\n\xff\xfe\nstarts_prepared hook=qemu")
+    assert counters.fold(root)[key] == 6 + n
+    with open(events, "ab") as fh:
+        fh.write(b"\n")
+    assert counters.fold(root)[key] == 7 + n
+    # The totals file lost: a reset, never an error (what the event file
+    # still holds counts again: the note after the rotation and the line
+    # completed above).
+    os.unlink(os.path.join(root, counters.TOTALS_FILE))
+    assert counters.read(root)[key] == 2
+
+
+def test_counting_never_fails_the_caller(tmp_path: Path) -> None:
+    Path(tmp_path, "var").write_text("a file where a directory should be")
+    counters.note(str(tmp_path), "starts_prepared", hook="qemu")  # no exception
+    assert counters.read(str(tmp_path)) == {}
+    with pytest.raises(ValueError):
+        counters.event_line("starts_prepared", hook="nonsense")
+    with pytest.raises(ValueError):
+        counters.event_line("starts_prepared")
+
+
+def test_concurrent_appends_are_all_counted(tmp_path: Path) -> None:
+    code = ("import sys; from gpulib import counters\n"
+            "for _ in range(200): counters.note(sys.argv[1], 'vgpus_created', kind='mdev')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)]) for _ in range(8)]
+    folds = []
+    while any(p.poll() is None for p in procs):
+        folds.append(counters.fold(str(tmp_path)).get("vgpus_created kind=mdev", 0))
+        time.sleep(0.01)
+    assert all(p.wait() == 0 for p in procs)
+    assert folds == sorted(folds)  # a counter never goes back
+    assert counters.fold(str(tmp_path))["vgpus_created kind=mdev"] == 1600
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_event_parser_takes_any_bytes(data: bytes) -> None:
+    counts: dict[str, int] = {}
+    used = counters.count_lines(data, counts)
+    assert used == data.rfind(b"\n") + 1
+    for key, n in counts.items():
+        assert n > 0 and counters.parse_line(key) == key
+
+
+@given(st.sampled_from(sorted(counters.COUNTERS)), st.data())
+@settings(max_examples=100, deadline=None)
+def test_event_lines_read_back(name: str, data: st.DataObject) -> None:
+    labels = {label: data.draw(st.sampled_from(allowed))
+              for label, allowed in counters.COUNTERS[name]}
+    line = counters.event_line(name, **labels)
+    counts: dict[str, int] = {}
+    assert counters.count_lines(line.encode() * 3, counts) == 3 * len(line)
+    assert counts == {line[:-1]: 3}
+    assert counters.labels_of(line[:-1]) == (name, labels)
+
+
+# -- the systemd units and the packaging ----------------------------------------------------
+
+
+def unit(name: str) -> dict[tuple[str, str], list[str]]:
+    out: dict[tuple[str, str], list[str]] = {}
+    section = ""
+    for line in (ETC / "systemd" / name).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, val = line.partition("=")
+        out.setdefault((section, key), []).append(val)
+    return out
+
+
+def test_timer_and_service() -> None:
+    service = unit("gpulib-metrics.service")
+    timer = unit("gpulib-metrics.timer")
+    assert service[("Service", "Type")] == ["oneshot"]
+    assert service[("Service", "Environment")] == [
+        "GPULIB_METRICS_OUTPUT=/var/lib/prometheus/node-exporter/gpulib.prom"]
+    assert service[("Service", "ExecStart")] == [
+        "/usr/bin/gpulib metrics --output ${GPULIB_METRICS_OUTPUT}"]
+    assert ("Install", "WantedBy") not in service  # started by its timer only
+    assert timer[("Timer", "OnUnitActiveSec")] == ["1min"]
+    assert timer[("Install", "WantedBy")] == ["timers.target"]
+    preset = (ETC / "systemd" / "50-gpulib.preset").read_text().splitlines()
+    assert "disable gpulib-metrics.timer" in preset
+    rules = (ROOT / "packaging" / "debian" / "rules").read_text()
+    assert "gpulib-metrics.timer" in rules and "gpulib-metrics.service" in rules
+    spec = (ROOT / "packaging" / "rpm" / "gpulib.spec").read_text()
+    for name in ("gpulib-metrics.service", "gpulib-metrics.timer"):
+        assert f"%{{_unitdir}}/{name}" in spec.split("%files", 1)[1]
+    assert "etc/prometheus/gpulib-alerts.yml" in \
+        (ROOT / "packaging" / "debian" / "gpulib.examples").read_text().split()
+    assert "%{_docdir}/gpulib/examples/gpulib-alerts.yml" in spec.split("%files", 1)[1]
+
+
+def test_service_condition_skips_without_a_textfile_directory(tmp_path: Path) -> None:
+    (condition,) = unit("gpulib-metrics.service")[("Service", "ExecCondition")]
+    argv = ["/bin/sh", "-c", condition.split("-c ", 1)[1].strip("'")]
+    for target, code in ((tmp_path / "gpulib.prom", 0), (tmp_path / "no" / "gpulib.prom", 1)):
+        env = dict(os.environ, GPULIB_METRICS_OUTPUT=str(target))
+        assert subprocess.run(argv, env=env).returncode == code
+
+
+def timer_refresh(root: str, output: Path) -> None:
+    """What gpulib-metrics.service runs, from the unit's own ExecStart."""
+    (command,) = unit("gpulib-metrics.service")[("Service", "ExecStart")]
+    argv = [GPULIB if word == "/usr/bin/gpulib" else
+            str(output) if word == "${GPULIB_METRICS_OUTPUT}" else word
+            for word in command.split()]
+    r = subprocess.run(argv, capture_output=True, text=True, env=hook_env(root), timeout=60)
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stderr
+
+
+# -- a real node exporter ------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def node_exporter(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A node exporter with only its textfile collector, on a free loopback
+    port, reading a temporary directory: (directory, metrics URL)."""
+    assert NODE_EXPORTER is not None
+    textfile = tmp_path / "textfile"
+    textfile.mkdir()
+    for _ in range(5):
+        port = free_port()
+        proc = subprocess.Popen(
+            [NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}",
+             "--collector.disable-defaults", "--collector.textfile",
+             f"--collector.textfile.directory={textfile}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        url = f"http://127.0.0.1:{port}/metrics"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(url, timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.05)
+        if proc.poll() is None:
+            break
+        proc.wait()  # the port was taken meanwhile: another one
+    else:
+        pytest.fail("the node exporter did not start")
+    try:
+        yield textfile, url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def scrape_http(url: str) -> Series:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return parse(text)
+
+
+@needs_node_exporter
+def test_node_exporter_serves_the_metrics_before_and_after_a_start(
+        tmp_path: Path, node_exporter: tuple[Path, str]) -> None:
+    textfile, url = node_exporter
+    host = t4_host(str(tmp_path))
+    root = host.root
+    labels = {"gpu": T4, "parent": T4, "type": "nvidia-232", "profile": "GRID T4-4Q"}
+    avail = Path(root, f"sys/bus/pci/devices/{T4}/mdev_supported_types/nvidia-232/"
+                       "available_instances")
+    made = subprocess.run([GPULIB, "mdev", "create", "--parent", T4, "--type", "nvidia-232"],
+                          capture_output=True, text=True, env=hook_env(root), check=True)
+    uuid = made.stdout.strip()
+    r = run_metrics(root, "--output", str(textfile / "gpulib.prom"))
+    assert r.returncode == 0, r.stderr
+    before = scrape_http(url)
+    assert value(before, "node_textfile_scrape_error") == 0
+    assert value(before, "gpulib_vgpu_creatable_instances", **labels) == \
+        int(avail.read_text()) == 3
+    assert value(before, "gpulib_vgpu_live_instances", **labels) == 1
+    assert value(before, "gpulib_vgpu_held_instances", **labels) == 0
+    assert value(before, "gpulib_allocations", state="active") == 0
+    assert value(before, "gpulib_starts_prepared_total", hook="transformer") == 0
+    assert value(before, "gpulib_vgpus_created_total", kind="mdev") == 1
+    mtimes = matching(before, "node_textfile_mtime_seconds")
+    assert [dict(ls)["file"].endswith("gpulib.prom") for ls in mtimes] == [True]
+    # A VM starts through the real hooks (the agent's transformer, the VM
+    # runs, onStart), then the timer's service refreshes the file.
+    assert as_agent(root, mdev_xml("i-2-10-VM", DOMAIN_UUID, uuid)).returncode == 0
+    host.add_running_domain("i-2-10-VM", DOMAIN_UUID, mdevs=(uuid,))
+    assert subprocess.run([STATE_CHANGE, "onStart", "i-2-10-VM"], env=hook_env(root)
+                          ).returncode == 0
+    timer_refresh(root, textfile / "gpulib.prom")
+    after = scrape_http(url)
+    assert value(after, "gpulib_vgpu_held_instances", **labels) == 1
+    assert value(after, "gpulib_vgpu_creatable_instances", **labels) == \
+        int(avail.read_text()) == 3
+    assert value(after, "gpulib_allocations", state="active") == 1
+    assert value(after, "gpulib_allocations", state="pending") == 0
+    assert value(after, "gpulib_starts_prepared_total", hook="transformer") == 1
+    assert value(after, "gpulib_stray_vgpus") == 0
+    assert os.listdir(textfile) == ["gpulib.prom"]
+
+
+# -- the alert rules -----------------------------------------------------------------------
+
+
+def input_series(series: Series, instance: str = "gpu-host-1") -> list[dict[str, str]]:
+    """gpulib's samples as promtool's input series, constant for an hour."""
+    out = []
+    for (name, labels), v in sorted(series.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1]))):
+        if name.endswith("_total"):
+            continue
+        all_labels = dict(labels, instance=instance, job="node")
+        text = ",".join(f'{k}="{val}"' for k, val in sorted(all_labels.items())
+                        if "\\" not in val and '"' not in val and "\n" not in val)
+        out.append({"series": f"{name}{{{text}}}", "values": f"{v:g}+0x60"})
+    return out
+
+
+def without_annotations(text: str) -> str:
+    """The rules file with every rule's `annotations:` block left out."""
+    out: list[str] = []
+    skip: Optional[int] = None
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if skip is not None and (indent > skip or not line.strip()):
+            continue
+        skip = None
+        if line.strip() == "annotations:":
+            skip = indent
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def rule_test(tmp_path: Path, series: Series, expect: dict[str, list[dict[str, str]]],
+              extra: Optional[list[dict[str, str]]] = None) -> None:
+    """Run promtool test rules: every alert of the file evaluated after 40
+    minutes; `expect`: alert name -> the label sets it fires with (every
+    other alert must not fire). Annotations are left out of the comparison
+    (the copy tested has none); promtool check rules checks their templates."""
+    text = ALERTS.read_text()
+    names = re.findall(r"^\s*- alert: (\S+)$", text, re.M)
+    (tmp_path / "rules.yml").write_text(without_annotations(text))
+    # JSON is YAML: promtool reads the test file as it is written here.
+    tests = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": input_series(series) + (extra or []),
+        "alert_rule_test": [{"eval_time": "40m", "alertname": name,
+                             "exp_alerts": [{"exp_labels": labels}
+                                            for labels in expect.get(name, [])]}
+                            for name in names],
+    }]}
+    assert set(expect) <= set(names)
+    (tmp_path / "tests.yml").write_text(json.dumps(tests, indent=1))
+    assert PROMTOOL is not None
+    r = subprocess.run([PROMTOOL, "test", "rules", "tests.yml"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_promtool
+def test_alert_rules_are_valid() -> None:
+    assert PROMTOOL is not None
+    r = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _base(severity: str, **labels: str) -> dict[str, str]:
+    return dict(labels, instance="gpu-host-1", job="node", severity=severity)
+
+
+def _failing_checks(series: Series) -> list[dict[str, str]]:
+    return [_base("critical", check=dict(ls)["check"])
+            for ls, v in matching(series, "gpulib_readiness_check_status").items() if v == 2]
+
+
+@needs_promtool
+def test_alert_rules_on_a_healthy_host_fire_nothing_but_its_failing_checks(
+        tmp_path: Path) -> None:
+    host = healthy_host(str(tmp_path))
+    # The demo's one stray vGPU (the one `gpulib reconcile` reports) removed.
+    assert value(scrape(host.root), "gpulib_stray_vgpus") == 1
+    r = subprocess.run([GPULIB, "mdev", "remove", "3f0d5c4e-8a2b-4c1d-9e6f-7a8b9c0d1e2f"],
+                       capture_output=True, text=True, env=hook_env(host.root))
+    assert r.returncode == 0, r.stderr
+    series = scrape(host.root)
+    assert value(series, "gpulib_stray_vgpus") == 0
+    rule_test(tmp_path, series, {"GpulibReadinessCheckFailing": _failing_checks(series)})
+
+
+@needs_promtool
+def test_alert_rules_fire_on_gpulib_output(tmp_path: Path) -> None:
+    """A type with no instance left, stray vGPUs, a stuck pending
+    allocation, a damaged state file, a full pool, stale metrics."""
+    # GRID T4-4Q: 4 per T4. All four live: the type is exhausted; two are
+    # strays (nobody holds them, gpulib has no record).
+    uuids = (U1, U2, "33333333-4444-4555-8666-777777777777",
+             "44444444-5555-4666-8777-888888888888")
+    host = t4_host(str(tmp_path / "h"), live=uuids)
+    root = host.root
+    state = two_allocations(pool_members=(U1, U2))
+    store = StateStore(os.path.join(root, "var/lib/gpulib/state.json"),
+                       os.path.join(root, "var/lib/gpulib/state.lock"))
+    with store.transaction() as st_:
+        st_.assign(state)
+    series = scrape(root)
+    assert value(series, "gpulib_stray_vgpus") == 2
+    stale = [{"series": 'node_textfile_mtime_seconds{file="/var/lib/prometheus/node-exporter/'
+                        'gpulib.prom",instance="gpu-host-1",job="node"}',
+              "values": "0+0x60"}]
+    expect = {
+        "GpulibVgpuTypeExhausted": [_base("warning", type="nvidia-232",
+                                          profile="GRID T4-4Q")],
+        "GpulibStrayVgpus": [_base("warning")],
+        "GpulibPendingAllocationStuck": [_base("warning")],
+        "GpulibPoolExhausted": [_base("warning", pool="t4")],
+        "GpulibMetricsStale": [_base("warning", file="/var/lib/prometheus/node-exporter/"
+                                                     "gpulib.prom")],
+        "GpulibReadinessCheckFailing": _failing_checks(series),
+    }
+    rule_test(tmp_path, series, expect, stale)
+    # The state file damaged: its alert, and the doctor's state check fails.
+    Path(root, "var/lib/gpulib/state.json").write_text("{")
+    series = scrape(root)
+    (tmp_path / "damaged").mkdir()
+    failing = _failing_checks(series)
+    assert _base("critical", check="state") in failing
+    rule_test(tmp_path / "damaged", series, {
+        "GpulibStateFileDamaged": [_base("critical")],
+        "GpulibReadinessCheckFailing": failing,
+        "GpulibVgpuTypeExhausted": expect["GpulibVgpuTypeExhausted"],
+        "GpulibStrayVgpus": [_base("warning")],
+    })
+
+
+def test_large_host_metrics_cover_every_parent_and_type(built: dict[str, str]) -> None:
+    """The large host (8 GPUs x 16 VFs x 24 types, 64 VMs): one creatable
+    series per VF and type, one held vGPU per running VM."""
+    series = scrape(built["large"])
+    assert len(matching(series, "gpulib_vgpu_creatable_instances")) == 8 * 16 * 24
+    assert sum(matching(series, "gpulib_vgpu_held_instances").values()) == 64
+    assert sum(value(series, "gpulib_allocations", state=s) for s in ("active", "pending")) \
+        == 0  # the VMs run, gpulib allocated none of them
+    config = Config()
+    ctx = Context.for_root(built["large"], simulate=True)
+    assert metrics.render(ctx, config, fold=False).count("\n") > 8 * 16 * 24
