@@ -36,6 +36,7 @@ from gpulib.state import (
     VgpuRecord,
     utc_now,
 )
+from gpulib.sysfs import Sysfs
 from gpulib.usage import DomainDevices, running_domains
 
 log = logging.getLogger(__name__)
@@ -381,7 +382,12 @@ def age_seconds(iso: str) -> float:
 
 def boot_clock(ctx: Context) -> tuple[Optional[str], float]:
     """This boot's id and the seconds since it (CLOCK_BOOTTIME: no clock change moves it)."""
-    boot_id = ctx.sysfs.read(BOOT_ID_FILE)
+    return boot_clock_of(ctx.sysfs)
+
+
+def boot_clock_of(sysfs: Sysfs) -> tuple[Optional[str], float]:
+    """`boot_clock` from the host's files alone."""
+    boot_id = sysfs.read(BOOT_ID_FILE)
     boot_id = boot_id.strip() if boot_id else None
     try:
         uptime = time.clock_gettime(time.CLOCK_BOOTTIME)

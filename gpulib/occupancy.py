@@ -251,12 +251,25 @@ class Occupancy:
     @classmethod
     def build(cls, sysfs: Sysfs, state: State, running: Iterable[DomainDevices] = ()
               ) -> Occupancy:
-        """From gpulib's allocations and the running domains' devices."""
+        """From gpulib's allocations and the running domains' devices.
+
+        An allocation made in an earlier boot whose VM does not run holds
+        nothing (its VM is dead; the boot unit or the next hook releases it):
+        the report does not call its devices used meanwhile."""
         tree = Tree(sysfs, {u: r.parent for u, r in state.vgpus.items()},
                     {u: r.type_id for u, r in state.vgpus.items()},
                     {a: r.type_id for a, r in state.vf_types.items()})
         occ = cls(tree)
+        running = list(running)
+        clock: Optional[tuple[Optional[str], float]] = None
         for vm, alloc in state.allocations.items():
+            if alloc.boot_id is not None or alloc.uptime is not None:
+                from gpulib.lifecycle import boot_clock_of, from_other_boot
+
+                if clock is None:
+                    clock = boot_clock_of(sysfs)
+                if from_other_boot(alloc, clock) and all(d.name != vm for d in running):
+                    continue
             for d in alloc.devices:
                 occ.add(Hold(vm, alloc.status, node_id(d.kind, d.id)))
         occ.add_running(running)

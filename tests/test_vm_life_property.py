@@ -1,0 +1,337 @@
+"""Whole lives of VMs and of the host, as a hypothesis state machine.
+
+Rules: the transformer's start (CloudStack) and `prepare begin` (plain libvirt),
+libvirt running the domain (its status file appears) or failing to, onStart,
+a stop (status file gone, `release end`), onStop late, twice or never, a
+retried start, a start under a running VM's name, a host reboot (new boot
+id; live vGPUs, VF types and status files gone; the boot unit's restore), a
+kill -9 at a chosen write of a stop, a full state directory, a damaged
+state file, reconcile, release, unmanage and pool apply.
+
+After every step: no device tree held by two VMs, no device of a running VM
+removed or retyped, the state file parses. After the boot unit or reconcile:
+every allocation belongs to a running VM or a pending start within its
+grace, no on-demand vGPU without an owner, pool membership as configured.
+
+The hooks run in this process through the functions their executables call
+(a process per step would make the machine too slow to explore); the kills
+and the full disk run the real stop hook in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from gpulib import nvidia
+from gpulib.allocator import release
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.domain import parse_domain
+from gpulib.errors import GpulibError
+from gpulib.hooks.prepare import Preparer
+from gpulib.hooks.vmstate import activate, deactivate
+from gpulib.lifecycle import open_store, reconcile, restore
+from gpulib.liveness import Liveness
+from gpulib.occupancy import Tree
+from gpulib.sim.hosts import build_demo
+from gpulib.state import State
+from gpulib.usage import running_domains
+from tests.hookrun import hook_env
+from tests.hosts import reboot
+
+REPO = Path(__file__).resolve().parents[1]
+STATE = "var/lib/gpulib/state.json"
+BOOT_ID = "proc/sys/kernel/random/boot_id"
+RTX, T4_WHOLE, A100 = "0000:3b:00.0", "0000:65:00.0", "0000:ca:00.0"
+POOL_MDEV = "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5d"  # a demo pool member (T4)
+VMS = {"vm-a": "4c7e5a91-8d2f-4b64-a1e9-6f0b4d8c2e75",
+       "vm-b": "5d8f6b02-9e3a-4c75-b2fa-7a1c5e9d3f86",
+       "vm-c": "6e9a7c13-af4b-4d86-83ab-8b2d6fae4a97"}
+OTHER_UUID = "0d9e8f7a-6b5c-4d3e-9f2a-1b0c9d8e7f6a"
+
+
+def _pci(address: str) -> str:
+    d, rest = address.split(":", 1)
+    b, sf = rest.split(":")
+    s, f = sf.split(".")
+    return ("<hostdev mode='subsystem' type='pci' managed='yes'><driver name='vfio'/>"
+            f"<source><address domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>"
+            "</source></hostdev>")
+
+
+PLANS = {
+    "vgpus": ("<metadata><gpulib:gpus xmlns:gpulib='http://gpulib.org/xmlns/domain/1'>"
+              "<gpulib:vgpu profile='GRID A100-8C' count='1'/></gpulib:gpus></metadata>", ""),
+    "rtx": ("", _pci(RTX)),
+    "t4": ("", _pci(T4_WHOLE)),
+    "a100-whole": ("", _pci(A100)),
+    "pool-vgpu": ("", "<hostdev mode='subsystem' type='mdev' model='vfio-pci'>"
+                      f"<source><address uuid='{POOL_MDEV}'/></source></hostdev>"),
+}
+
+
+def domain_xml(name: str, uuid: str, plan: str) -> str:
+    meta, dev = PLANS[plan]
+    return (f"<domain type='kvm'><name>{name}</name><uuid>{uuid}</uuid>{meta}<devices>"
+            f"<emulator>/usr/bin/qemu-system-x86_64</emulator>{dev}</devices></domain>")
+
+
+class Lives(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory(prefix="gpulib-lives-")
+        self.host = build_demo(os.path.join(self.tmp.name, "host"))
+        self.boot = 1
+        self.host.write_file(BOOT_ID, f"boot-{self.boot}\n", 0o444)
+        self.root = self.host.root
+        self.ctx = Context.for_root(self.root, simulate=True)
+        self.config = Config.load(self.ctx.config_path)
+        # What libvirt would run for each VM: the XML its last start produced.
+        self.prepared: dict[str, str] = {}
+        self.running: dict[str, str] = {}  # name -> the XML libvirt runs
+        self.after_cleanup = False
+
+    def teardown(self) -> None:
+        self.tmp.cleanup()
+
+    # -- what libvirt and the host do ---------------------------------------------------------
+    def _status_file(self, name: str, xml: str) -> None:
+        dom = parse_domain(xml)
+        pci = tuple(str(h.address) for h in dom.pci_hostdevs())
+        mdevs = tuple(h.uuid_checked() for h in dom.mdev_hostdevs())
+        assert dom.uuid is not None
+        self.host.add_running_domain(name, dom.uuid, pci=pci, mdevs=mdevs)
+
+    def _prepare(self, name: str, uuid: str, plan: str, edit: bool) -> Optional[str]:
+        dom = parse_domain(domain_xml(name, uuid, plan))
+        try:
+            Preparer(self.ctx, self.config, dom, edit_xml=edit, allow_metadata=True).run()
+        except GpulibError:
+            return None
+        return dom.to_xml()
+
+    # -- rules -------------------------------------------------------------------------------------
+    @rule(name=st.sampled_from(sorted(VMS)), plan=st.sampled_from(sorted(PLANS)),
+          through=st.sampled_from(["transformer", "prepare begin"]))
+    def start(self, name: str, plan: str, through: str) -> None:
+        """A start (or a retried one): the transformer, or plain libvirt's prepare."""
+        before = self._snapshot()
+        out = self._prepare(name, VMS[name], plan, edit=through == "transformer")
+        if name in self.running:
+            assert out is None, "a start under a running VM's name is refused"
+            assert self._snapshot()["allocations"].get(name) == before["allocations"].get(name)
+        if out is not None:
+            self.prepared[name] = out
+        self.after_cleanup = False
+
+    @rule(name=st.sampled_from(sorted(VMS)), plan=st.sampled_from(sorted(PLANS)))
+    def start_as_another_domain(self, name: str, plan: str) -> None:
+        """The same name with another domain UUID (libvirt refuses it if one runs)."""
+        before = self._snapshot()
+        out = self._prepare(name, OTHER_UUID, plan, edit=True)
+        if name in self.running:
+            assert out is None
+            assert self._snapshot()["allocations"].get(name) == before["allocations"].get(name)
+        elif out is not None:
+            self.prepared[name] = out
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def libvirt_starts(self, name: str) -> None:
+        xml = self.prepared.pop(name, None)
+        if xml is None or name in self.running:
+            return
+        self._status_file(name, xml)
+        self.running[name] = xml
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def libvirt_fails_to_start(self, name: str) -> None:
+        if name in self.running or self.prepared.pop(name, None) is None:
+            return
+        deactivate(self.ctx, self.config, name)  # release end after a failed start
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def on_start(self, name: str) -> None:
+        activate(self.ctx, self.config, name)
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def libvirt_stops(self, name: str) -> None:
+        if self.running.pop(name, None) is None:
+            return
+        self.host.stop_domain(name)
+        deactivate(self.ctx, self.config, name)  # release end
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def on_stop(self, name: str) -> None:
+        """The agent's onStop: late, twice, or for a VM that still runs."""
+        deactivate(self.ctx, self.config, name)
+
+    @rule(name=st.sampled_from(sorted(VMS)), n=st.integers(1, 4),
+          mode=st.sampled_from(["kill", "enospc"]))
+    def stop_interrupted(self, name: str, n: int, mode: str) -> None:
+        """libvirt stops the VM; its onStop is killed, or meets a full disk, at write n."""
+        if self.running.pop(name, None) is None:
+            return
+        self.host.stop_domain(name)
+        env = hook_env(self.root)
+        if mode == "enospc":
+            env["CRASH_WORKER_MODE"] = "enospc"
+        res = subprocess.run([sys.executable, "-m", "tests.helpers.crash_worker", str(n),
+                              "gpulib.hooks.statechange", "onStop", name],
+                             capture_output=True, env=env, cwd=str(REPO), timeout=60)
+        assert b"Traceback" not in res.stderr, res.stderr
+        assert res.returncode in (0, 4, 137), res.stderr
+
+    @rule()
+    def host_reboots(self) -> None:
+        self.boot += 1
+        self.host = reboot(self.host, build_demo)
+        self.host.write_file(BOOT_ID, f"boot-{self.boot}\n", 0o444)
+        self.ctx = Context.for_root(self.root, simulate=True)
+        self.running.clear()
+        self.prepared.clear()
+        self.boot_unit()
+
+    @rule()
+    def boot_unit(self) -> None:
+        store = open_store(self.ctx, self.config)
+        with store.transaction() as state:
+            restore(self.ctx, state, autostart_wait=0, checkpoint=store.checkpoint)
+        self.after_cleanup = True
+
+    @rule()
+    def reconcile(self) -> None:
+        store = open_store(self.ctx, self.config)
+        with store.transaction() as state:
+            reconcile(self.ctx, state, checkpoint=store.checkpoint)
+        self.after_cleanup = True
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def admin_releases(self, name: str) -> None:
+        """`gpulib release VM` without --force: refused while the VM runs."""
+        store = open_store(self.ctx, self.config)
+        with store.transaction() as state:
+            release(self.ctx.sysfs, state, name, Liveness(self.ctx.sysfs),
+                    checkpoint=store.checkpoint, retry_seconds=0)
+
+    @rule(address=st.sampled_from([RTX, A100, T4_WHOLE]))
+    def admin_unmanages(self, address: str) -> None:
+        from gpulib.occupancy import Occupancy
+        from gpulib.usage import running_domains
+
+        with open_store(self.ctx, self.config).transaction() as state:
+            occ = Occupancy.build(self.ctx.sysfs, state, running_domains(self.ctx.sysfs))
+            if not occ.conflicts(address):  # what `device unmanage` without --force does
+                state.unmanaged.add(address)
+
+    @rule()
+    def pool_apply(self) -> None:
+        from gpulib.pools import apply
+        from gpulib.runtime import discover_host
+
+        store = open_store(self.ctx, self.config)
+        with store.transaction() as state:
+            inv = discover_host(self.ctx, self.config, state=state, learn=False)
+            apply(self.ctx, self.config, state, inv)
+
+    @rule(damage=st.sampled_from([b"", b"{", b"\x00" * 16]))
+    def state_file_damaged(self, damage: bytes) -> None:
+        Path(self.root, STATE).write_bytes(damage)
+        open_store(self.ctx, self.config).update(lambda s: None, host=self.ctx.sysfs)
+
+    # -- invariants -------------------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        path = Path(self.root, STATE)
+        return json.loads(path.read_text()) if path.exists() and path.stat().st_size else {}
+
+    @invariant()
+    def state_parses(self) -> None:
+        path = Path(self.root, STATE)
+        if path.exists() and path.stat().st_size:
+            raw = path.read_bytes()
+            if raw.strip() not in (b"", b"{") and not raw.startswith(b"\x00"):
+                State.from_json(json.loads(raw))
+
+    @invariant()
+    def no_tree_held_by_two_vms(self) -> None:
+        doc = self._snapshot()
+        holds: list[tuple[str, str]] = []
+        for vm, alloc in doc.get("allocations", {}).items():
+            holds += [(vm, d["id"]) for d in alloc["devices"]]
+        for d in running_domains(self.ctx.sysfs):
+            holds += [(d.name, str(a)) for a in d.pci] + [(d.name, u) for u in d.mdevs]
+        tree = Tree(self.ctx.sysfs, {u: r["parent"] for u, r in doc.get("vgpus", {}).items()})
+        for i, (vm1, n1) in enumerate(holds):
+            c1 = tree.chain(n1)
+            for vm2, n2 in holds[i + 1:]:
+                if vm1 == vm2:
+                    continue
+                c2 = tree.chain(n2)
+                assert n1 not in c2 and n2 not in c1, (vm1, n1, vm2, n2)
+                if n1.count(":") == 2 and n2.count(":") == 2:
+                    g1, g2 = tree.group(n1), tree.group(n2)
+                    assert g1 is None or g1 != g2, (vm1, n1, vm2, n2)
+
+    @invariant()
+    def running_vms_keep_their_devices(self) -> None:
+        live = set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
+        for d in running_domains(self.ctx.sysfs):
+            for u in d.mdevs:
+                assert u in live, f"{d.name}'s vGPU {u} was removed under it"
+            for a in d.pci:
+                assert nvidia.current_type(self.ctx.sysfs, a) != 0, \
+                    f"{d.name}'s VF {a} lost its type"
+
+    @invariant()
+    def after_cleanup_only_live_owners(self) -> None:
+        if not self.after_cleanup:
+            return
+        doc = self._snapshot()
+        allocs = doc.get("allocations", {})
+        names = {d.name for d in running_domains(self.ctx.sysfs)}
+        for vm, alloc in allocs.items():
+            assert vm in names or alloc["status"] == "pending", (vm, alloc)
+        owned = {d["id"] for a in allocs.values() for d in a["devices"]}
+        removing = {i["id"] for i in doc.get("intents", [])}
+        for uuid, rec in doc.get("vgpus", {}).items():
+            if rec["on_demand"]:
+                assert uuid in owned or uuid in removing, f"on-demand {uuid} has no owner"
+        pooled = [u for u, r in doc.get("vgpus", {}).items() if r["pool"] == "t4-desktops"]
+        assert len(pooled) <= 2, "pool membership as configured (count = 2)"
+
+
+Lives.TestCase.settings = settings(max_examples=12, stateful_step_count=14, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.slow
+class TestLives(Lives.TestCase):  # type: ignore[misc,valid-type]
+    pass
+
+
+def test_the_machine_sees_a_running_vm_keep_its_vgpu(tmp_path: Path) -> None:
+    """One life the machine must be able to tell apart: a late onStop of a running VM."""
+    machine = Lives()
+    try:
+        machine.start("vm-a", "vgpus", "transformer")
+        machine.libvirt_starts("vm-a")
+        machine.on_start("vm-a")
+        machine.on_stop("vm-a")
+        machine.running_vms_keep_their_devices()
+        assert "vm-a" in machine._snapshot()["allocations"]
+        machine.libvirt_stops("vm-a")
+        machine.reconcile()
+        machine.after_cleanup_only_live_owners()
+        assert machine._snapshot()["allocations"] == {}
+    finally:
+        machine.teardown()
