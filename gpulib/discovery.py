@@ -195,6 +195,8 @@ class Gpu:
         self.vgpus: list[Vgpu] = []
         self.group_members: list[PciAddress] = []
         self.description: Optional[str] = None  # the GPU's own `description`, if any
+        # The VM holding the GPU whole (`Occupancy.whole_user`), not a user of
+        # one of its vGPUs or VFs.
         self.used_by: Optional[str] = None
         self.pools: list[str] = []  # pools of gpulib.conf declaring vGPUs on it
         self.errors: list[str] = []
@@ -386,7 +388,9 @@ class Discovery:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 gpu.errors.append(f"{what}: {reason}")
                 log.warning("GPU %s: cannot read %s: %s", fn.address, what, reason)
-        gpu.used_by = usage.user("pci", str(fn.address))
+        # Only a VM holding the GPU whole is its user; those of its vGPUs and
+        # VFs are theirs (the CloudStack report copies this onto the GPU's row).
+        gpu.used_by = usage.whole_user(str(fn.address))
         if self.config.pools and gpu.mdev_types:
             gpu.pools = declaring_pools(self.config, fn.address, fn.vendor_id, fn.device_id,
                                         gpu.mdev_types)
