@@ -4,7 +4,11 @@ domains 0000, 0001 and 000f:
 * a GPU's own entry (`full_passthrough.used_by_vm`) names only the VM that
   holds it whole: the management server copies that name onto the GPU's row
   (GpuServiceImpl.setStateAndVmName), so naming a vGPU's user there would
-  keep the row from being deleted and free it when that one VM stops.
+  keep the row from being deleted and free it when that one VM stops;
+* CloudStack 4.21 and 4.22.0 agents render a VF in a PCI domain other than
+  0000 (`0001:04:00.2`) as bus='0x0001' slot='0x04' function='0x0': which
+  VF was meant is lost, so neither the transformer nor `prepare begin`
+  picks one (or the PF), while whole GPUs of such domains are still repaired.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from typing import Any
 import pytest
 
 from gpulib import cli
+from gpulib.hooks import qemu
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, models
+from tests.hosts import tree_contents
 from tests.test_discovery import check_agent_document
-from tests.test_realhosts import pci_xml, transform
+from tests.test_realhosts import _Stdin, agent421_source, pci_xml, source_addresses, transform
 
 DOMAINS = ("0000", "0001", "000f")
 VGPU = "7a1e0c3d-2b4f-4e6a-9c8d-0f1e2d3c4b5a"
@@ -146,3 +152,55 @@ def test_a_start_through_the_transformer_moves_only_what_it_takes(
     assert (code, err) == (0, "")
     gpus = by_address(discover_cloudstack(host.root, monkeypatch, capfd))
     assert gpus[lspci(a["spare"])]["full_passthrough"]["used_by_vm"] == "i-2-21-VM"
+
+
+# -- VFs whose address a 4.21/4.22.0 agent lost -------------------------------------------------
+
+def test_a_vf_rendered_by_a_421_agent_is_refused_naming_the_fix(
+        host: FakeHost, domain: str, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    vf = f"{domain}:04:00.3"
+    rendered = agent421_source(vf)
+    before = tree_contents(host.root)
+    code, out, err = transform(host.root, pci_xml(NEW_VM, NEW_UUID, rendered, "no"),
+                               monkeypatch, capfd)
+    if domain == "0000":
+        # An address of domain 0000 reaches the agent as bb:ss.f, which it renders right.
+        assert rendered == PciAddress.parse(vf).libvirt()
+        assert (code, err) == (0, "")
+        assert source_addresses(out) == [PciAddress.parse(vf)]
+        return
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert "lost the VF's address" in line and "apache/cloudstack pull 12981" in line
+    assert f"4 VFs on {domain}:04" in line
+    # Neither a VF nor the PF was taken: nothing changed, nothing recorded.
+    assert tree_contents(host.root) == before
+
+
+def test_prepare_begin_refuses_a_vf_rendered_by_a_421_agent(
+        host: FakeHost, domain: str, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    if domain == "0000":
+        pytest.skip("domain 0000 reaches the agent without its domain: rendered right")
+    before = tree_contents(host.root)
+    monkeypatch.setenv("GPULIB_ROOT", host.root)
+    monkeypatch.setenv("GPULIB_SIMULATE", "1")
+    monkeypatch.setattr("sys.stdin", _Stdin(pci_xml(NEW_VM, NEW_UUID,
+                                                    agent421_source(f"{domain}:04:00.4"), "no")))
+    capfd.readouterr()
+    assert qemu.main(["gpulib-qemu-hook", NEW_VM, "prepare", "begin", "-"]) == 2
+    [line] = capfd.readouterr().err.splitlines()
+    assert "lost the VF's address" in line and "apache/cloudstack pull 12981" in line
+    assert "cannot be given whole" not in line
+    assert tree_contents(host.root) == before
+
+
+def test_a_whole_gpu_rendered_by_a_421_agent_is_still_repaired(
+        host: FakeHost, domain: str, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    spare = PciAddress.parse(addresses(domain)["spare"])
+    code, out, err = transform(host.root, pci_xml(NEW_VM, NEW_UUID, agent421_source(str(spare))),
+                               monkeypatch, capfd)
+    assert (code, err) == (0, "")
+    assert source_addresses(out) == [spare]
