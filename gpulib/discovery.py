@@ -19,7 +19,7 @@ listed under their physical function.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from gpulib import mdev, nvidia
 from gpulib.config import Config, Match
@@ -47,6 +47,9 @@ from gpulib.pci import (
 from gpulib.pciids import PciNames
 from gpulib.sysfs import ReadFailure, Sysfs
 from gpulib.usage import running_domains
+
+if TYPE_CHECKING:
+    from gpulib.nvidiasmi import TypeNumbers
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +202,9 @@ class Gpu:
         # one of its vGPUs or VFs.
         self.used_by: Optional[str] = None
         self.pools: list[str] = []  # pools of gpulib.conf declaring vGPUs on it
+        # The numbers of its NVIDIA vendor-specific VF types by type id, from
+        # NVIDIA's tool (`nvidiasmi.attach`; discovery itself runs nothing).
+        self.nvidia_numbers: dict[int, TypeNumbers] = {}
         self.errors: list[str] = []
 
     @property
