@@ -23,7 +23,7 @@ from gpulib import cli
 from gpulib.hooks import qemu
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import add_model, models
+from gpulib.sim.hosts import add_model, install_nvidia_smi, models
 from tests.hosts import tree_contents
 from tests.test_discovery import check_agent_document
 from tests.test_realhosts import _Stdin, agent421_source, pci_xml, source_addresses, transform
@@ -49,7 +49,7 @@ def contract_host(root: str, domain: str) -> FakeHost:
     """Every kind of instance on one PCI domain, each used by a running VM: a
     T4 with a vGPU on the PF, an A10 whose vendor-specific VFs start at
     function 2 (the first, 04:00.2, typed A10-6Q), an MI210 given whole, and
-    a spare T4 for passthrough."""
+    a spare T4 for passthrough; NVIDIA's tool answers for the A10."""
     m = models()
     a = addresses(domain)
     host = FakeHost(root)
@@ -80,6 +80,7 @@ def contract_host(root: str, domain: str) -> FakeHost:
                             managed=False, pid=4311, domain_id=2)
     host.add_running_domain(WHOLE_VM, "22222222-0000-4000-8000-000000000012",
                             pci=(a["mi210"],), pid=4312, domain_id=3)
+    install_nvidia_smi(host)
     return host
 
 
