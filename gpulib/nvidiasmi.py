@@ -62,6 +62,7 @@ CACHE_VERSION = 1
 # report every minute or so: a hanging tool must not cost each one its bound).
 RETRY_SECONDS = 600.0
 DEFAULT_TIMEOUT = 10.0
+MAX_TIMEOUT = 300.0
 # nvidia-smi's answer for a host of 8 GPUs is some 100 KB; more is not it.
 OUTPUT_MAX = 8 * 1024 * 1024
 # Numbers the driver prints are small; a bound keeps junk out of the report.
@@ -222,6 +223,8 @@ def run_tool(path: str, timeout: float) -> str:
     import signal
     import subprocess
 
+    # gpulib.conf takes any non-negative number (nan and inf too): kept sane.
+    timeout = min(max(timeout, 0.05), MAX_TIMEOUT) if timeout == timeout else DEFAULT_TIMEOUT
     try:
         proc = subprocess.Popen([path, *ARGS], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -38,6 +38,10 @@ from gpulib.mdev import MdevType
 SCHEMA = 1
 
 
+def _resolution(res: Optional[tuple[int, int]]) -> Optional[str]:
+    return f"{res[0]}x{res[1]}" if res else None
+
+
 def _type(t: MdevType, parent: str) -> dict[str, Any]:
     d = t.description
     return {
@@ -71,10 +75,6 @@ def _types(gpu: Gpu) -> list[dict[str, Any]]:
             entry["available_instances"] = t.available_instances
         out.append(entry)
     return out
-
-
-def _resolution(res: Optional[tuple[int, int]]) -> Optional[str]:
-    return f"{res[0]}x{res[1]}" if res else None
 
 
 def nvidia_types(gpu: Gpu) -> list[dict[str, Any]]:

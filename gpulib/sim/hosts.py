@@ -263,6 +263,14 @@ def large_types() -> list[dict[str, Any]]:
     return out
 
 
+def _large_gpu(host: FakeHost, model: dict[str, Any], g: int, vfs: int) -> list[str]:
+    """The large hosts' GPU number `g` behind a root port of its own: its VFs."""
+    bus = 0x11 + g * 0x20
+    root_port = f"0000:{bus - 1:02x}:01.0"
+    host.add_bridge(root_port, numa_node=_numa(bus), iommu_group=host.new_iommu_group())
+    return add_sriov_gpu(host, model, f"0000:{bus:02x}:00.0", _numa(bus), root_port, vfs)
+
+
 def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64) -> FakeHost:
     m = models()
     model = dict(m["l40s"], sriov_totalvfs=32)
@@ -272,11 +280,7 @@ def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64) 
     live_by_gpu = vms // gpus
     n = 0
     for g in range(gpus):
-        bus = 0x11 + g * 0x20
-        root_port = f"0000:{bus - 1:02x}:01.0"
-        host.add_bridge(root_port, numa_node=_numa(bus), iommu_group=host.new_iommu_group())
-        pf = f"0000:{bus:02x}:00.0"
-        vfs = add_sriov_gpu(host, model, pf, _numa(bus), root_port, vfs_per_gpu)
+        vfs = _large_gpu(host, model, g, vfs_per_gpu)
         for vf in vfs:
             host.populate_mdev_parent(vf, types)
         for i in range(live_by_gpu):
@@ -302,12 +306,7 @@ def build_large_nvidia(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int
     per_gpu = vms // gpus
     n = 0
     for g in range(gpus):
-        bus = 0x11 + g * 0x20
-        root_port = f"0000:{bus - 1:02x}:01.0"
-        host.add_bridge(root_port, numa_node=_numa(bus), iommu_group=host.new_iommu_group())
-        vfs = add_sriov_gpu(host, model, f"0000:{bus:02x}:00.0", _numa(bus), root_port,
-                            vfs_per_gpu)
-        for i, vf in enumerate(vfs):
+        for i, vf in enumerate(_large_gpu(host, model, g, vfs_per_gpu)):
             if i < per_gpu:
                 host.add_nvidia_vf_types(vf, {}, current=1150)
                 host.add_running_domain(f"i-2-{100 + n}-VM", str(uuidlib.UUID(int=n + 1)),
