@@ -7,7 +7,8 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
         "address", "vendor_id", "device_id", "vendor", "device", "class",
         "class_name", "driver", "iommu_group", "iommu_group_members", "numa_node",
         "pci_root", "mode" (mdev | sriov-mdev | nvidia-vf | sriov | passthrough),
-        "used_by", "sriov": {"totalvfs", "numvfs"},
+        "used_by" (the VM holding the GPU whole; its vGPUs' and VFs' users are
+        theirs), "sriov": {"totalvfs", "numvfs"},
         "mdev_types": [{"parent", "type_id", "name", "description", "device_api",
                         "available_instances", "max_instances", "framebuffer_mb",
                         "num_heads", "max_resolution"}],
