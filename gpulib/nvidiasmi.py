@@ -14,8 +14,9 @@ this is the one external command gpulib runs, and only here:
 * bounded in time (`[discovery] nvidia_smi_timeout`), its process group
   killed when it overruns;
 * failing soft: the report stays complete with the numbers null, and the
-  reason is logged once: a failure is remembered, and the tool is not asked
-  again for `RETRY_SECONDS` under the same driver;
+  reason is logged once: a failure (or a GPU the tool did not list) is
+  remembered, and the tool is not asked again for `RETRY_SECONDS` under the
+  same driver;
 * cached in `var/lib/gpulib/nvidia-vgpu-types.json` for the loaded driver
   (`sys/module/nvidia/version`): the numbers are the driver's, so discovery
   asks again only when the driver changes or a GPU is new to the cache.
@@ -254,13 +255,14 @@ def run_tool(path: str, timeout: float) -> str:
 # -- the cache -------------------------------------------------------------------------------
 
 class Cache:
-    """The numbers known for the loaded driver, and the last failure."""
+    """The numbers known for the loaded driver, and when the tool was last
+    asked without an answer for every GPU (it failed, or left one out)."""
 
     def __init__(self, driver: Optional[str], gpus: Optional[Numbers] = None,
-                 failed_at: Optional[float] = None) -> None:
+                 incomplete_at: Optional[float] = None) -> None:
         self.driver = driver
         self.gpus: Numbers = gpus or {}
-        self.failed_at = failed_at
+        self.incomplete_at = incomplete_at
 
     @classmethod
     def load(cls, path: str) -> Optional[Cache]:
@@ -282,14 +284,15 @@ class Cache:
                 found = TypeNumbers.from_json(numbers)
                 if found is not None and str(tid).isdigit() and len(str(tid)) <= 9:
                     gpus[pci][int(tid)] = found
-        failed = data.get("failed_at")
+        incomplete = data.get("incomplete_at")
         driver = data.get("driver")
         return cls(driver if isinstance(driver, str) else None, gpus,
-                   float(failed) if isinstance(failed, (int, float)) else None)
+                   float(incomplete) if isinstance(incomplete, (int, float)) else None)
 
     def dumps(self) -> bytes:
         return (json.dumps({
-            "version": CACHE_VERSION, "driver": self.driver, "failed_at": self.failed_at,
+            "version": CACHE_VERSION, "driver": self.driver,
+            "incomplete_at": self.incomplete_at,
             "gpus": {str(a): {str(t): n.as_json() for t, n in sorted(types.items())}
                      for a, types in sorted(self.gpus.items())},
         }, indent=1, sort_keys=True) + "\n").encode()
@@ -325,10 +328,10 @@ def numbers(root: str, gpus: list[PciAddress], timeout: float = DEFAULT_TIMEOUT,
     driver = _driver(root)
     cache = Cache.load(path)
     if cache is not None and cache.driver == driver:
-        if all(g in cache.gpus for g in gpus):
+        if all(cache.gpus.get(g) for g in gpus):
             return cache.gpus
-        if cache.failed_at is not None and 0 <= now - cache.failed_at < RETRY_SECONDS:
-            return cache.gpus  # failed lately: logged then, not asked again yet
+        if cache.incomplete_at is not None and 0 <= now - cache.incomplete_at < RETRY_SECONDS:
+            return cache.gpus  # asked lately (a failure was logged then): not again yet
     else:
         cache = Cache(driver)
     tool = tool_path(root)
@@ -341,13 +344,16 @@ def numbers(root: str, gpus: list[PciAddress], timeout: float = DEFAULT_TIMEOUT,
     except ToolFailed as exc:
         log.warning("NVIDIA vGPU type numbers unknown (reported as null): %s; not asked "
                     "again for %d s", exc, int(RETRY_SECONDS))
-        cache.failed_at = now
+        cache.incomplete_at = now
         _save(path, cache)
         return cache.gpus
-    for g in gpus:
-        # A GPU the tool does not list (not in vGPU mode) is remembered as such.
-        found.setdefault(g, {})
-    _save(path, Cache(driver, found))
+    # A GPU the tool does not list (not in vGPU mode yet) is asked about again
+    # later, not at every report.
+    unlisted = [g for g in gpus if not found.get(g)]
+    if unlisted:
+        log.info("nvidia-smi lists no vGPU types of %s: their numbers are null",
+                 ", ".join(map(str, unlisted)))
+    _save(path, Cache(driver, found, now if unlisted else None))
     return found
 
 

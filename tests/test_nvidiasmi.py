@@ -151,17 +151,22 @@ def test_numbers_are_asked_once_for_the_loaded_driver(host: FakeHost) -> None:
     assert first[A10][A10_6Q].max_instances == 4
     assert nvidiasmi.numbers(host.root, [A10]) == first
     assert host.nvidia_smi_calls() == ["vgpu -s -v"]
-    # A GPU the cache does not know is asked about, once: the tool does not
-    # list it (no vGPU on it), and that is remembered.
+    # A GPU the cache does not know is asked about: the tool does not list it
+    # (no vGPU on it), and it is not asked about again for a while.
     other = PciAddress.parse("0000:af:00.0")
-    assert nvidiasmi.numbers(host.root, [A10, other])[other] == {}
-    assert nvidiasmi.numbers(host.root, [A10, other])[other] == {}
+    now = time.time()
+    assert other not in nvidiasmi.numbers(host.root, [A10, other], now=now)
+    assert other not in nvidiasmi.numbers(host.root, [A10, other], now=now + 1)
     assert len(host.nvidia_smi_calls()) == 2
+    nvidiasmi.numbers(host.root, [A10, other], now=now + nvidiasmi.RETRY_SECONDS + 1)
+    assert len(host.nvidia_smi_calls()) == 3
+    assert nvidiasmi.numbers(host.root, [A10]) == first
+    assert len(host.nvidia_smi_calls()) == 3
     # A driver update is asked about again.
     install_nvidia_smi(host)
     host.write_file("sys/module/nvidia/version", "580.126.02\n")
     assert nvidiasmi.numbers(host.root, [A10]) == first
-    assert len(host.nvidia_smi_calls()) == 3
+    assert len(host.nvidia_smi_calls()) == 4
 
 
 @pytest.mark.parametrize("behaviour", ["fail", "hang"])
