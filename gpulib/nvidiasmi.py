@@ -240,7 +240,11 @@ def run_tool(path: str, timeout: float) -> str:
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
-        proc.communicate()
+        # Not communicate(): a child that left the group may hold the pipes open.
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        proc.wait()
         raise ToolFailed(f"{path} {' '.join(ARGS)} gave no answer within {timeout:g} s "
                          "(killed)") from None
     if proc.returncode != 0:
