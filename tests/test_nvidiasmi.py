@@ -275,3 +275,39 @@ def test_the_hooks_never_run_the_tool(host: FakeHost, monkeypatch: pytest.Monkey
     assert (code, err) == (0, "")
     assert host.nvidia_smi_calls() == []
     assert not os.path.exists(host.p(nvidiasmi.CACHE_FILE))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 2 ** 40) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.fixed_dictionaries({"version": st.just(1)}, optional={
+    "driver": json_values, "incomplete_at": json_values,
+    "gpus": json_values | st.dictionaries(
+        st.sampled_from(["0000:04:00.0", "00000001:04:00.0", "zz", ""]),
+        json_values | st.dictionaries(st.sampled_from(["594", "0x252", "-1", "9999999999"]),
+                                      json_values | st.fixed_dictionaries(
+                                          {}, optional={k: json_values for k in (
+                                              "name", "max_instances", "framebuffer_mb",
+                                              "num_heads", "max_resolution")}),
+                                      max_size=3), max_size=3)}))
+def test_any_cache_file_loads_as_numbers_in_range_or_not_at_all(data: dict[str, Any]) -> None:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as fh:
+        fh.write(json.dumps(data))
+        fh.flush()
+        cache = nvidiasmi.Cache.load(fh.name)
+    assert cache is not None
+    assert cache.driver is None or isinstance(cache.driver, str)
+    for types in cache.gpus.values():
+        for tid, n in types.items():
+            assert 0 <= tid < 10 ** 9
+            assert n.name is None or isinstance(n.name, str)
+            for v in (n.max_instances, n.framebuffer_mb, n.num_heads, *(n.max_resolution or ())):
+                assert v is None or (type(v) is int and 0 <= v <= nvidiasmi.NUMBER_MAX)
