@@ -5,19 +5,23 @@
 1, the agent reads it with getAsInt; `iommu_group` and `pci_root` are
 strings; counts are numbers; unknown numbers are null; `vf_profile` is never
 null). NVIDIA vendor-specific VFs carry the profile numbers the agent added
-for them (max_instances, video_ram, max_heads, max_resolution_x/y), null while
-the VF has no type.
+for them (max_instances, video_ram, max_heads, max_resolution_x/y): NVIDIA's
+tool's where `nvidiasmi.attach` found them, else null but for the frame
+buffer a profile's name tells.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from gpulib import jsontext
 from gpulib.discovery import Gpu, Inventory, VirtualFunction
 from gpulib.mdev import Description, MdevType
 from gpulib.nvidia import framebuffer_mb_from_name
 from gpulib.pci import PciAddress
+
+if TYPE_CHECKING:
+    from gpulib.nvidiasmi import TypeNumbers
 
 # The agent's default hook names (agent.hooks.basedir).
 AGENT_HOOKS_DIR = "etc/cloudstack/agent/hooks"
@@ -41,7 +45,7 @@ def _numbers(d: Optional[Description]) -> dict[str, Optional[int]]:
     }
 
 
-def _vf_entry(vf: VirtualFunction) -> dict[str, Any]:
+def _vf_entry(vf: VirtualFunction, numbers: dict[int, TypeNumbers]) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "vf_pci_address": vf.address.lspci,
         "vf_profile": vf.device_name or f"Device {vf.fn.device_id:04x}",
@@ -51,12 +55,21 @@ def _vf_entry(vf: VirtualFunction) -> dict[str, Any]:
     nv = vf.nvidia
     if nv is not None:
         # An idle VF that gpulib's registry types at VM start reports that
-        # profile: the agent's database knows the device by it.
-        name = nv.profile_name
+        # profile: the agent's database knows the device by it. Its numbers
+        # are NVIDIA's tool's (`nvidiasmi`), as the stock script's; without
+        # them only the frame buffer can be told, from the profile's name.
+        known = numbers.get(nv.profile_type) if nv.profile_type else None
+        name = nv.profile_name or (known.name if known else None)
         if nv.profile_type:
             entry["vf_profile"] = name or f"NVIDIA vGPU type {nv.profile_type}"
-        entry.update({"max_instances": None, "video_ram": framebuffer_mb_from_name(name),
-                      "max_heads": None, "max_resolution_x": None, "max_resolution_y": None})
+        res = known.max_resolution if known else None
+        entry.update({
+            "max_instances": known.max_instances if known else None,
+            "video_ram": (known.framebuffer_mb if known and known.framebuffer_mb
+                          else framebuffer_mb_from_name(name)),
+            "max_heads": known.num_heads if known else None,
+            "max_resolution_x": res[0] if res else None,
+            "max_resolution_y": res[1] if res else None})
     return entry
 
 
@@ -95,7 +108,7 @@ def gpu_entry(gpu: Gpu) -> dict[str, Any]:
             }
             for v in gpu.offered_vgpus
         ],
-        "vf_instances": [_vf_entry(vf) for vf in gpu.offered_vfs],
+        "vf_instances": [_vf_entry(vf, gpu.nvidia_numbers) for vf in gpu.offered_vfs],
     }
 
 

@@ -39,6 +39,7 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
     "discovery": {
         "include": ("", "match-list"),
         "exclude": ("", "match-list"),
+        "nvidia_smi_timeout": ("10", "float"),
     },
     "transformer": {
         "add_group_functions": ("yes", "bool"),

@@ -19,7 +19,7 @@ listed under their physical function.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from gpulib import mdev, nvidia
 from gpulib.config import Config, Match
@@ -47,6 +47,9 @@ from gpulib.pci import (
 from gpulib.pciids import PciNames
 from gpulib.sysfs import ReadFailure, Sysfs
 from gpulib.usage import running_domains
+
+if TYPE_CHECKING:
+    from gpulib.nvidiasmi import TypeNumbers
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +198,13 @@ class Gpu:
         self.vgpus: list[Vgpu] = []
         self.group_members: list[PciAddress] = []
         self.description: Optional[str] = None  # the GPU's own `description`, if any
+        # The VM holding the GPU whole (`Occupancy.whole_user`), not a user of
+        # one of its vGPUs or VFs.
         self.used_by: Optional[str] = None
         self.pools: list[str] = []  # pools of gpulib.conf declaring vGPUs on it
+        # The numbers of its NVIDIA vendor-specific VF types by type id, from
+        # NVIDIA's tool (`nvidiasmi.attach`; discovery itself runs nothing).
+        self.nvidia_numbers: dict[int, TypeNumbers] = {}
         self.errors: list[str] = []
 
     @property
@@ -386,7 +394,9 @@ class Discovery:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 gpu.errors.append(f"{what}: {reason}")
                 log.warning("GPU %s: cannot read %s: %s", fn.address, what, reason)
-        gpu.used_by = usage.user("pci", str(fn.address))
+        # Only a VM holding the GPU whole is its user; those of its vGPUs and
+        # VFs are theirs (the CloudStack report copies this onto the GPU's row).
+        gpu.used_by = usage.whole_user(str(fn.address))
         if self.config.pools and gpu.mdev_types:
             gpu.pools = declaring_pools(self.config, fn.address, fn.vendor_id, fn.device_id,
                                         gpu.mdev_types)

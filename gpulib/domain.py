@@ -413,8 +413,10 @@ class PciHostdev(_XmlNode):
         the agent gets `bb:ss.f` for it). The slot may then be above 0x1f (no
         real address), or not: `000f:01:00.0` becomes bus='0x000f'
         slot='0x01', which reads as the valid 0000:0f:01.0. The slot itself is
-        lost; whoever knows the host's functions may repair the address when
-        exactly one matches.
+        lost, and so is the function (always written 0x0): a whole GPU at
+        function 0 may be repaired by whoever knows the host's functions when
+        exactly one matches, a VF (0001:04:00.2 as bus='0x0001' slot='0x04')
+        never, as its PF and every VF on its bus read the same.
         """
         addr = self.element.find("source/address")
         if addr is None:

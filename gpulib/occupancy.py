@@ -393,6 +393,25 @@ class Occupancy:
             return None
         return hold.vm if hold is not None else None
 
+    def whole_user(self, address: str) -> Optional[str]:
+        """The VM holding the PCI function `address` whole (None: none does): a
+        hold of the function itself, or of a function in its IOMMU group that
+        is not below it (a companion vfio gives along). A VM holding one of its
+        vGPUs or VFs is their user, not the function's: the CloudStack report
+        names only the whole holder on a GPU's own entry, as the management
+        server copies that name onto the GPU's row."""
+        try:
+            node = node_id("pci", address)
+        except InputError:
+            return None
+        found = list(self._exact.get(node, ()))
+        group = self.tree.group(node)
+        if group is not None and self._indexed(node):
+            found += [h for h in self._group.get(group, ())
+                      if node not in self.tree.chain(h.device)[1:]]
+        found.sort(key=lambda h: (h.why == PENDING, h.vm, h.device))
+        return found[0].vm if found else None
+
     def parent_conflicts(self, parent: str, vm: Optional[str] = None) -> list[Hold]:
         """Holds that keep `vm` from a new vGPU on `parent`: the parent or one of
         its ancestors held whole (other vGPUs on it do not conflict)."""

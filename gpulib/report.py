@@ -7,7 +7,8 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
         "address", "vendor_id", "device_id", "vendor", "device", "class",
         "class_name", "driver", "iommu_group", "iommu_group_members", "numa_node",
         "pci_root", "mode" (mdev | sriov-mdev | nvidia-vf | sriov | passthrough),
-        "used_by", "sriov": {"totalvfs", "numvfs"},
+        "used_by" (the VM holding the GPU whole; its vGPUs' and VFs' users are
+        theirs), "sriov": {"totalvfs", "numvfs"},
         "mdev_types": [{"parent", "type_id", "name", "description", "device_api",
                         "available_instances", "max_instances", "framebuffer_mb",
                         "num_heads", "max_resolution"}],
@@ -20,6 +21,10 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
                  "available" (as for vGPUs: a recorded type its GPU cannot give now),
                  "mdev_parent", "nvidia": {"current_type", "current_name",
                                            "creatable": {id: name}} | null}],
+        "nvidia_types": [{"type_id", "name", "max_instances", "framebuffer_mb",
+                          "num_heads", "max_resolution"}] (the types of its
+                         NVIDIA vendor-specific VFs: supported, creatable or
+                         given; the numbers NVIDIA's tool's, null without it),
         "errors": [...]}]}
 """
 
@@ -34,6 +39,10 @@ from gpulib.mdev import MdevType
 SCHEMA = 1
 
 
+def _resolution(res: Optional[tuple[int, int]]) -> Optional[str]:
+    return f"{res[0]}x{res[1]}" if res else None
+
+
 def _type(t: MdevType, parent: str) -> dict[str, Any]:
     d = t.description
     return {
@@ -41,8 +50,7 @@ def _type(t: MdevType, parent: str) -> dict[str, Any]:
         "description": t.description_text, "device_api": t.device_api,
         "available_instances": t.available_instances, "max_instances": d.max_instance,
         "framebuffer_mb": d.framebuffer_mb, "num_heads": d.num_heads,
-        "max_resolution": f"{d.max_resolution[0]}x{d.max_resolution[1]}"
-        if d.max_resolution else None,
+        "max_resolution": _resolution(d.max_resolution),
     }
 
 
@@ -67,6 +75,31 @@ def _types(gpu: Gpu) -> list[dict[str, Any]]:
             entry["parent"] = parent
             entry["available_instances"] = t.available_instances
         out.append(entry)
+    return out
+
+
+def nvidia_types(gpu: Gpu) -> list[dict[str, Any]]:
+    """The types of the GPU's vendor-specific VFs with their numbers: those
+    NVIDIA's tool lists for it and those its VFs can create or carry."""
+    names: dict[int, Optional[str]] = {}
+    for vf in gpu.vfs:
+        nv = vf.nvidia
+        if nv is None:
+            continue
+        for tid, name in nv.creatable.items():
+            names.setdefault(tid, name)
+        for tid, given in ((nv.current_type, nv.current_name),
+                           (nv.recorded_type, nv.recorded_name)):
+            if tid and (given or tid not in names):
+                names[tid] = given
+    out = []
+    for tid in sorted(set(names) | set(gpu.nvidia_numbers)):
+        n = gpu.nvidia_numbers.get(tid)
+        out.append({"type_id": tid, "name": names.get(tid) or (n.name if n else None),
+                    "max_instances": n.max_instances if n else None,
+                    "framebuffer_mb": n.framebuffer_mb if n else None,
+                    "num_heads": n.num_heads if n else None,
+                    "max_resolution": _resolution(n.max_resolution) if n else None})
     return out
 
 
@@ -97,6 +130,7 @@ def gpu_document(gpu: Gpu) -> dict[str, Any]:
                 "current_name": vf.nvidia.current_name,
                 "creatable": {str(k): v for k, v in vf.nvidia.creatable.items()}},
         } for vf in gpu.vfs],
+        "nvidia_types": nvidia_types(gpu),
         "errors": list(gpu.errors),
     }
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpulib import cloudstack, report
+from gpulib import cloudstack, nvidiasmi, report
 from gpulib.cli import inventory
 from gpulib.config import Config
 from gpulib.context import Context
@@ -211,6 +211,8 @@ def test_device_vanishing_mid_scan(handmade_root: str, monkeypatch: pytest.Monke
 def test_demo_host_golden(tmp_path: Path, fmt: str, regen_golden: bool) -> None:
     host = demo_host(str(tmp_path))
     inv = discover_host(Context.for_root(host.root), learn=False)
+    # The numbers of the A10's and L40S's types, from the demo's nvidia-smi.
+    nvidiasmi.attach(inv, host.root)
     doc = cloudstack.render(inv) if fmt == "cloudstack" else report.document(inv)
     text = json.dumps(doc, indent=2) + "\n"
     golden = GOLDEN / "discovery" / f"demo-{fmt}.json"

@@ -247,11 +247,14 @@ def pci_xml(name: str, uuid: str, source: dict[str, str], managed: str = "yes") 
 
 
 def agent421_source(address: str) -> dict[str, str]:
-    """CloudStack 4.21's LibvirtGpuDef: `dddd:bb:ss.f` split on ':' into bus,
-    slot and function, the domain fixed at 0x0000 (the fixtures' README)."""
-    d, b, sf = address.split(":")
-    _slot, f = sf.split(".")  # the slot is lost
-    return {"domain": "0x0000", "bus": f"0x{d}", "slot": f"0x{b}", "function": f"0x{f}"}
+    """CloudStack 4.21's (and 4.22.0's) LibvirtGpuDef: `dddd:bb:ss.f` split on
+    ':' into bus and slot, the domain fixed at 0x0000 and the function left at
+    its default 0x0 (the fixtures' README); a domain 0000 address reaches the
+    agent as `bb:ss.f`, which it renders right."""
+    if address.startswith("0000:"):
+        return PciAddress.parse(address).libvirt()
+    d, b, _sf = address.split(":")  # the slot and the function are lost
+    return {"domain": "0x0000", "bus": f"0x{d}", "slot": f"0x{b}", "function": "0x0"}
 
 
 def offered_free(doc: dict[str, Any]) -> list[tuple[str, str]]:

@@ -30,7 +30,15 @@ def render(env: Env, fmt: str) -> str:
 
     # A problem in gpulib.conf must not empty the agent's report (it would
     # mark every GPU failed): what is bad is left at its defaults and logged.
-    inventory = discover_host(env.ctx, env.readable_config)
+    config = env.readable_config
+    inventory = discover_host(env.ctx, config)
+    if fmt != "table":
+        # The numbers of NVIDIA vendor-specific VF types, from NVIDIA's tool
+        # (cached; asked only on hosts with such VFs).
+        from gpulib import nvidiasmi
+
+        nvidiasmi.attach(inventory, env.ctx.root,
+                         config.get_float("discovery", "nvidia_smi_timeout"))
     if fmt == "cloudstack":
         from gpulib import cloudstack
 

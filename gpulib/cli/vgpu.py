@@ -11,7 +11,7 @@ from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import follow_definitions, open_store, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
-from gpulib.pci import PciAddress
+from gpulib.pci import PciAddress, list_addresses, physical_function
 from gpulib.state import State, VfRecord, VgpuRecord
 from gpulib.sysfs import Sysfs
 from gpulib.usage import running_domains
@@ -44,23 +44,61 @@ def mdev_group() -> None:
 @json_option
 @click.pass_obj
 def mdev_types(env: Env, parent: Optional[str], as_json: bool) -> None:
-    """List the mdev types each parent offers, with instances left."""
+    """List the mdev types each parent offers, with instances left, and the
+    types NVIDIA vendor-specific VFs can take (numbers from nvidia-smi)."""
     sysfs = env.ctx.sysfs
-    parents = [PciAddress.parse(parent)] if parent is not None else mdev.list_parents(sysfs)
-    rows = []
+    wanted = PciAddress.parse(parent) if parent is not None else None
+    parents = [wanted] if wanted is not None else mdev.list_parents(sysfs)
+    rows: list[dict[str, object]] = []
     for p in parents:
+        if wanted is not None and not mdev.is_parent(sysfs, p):
+            continue  # a vendor VF, listed below
         for t in mdev.list_types(sysfs, p):
             d = t.description
-            rows.append({"parent": str(p), "type_id": t.type_id, "name": t.name,
+            rows.append({"parent": str(p), "kind": "mdev", "type_id": t.type_id, "name": t.name,
                          "available_instances": t.available_instances,
                          "max_instances": d.max_instance, "framebuffer_mb": d.framebuffer_mb,
+                         "num_heads": d.num_heads,
+                         "max_resolution": f"{d.max_resolution[0]}x{d.max_resolution[1]}"
+                         if d.max_resolution else None,
                          "device_api": t.device_api, "description": t.description_text})
+    rows += _vendor_vf_types(env, wanted)
     if as_json:
         emit_json(rows)
         return
     for r in rows:
         click.echo(f"{r['parent']}  {r['type_id']:<18} {r['name'] or '-'!s:<22} "
                    f"available {r['available_instances']}")
+
+
+def _vendor_vf_types(env: Env, only: Optional[PciAddress]) -> list[dict[str, object]]:
+    """One row for each type an NVIDIA vendor-specific VF can create now, its
+    numbers NVIDIA's tool's (as `gpulib discover` reports them; null without)."""
+    from gpulib import nvidiasmi
+
+    sysfs = env.ctx.sysfs
+    vfs: list[tuple[PciAddress, PciAddress]] = []
+    for a in [only] if only is not None else list_addresses(sysfs):
+        pf = physical_function(sysfs, a)
+        if pf is not None and nvidia.is_vendor_vf(sysfs, a):
+            vfs.append((a, pf))
+    if not vfs:
+        return []
+    found = nvidiasmi.numbers(env.ctx.root, sorted({pf for _, pf in vfs}),
+                              env.config.get_float("discovery", "nvidia_smi_timeout"))
+    rows: list[dict[str, object]] = []
+    for vf, pf in vfs:
+        for tid, name in sorted(nvidia.creatable_types(sysfs, vf).items()):
+            n = found.get(pf, {}).get(tid)
+            res = n.max_resolution if n else None
+            rows.append({"parent": str(vf), "kind": "nvidia-vf", "type_id": str(tid),
+                         "name": name, "available_instances": 1,
+                         "max_instances": n.max_instances if n else None,
+                         "framebuffer_mb": n.framebuffer_mb if n else None,
+                         "num_heads": n.num_heads if n else None,
+                         "max_resolution": f"{res[0]}x{res[1]}" if res else None,
+                         "device_api": "vfio-pci", "description": None})
+    return rows
 
 
 @mdev_group.command("list")

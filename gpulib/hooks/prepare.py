@@ -102,6 +102,13 @@ log = logging.getLogger(__name__)
 FIRST_GUEST_SLOT = 0x10
 AGENT_421_BUG = ("CloudStack 4.21 agent bug: a PCI domain other than 0000 rendered as "
                  "bus and slot (apache/cloudstack issue 12960)")
+# The same rendering of a VF keeps only its PCI domain and bus: 0001:04:00.2
+# becomes bus='0x0001' slot='0x04' function='0x0', like its PF and every VF
+# beside it. The agent's LibvirtGpuDef was fixed for 4.22.1.
+AGENT_LOST_VF = ("the CloudStack agent lost the VF's address (4.21 and 4.22.0 render "
+                 "0001:04:00.2 as bus='0x0001' slot='0x04' function='0x0'); "
+                 "upgrade the agent to 4.22.1 or later (apache/cloudstack pull 12981, "
+                 "the PCI domain fix of LibvirtGpuDef)")
 
 
 def metadata_allowed(ctx: Context, config: Config) -> bool:
@@ -340,16 +347,23 @@ class Preparer:
         except DomainXmlError:
             literal = None
         domain, bus, function = mangled
-        matches = [a for a in list_addresses(self.sysfs)
-                   if (a.domain, a.bus, a.function) == (domain, bus, function)
-                   and self._is_gpu_fn(a)]
+        src = h.element.find("source/address")
+        written = " ".join(f"{k}='{src.get(k)}'" for k in ("domain", "bus", "slot", "function"))
+        # A GPU's VF on that bus may have been meant, or its PF, or another VF:
+        # which cannot be known, so none is picked.
+        on_bus = [a for a in list_addresses(self.sysfs) if (a.domain, a.bus) == (domain, bus)]
+        vfs = [a for a, pf in ((a, physical_function(self.sysfs, a)) for a in on_bus)
+               if pf is not None and self._is_gpu_fn(pf)]
+        if vfs:
+            raise DomainXmlError(
+                f"PCI hostdev <address {written}> may name any of the {len(vfs)} VFs on "
+                f"{domain:04x}:{bus:02x} or their GPU: {AGENT_LOST_VF}")
+        matches = [a for a in on_bus if a.function == function and self._is_gpu_fn(a)]
         if literal is not None:
             if not matches:
                 return literal  # a bus written long, nothing to repair
             if literal not in matches and self._is_gpu_fn(literal):
                 matches.append(literal)
-        src = h.element.find("source/address")
-        written = " ".join(f"{k}='{src.get(k)}'" for k in ("domain", "bus", "slot", "function"))
         if len(matches) != 1:
             also = f" (and {literal} as written)" if literal in matches else ""
             raise DomainXmlError(

@@ -24,6 +24,14 @@ Addr = Union[str, PciAddress]
 
 PCI_IDS_HEADER = "# pci.ids subset written by gpulib's fake host builder\n"
 
+# NVIDIA's tool below the root (where the vGPU manager installs it), what it
+# prints for `vgpu -s -v`, and the record of its calls.
+NVIDIA_SMI = "usr/bin/nvidia-smi"
+NVIDIA_SMI_OUTPUT = "usr/share/gpulib-sim/nvidia-smi-vgpu-s-v.txt"
+NVIDIA_SMI_CALLS = "run/gpulib-sim/nvidia-smi.calls"
+NVIDIA_SMI_BEHAVIOURS = ("answer", "fail", "hang")
+NVIDIA_DRIVER = "580.105.06"
+
 
 def _addr(a: Addr) -> PciAddress:
     return a if isinstance(a, PciAddress) else PciAddress.parse(a)
@@ -330,6 +338,46 @@ class FakeHost:
         _write(os.path.join(d, "current_vgpu_type"), f"{current}\n", 0o644)
         if extra_files:
             _write(os.path.join(d, "vgpu_params"), "", 0o644)
+
+    # -- NVIDIA's tool -----------------------------------------------------------------
+    def install_nvidia_smi(self, output: str, behaviour: str = "answer",
+                           driver: str = NVIDIA_DRIVER) -> None:
+        """`usr/bin/nvidia-smi` as the NVIDIA vGPU manager installs it, and the
+        loaded driver's version (`sys/module/nvidia/version`). `answer`: prints
+        `output` for `nvidia-smi vgpu -s -v` (and refuses other arguments);
+        `fail`: what it prints when it cannot reach the driver (exit 9);
+        `hang`: never answers. Each call is appended to NVIDIA_SMI_CALLS."""
+        if behaviour not in NVIDIA_SMI_BEHAVIOURS:
+            raise ValueError(f"unknown nvidia-smi behaviour {behaviour!r} "
+                             f"(known: {', '.join(NVIDIA_SMI_BEHAVIOURS)})")
+        _write(self.p(NVIDIA_SMI_OUTPUT), output)
+        os.makedirs(os.path.dirname(self.p(NVIDIA_SMI_CALLS)), exist_ok=True)
+        version = self.p("sys/module/nvidia/version")
+        if os.path.lexists(version):
+            os.unlink(version)  # read-only, as the kernel has it
+        _write(version, driver + "\n", 0o444)
+        body = {
+            "answer": (f'if [ "$*" = "vgpu -s -v" ]; then\n'
+                       f'    cat "$root/{NVIDIA_SMI_OUTPUT}"\n    exit 0\nfi\n'
+                       "echo \"Invalid combination of input arguments. Please run "
+                       "'nvidia-smi -h' for help.\"\nexit 2\n"),
+            "fail": ("echo \"NVIDIA-SMI has failed because it couldn't communicate with the "
+                     "NVIDIA driver. Make sure that the latest NVIDIA driver is installed "
+                     "and running.\"\nexit 9\n"),
+            "hang": "exec sleep 120\n",
+        }[behaviour]
+        _write(self.p(NVIDIA_SMI), "#!/bin/sh\n"
+               "# nvidia-smi as gpulib's simulator fakes it (FakeHost.install_nvidia_smi).\n"
+               'root=$(cd "$(dirname "$0")/../.." && pwd)\n'
+               f'echo "$*" >> "$root/{NVIDIA_SMI_CALLS}"\n' + body, 0o755)
+
+    def nvidia_smi_calls(self) -> list[str]:
+        """The arguments of each call of the fake nvidia-smi so far."""
+        try:
+            with open(self.p(NVIDIA_SMI_CALLS), encoding="utf-8") as fh:
+                return fh.read().splitlines()
+        except FileNotFoundError:
+            return []
 
     # -- host files -----------------------------------------------------------------
     def set_cmdline(self, cmdline: str) -> None:

@@ -5,10 +5,12 @@
   vGPU on VFs), a GeForce with its HDMI audio function in the same IOMMU
   group, an Intel iGPU with GVT-g types, AMD Instinct cards (one on PCI
   domain 0001), an AMD MxGPU card with plain SR-IOV VFs, and what is not a
-  GPU: the server's ASPEED BMC display and a NIC. Addresses match the
+  GPU: the server's ASPEED BMC display and a NIC; NVIDIA's tool
+  (`nvidia-smi`) answers for the A10 and L40S. Addresses match the
   CloudStack agent fixtures, so their domain XML works against this host.
 * `large`: 8 GPUs x 16 VFs x 24 vGPU types with 64 running VMs, the size the
-  discovery budget is measured on.
+  discovery budget is measured on; `large-nvidia` the same size with NVIDIA's
+  vendor-specific VFs and its tool (`nvidia-smi`).
 * `pool64`: four T4s with a declared pool of 64 vGPUs, for the concurrency budget.
 """
 
@@ -19,6 +21,9 @@ import os
 import uuid as uuidlib
 from typing import Any, Callable, Optional
 
+from gpulib.nvidiasmi import TypeNumbers
+from gpulib.nvidiasmi import render as render_nvidia_smi
+from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
 
 _DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -63,6 +68,58 @@ def add_sriov_gpu(host: FakeHost, model: dict[str, Any], address: str, numa: int
         host.name_ids(model["vendor"], model["vendor_name"], model["vf_device"],
                       model["vf_device_name"])
     return vfs
+
+
+# What NVIDIA's tables give each series of vGPU type: (class, display heads,
+# maximum resolution); a 1 GB Q profile drives 5120x2880 at most.
+_SERIES = {"Q": ("Quadro", 4, (7680, 4320)), "B": ("NVS", 4, (5120, 2880)),
+           "A": ("NVS", 1, (1280, 1024)), "C": ("Compute", 1, (4096, 2160))}
+
+
+def vf_type_numbers(model: dict[str, Any], name: str) -> tuple[str, TypeNumbers]:
+    """(class, numbers) of a vendor-specific VF type of a catalog model, as
+    `nvidia-smi vgpu -s -v` reports them: the frame buffer from the name
+    (`NVIDIA A10-6Q`: 6 GB), as many instances as fit in the GPU's memory,
+    heads and resolution by series."""
+    size, series = name.rsplit("-", 1)[1][:-1], name[-1]
+    gb = int(size) if size.isdigit() else 1
+    klass, heads, res = _SERIES.get(series, ("NVS", 1, (1280, 1024)))
+    if series == "Q" and gb == 1:
+        res = (5120, 2880)
+    return klass, TypeNumbers(name, model["framebuffer_gb"] // gb, gb * 1024, heads, res)
+
+
+def nvidia_smi_output(host: FakeHost) -> str:
+    """What `nvidia-smi vgpu -s -v` prints on this host: each NVIDIA GPU whose
+    VFs carry the vendor-specific framework, with every type its catalog model
+    supports."""
+    by_device = {m["device"]: m for m in models().values()
+                 if m["vendor"] == 0x10DE and m.get("nvidia_vf_types")}
+    gpus: dict[PciAddress, dict[int, tuple[str, TypeNumbers]]] = {}
+    base = host.p("sys/bus/pci/devices")
+    for name in sorted(os.listdir(base)):
+        d = os.path.join(base, name)
+
+        def read(attr: str, d: str = d) -> str:
+            with open(os.path.join(d, attr), encoding="utf-8") as fh:
+                return fh.read().strip()
+
+        if read("vendor") != "0x10de" or os.path.lexists(os.path.join(d, "physfn")):
+            continue
+        model = by_device.get(int(read("device"), 16))
+        vendor_vfs = [v for v in os.listdir(d) if v.startswith("virtfn")
+                      and os.path.isdir(os.path.join(d, v, "nvidia"))]
+        if model is None or not vendor_vfs:
+            continue
+        gpus[PciAddress.parse(name)] = {
+            int(tid): vf_type_numbers(model, tname)
+            for tid, tname in model["nvidia_vf_types"].items()}
+    return render_nvidia_smi(gpus)
+
+
+def install_nvidia_smi(host: FakeHost, behaviour: str = "answer") -> None:
+    """NVIDIA's tool on a host with vendor-specific VFs (see FakeHost.install_nvidia_smi)."""
+    host.install_nvidia_smi(nvidia_smi_output(host), behaviour)
 
 
 def _numa(bus: int) -> int:
@@ -155,6 +212,7 @@ def build_demo(root: str) -> FakeHost:
     add_model(host, m["mi300x"], "0001:d6:00.0", 1, parent="0001:d5:00.0")
 
     _write_demo_state(host)
+    install_nvidia_smi(host)
     host.write_file("etc/gpulib/gpulib.conf",
                     "# Demo host: the T4's desktop vGPUs are a pool gpulib keeps alive.\n"
                     "[pool t4-desktops]\nparents = 10de:1eb8\ntype = nvidia-232\n"
@@ -205,6 +263,14 @@ def large_types() -> list[dict[str, Any]]:
     return out
 
 
+def _large_gpu(host: FakeHost, model: dict[str, Any], g: int, vfs: int) -> list[str]:
+    """The large hosts' GPU number `g` behind a root port of its own: its VFs."""
+    bus = 0x11 + g * 0x20
+    root_port = f"0000:{bus - 1:02x}:01.0"
+    host.add_bridge(root_port, numa_node=_numa(bus), iommu_group=host.new_iommu_group())
+    return add_sriov_gpu(host, model, f"0000:{bus:02x}:00.0", _numa(bus), root_port, vfs)
+
+
 def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64) -> FakeHost:
     m = models()
     model = dict(m["l40s"], sriov_totalvfs=32)
@@ -214,11 +280,7 @@ def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64) 
     live_by_gpu = vms // gpus
     n = 0
     for g in range(gpus):
-        bus = 0x11 + g * 0x20
-        root_port = f"0000:{bus - 1:02x}:01.0"
-        host.add_bridge(root_port, numa_node=_numa(bus), iommu_group=host.new_iommu_group())
-        pf = f"0000:{bus:02x}:00.0"
-        vfs = add_sriov_gpu(host, model, pf, _numa(bus), root_port, vfs_per_gpu)
+        vfs = _large_gpu(host, model, g, vfs_per_gpu)
         for vf in vfs:
             host.populate_mdev_parent(vf, types)
         for i in range(live_by_gpu):
@@ -227,6 +289,32 @@ def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64) 
             host.add_running_domain(f"i-2-{100 + n}-VM", str(uuidlib.UUID(int=n + 1)),
                                     mdevs=(u,), pid=10000 + n)
             n += 1
+    return host
+
+
+def build_large_nvidia(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64
+                       ) -> FakeHost:
+    """The large host with NVIDIA's vendor-specific framework instead of mdev:
+    8 L40S x 16 VFs, on each GPU 8 VFs typed L40S-4Q for running VMs and the
+    others able to take any of its 23 types, and NVIDIA's tool installed (the
+    discovery budget with the numbers of those types asked for)."""
+    model = dict(models()["l40s"], sriov_totalvfs=32)
+    types = {int(k): v for k, v in model["nvidia_vf_types"].items()}
+    host = FakeHost(root)
+    host.add_iommu_unit("dmar0")
+    host.load_module("nvidia")
+    per_gpu = vms // gpus
+    n = 0
+    for g in range(gpus):
+        for i, vf in enumerate(_large_gpu(host, model, g, vfs_per_gpu)):
+            if i < per_gpu:
+                host.add_nvidia_vf_types(vf, {}, current=1150)
+                host.add_running_domain(f"i-2-{100 + n}-VM", str(uuidlib.UUID(int=n + 1)),
+                                        pci=(vf,), managed=False, pid=10000 + n)
+                n += 1
+            else:
+                host.add_nvidia_vf_types(vf, types)
+    install_nvidia_smi(host)
     return host
 
 
@@ -250,7 +338,8 @@ def build_pool64(root: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:
 
 
 SAMPLE_HOSTS: dict[str, Callable[[str], FakeHost]] = {
-    "demo": build_demo, "large": build_large, "pool64": build_pool64}
+    "demo": build_demo, "large": build_large, "large-nvidia": build_large_nvidia,
+    "pool64": build_pool64}
 
 
 def build(name: str, root: str) -> FakeHost:
