@@ -344,6 +344,16 @@ class Env:
             root=shell_quote(self.root), repo=shell_quote(REPO), hook=shell_quote(HOOK),
             trace=shell_quote(self.trace)))
 
+    def share_status_files(self) -> None:
+        """Make the fake host's `run/libvirt/qemu` the private libvirtd's own, so
+        gpulib reads the status files libvirt really writes (which VM runs)."""
+        fake = self.root / "run" / "libvirt" / "qemu"
+        shutil.rmtree(fake, ignore_errors=True)
+        fake.parent.mkdir(parents=True, exist_ok=True)
+        real = self.daemon.base / "run" / "libvirt" / "qemu"
+        real.mkdir(parents=True, exist_ok=True)
+        fake.symlink_to(real)
+
     # -- the fake host -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(
