@@ -222,13 +222,15 @@ def test_readiness_is_the_doctors_report(built: dict[str, str]) -> None:
 
 def test_a_gpu_held_whole_and_a_gpu_whose_vgpu_is_held(tmp_path: Path) -> None:
     """In use means held whole: the VM of one of a GPU's VFs keeps the GPU
-    from being given whole (discovery's used_by names it) but does not hold
-    the GPU itself. Offered whole is the CloudStack report's `enabled`."""
+    from being given whole but does not hold the GPU itself (discovery's
+    used_by, like the CloudStack report's, names only a VM holding the GPU
+    whole; the VF names its own user). Offered whole is the report's `enabled`."""
     host = build_demo(str(tmp_path / "demo"))
     series = scrape(host.root)
     doc = native(host.root)
     vf_user = next(g for g in doc["gpus"] if g["address"] == "0000:82:00.0")
-    assert vf_user["used_by"] == "i-4-20-VM" and vf_user["mode"] == "nvidia-vf"
+    assert vf_user["used_by"] is None and vf_user["mode"] == "nvidia-vf"
+    assert [vf["used_by"] for vf in vf_user["vfs"] if vf["used_by"]] == ["i-4-20-VM"]
     assert {dict(ls)["gpu"]: v for ls, v in matching(series, "gpulib_gpu_in_use").items()} \
         == {g["address"]: 0 for g in doc["gpus"]}
     r = subprocess.run([GPULIB, "discover", "--format", "cloudstack"], capture_output=True,

@@ -230,8 +230,10 @@ def _only_type_left(host: FakeHost, parent: str, keep: str) -> None:
 
 def _write_demo_state(host: FakeHost) -> None:
     created = "2026-01-19T07:00:00Z"
+    from gpulib.state import SCHEMA_VERSION
+
     state = {
-        "version": 2,
+        "version": SCHEMA_VERSION,
         "vgpus": {u: {"parent": DEMO_T4, "type_id": "nvidia-232", "pool": "t4-desktops",
                       "on_demand": False, "created": created}
                   for u in DEMO_POOL_MDEVS},
