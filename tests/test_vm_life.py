@@ -99,6 +99,14 @@ def libvirt_runs(host: FakeHost, dom: etree._Element) -> None:
     host.add_running_domain(name, uuid, pci=tuple(pci), mdevs=tuple(hostdev_uuids(dom)))
 
 
+def started_with_vgpus(host: FakeHost, count: int = 2) -> list[str]:
+    """plain-1 started (transformer, libvirt, onStart) with on-demand vGPUs; their UUIDs."""
+    dom = transform_ok(host.root, meta_xml(count=count))
+    libvirt_runs(host, dom)
+    assert run([STATE_CHANGE, "onStart", "plain-1"], host.root).returncode == 0
+    return hostdev_uuids(dom)
+
+
 def cli(root: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([GPULIB, *args], capture_output=True, text=True,
                           env=hook_env(root), timeout=60)
@@ -149,10 +157,7 @@ def test_a_reboot_frees_what_vms_of_the_last_boot_held(host: FakeHost) -> None:
 ])
 def test_a_stop_while_the_vm_runs_changes_nothing(host: FakeHost, stop: list[str]) -> None:
     root = host.root
-    dom = transform_ok(root, meta_xml())
-    made = hostdev_uuids(dom)
-    libvirt_runs(host, dom)
-    assert run([STATE_CHANGE, "onStart", "plain-1"], root).returncode == 0
+    made = started_with_vgpus(host)
     before = state_of(root)
     for _ in range(2):  # late, then repeated
         res = run(stop, root)
@@ -172,10 +177,7 @@ def test_a_stop_while_the_vm_runs_changes_nothing(host: FakeHost, stop: list[str
 
 def test_a_start_under_a_running_vms_name_is_refused(host: FakeHost) -> None:
     root = host.root
-    dom = transform_ok(root, meta_xml())
-    made = hostdev_uuids(dom)
-    libvirt_runs(host, dom)
-    assert run([STATE_CHANGE, "onStart", "plain-1"], root).returncode == 0
+    made = started_with_vgpus(host)
     before = state_of(root)
     impostor = meta_xml(uuid=U_OTHER)
     res = as_agent(root, impostor)
@@ -233,11 +235,9 @@ def _worker(root: str, n: int, argv: list[str], mode: str = "kill"
 def _stopped_vm_with_vgpus(tmp: Path, tag: str, count: int = 3) -> tuple[FakeHost, list[str]]:
     host = build_demo(str(tmp / tag))
     host.write_file(BOOT_ID, "boot-1\n", 0o444)
-    dom = transform_ok(host.root, meta_xml(count=count))
-    libvirt_runs(host, dom)
-    assert run([STATE_CHANGE, "onStart", "plain-1"], host.root).returncode == 0
+    made = started_with_vgpus(host, count)
     host.stop_domain("plain-1")
-    return host, hostdev_uuids(dom)
+    return host, made
 
 
 def _explained(root: str, made: list[str]) -> None:
