@@ -33,7 +33,9 @@ HOOK_PAGES = {
     "libvirt-vm-state-change": "gpulib.hooks.statechange",
     "gpulib-qemu-hook": "gpulib.hooks.qemu",
 }
-RUNTIME_DEPS = {"python3-lxml", "python3-click", "python3-pyudev", "python3-filelock"}
+# The Python distributions gpulib imports, and their Debian/EL package names.
+RUNTIME_IMPORTS = {"lxml", "click", "pyudev"}
+RUNTIME_DEPS = {f"python3-{name}" for name in RUNTIME_IMPORTS}
 
 
 def unit_directives(path: Path) -> list[tuple[str, str, str]]:
@@ -216,6 +218,75 @@ def test_debian_runtime_dependencies() -> None:
     assert "gpulib" in _field(control, "gpulib-cloudstack-discovery", "Depends")
     spec = SPEC.read_text(encoding="utf-8")
     assert set(re.findall(r"^Requires:\s+(\S+)$", spec, flags=re.M)) >= RUNTIME_DEPS
+
+
+def _outside_imports() -> dict[str, set[str]]:
+    """Top-level modules gpulib's code imports from outside the stdlib and
+    itself, with the files that import them."""
+    import ast
+    import importlib.util
+    import sysconfig
+
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    found: dict[str, set[str]] = {}
+    for path in sorted((REPO / "gpulib").rglob("*.py")) + sorted((REPO / "hooks").iterdir()):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in ("gpulib", "__future__"):
+                    continue
+                spec = importlib.util.find_spec(top)
+                origin = spec.origin if spec else None
+                if spec is not None and (origin in (None, "built-in", "frozen") or
+                                         (os.path.realpath(origin).startswith(stdlib + os.sep)
+                                         and "site-packages" not in origin)):
+                    continue
+                found.setdefault(top, set()).add(str(path.relative_to(REPO)))
+    return found
+
+
+def test_declared_runtime_dependencies_are_the_imported_ones() -> None:
+    """filelock was declared everywhere long after gpulib stopped importing it:
+    the deb, the rpm and setup.cfg declare exactly what the code imports."""
+    imported = set(_outside_imports())
+    assert imported == RUNTIME_IMPORTS, _outside_imports()
+    control = (DEBIAN / "control").read_text(encoding="utf-8")
+    assert {d for d in _field(control, "gpulib", "Depends") if d.startswith("python3-")} \
+        == RUNTIME_DEPS
+    spec = SPEC.read_text(encoding="utf-8")
+    assert {r for r in re.findall(r"^Requires:\s+(python3-\S+)", spec, flags=re.M)} \
+        == RUNTIME_DEPS
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg", encoding="utf-8")
+    declared = {re.split(r"[<>=!~ ;]", line.strip())[0]
+                for line in cfg.get("options", "install_requires").splitlines() if line.strip()}
+    assert declared == RUNTIME_IMPORTS
+
+
+def test_libraries_are_used_through_their_public_interface() -> None:
+    """`pyudev._util` and the Context's `_libudev`: private names another pyudev
+    release may drop. No private module or attribute of a dependency."""
+    import ast
+
+    for path in sorted((REPO / "gpulib").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                parts = node.module.split(".")
+                if parts[0] in RUNTIME_IMPORTS:
+                    assert not any(p.startswith("_") for p in parts), (path, node.module)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_libudev"):
+                raise AssertionError(f"{path}: {node.attr}")
+        assert "pyudev._" not in text, path
 
 
 def test_build_deps_list_covers_build_depends() -> None:
