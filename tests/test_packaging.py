@@ -342,10 +342,24 @@ def test_maintainer_scripts_parse() -> None:
         assert r.returncode == 0, f"{script.name}: {r.stderr}"
 
 
-def test_discovery_replacement_script() -> None:
+def test_discovery_replacement_script(tmp_path: Path) -> None:
     text = (PACKAGING / "cloudstack" / "cloudstack-gpudiscovery").read_text(encoding="utf-8")
     assert text.startswith("#!/bin/sh\n")
-    assert "exec /usr/bin/gpulib discover --format cloudstack\n" in text
+    assert "/usr/bin/gpulib discover --format cloudstack" in text
+    # The agent gets the whole report or nothing: a gpulib that failed halfway
+    # (a traceback after part of the JSON) leaves stdout empty, with its status.
+    fake = tmp_path / "gpulib"
+    script = tmp_path / "gpudiscovery"
+    script.write_text(text.replace("/usr/bin/gpulib", str(fake)), encoding="utf-8")
+    for body, code, expected in (
+            ('printf \'{"gpus": [\\n\'; echo "Traceback ..." >&2; exit 1', 1, b""),
+            ('printf \'{"gpus": []}\\n\\n\'; exit 0', 0, b'{"gpus": []}\n\n'),
+            ('echo "gpulib: gpulib is being upgraded" >&2; exit 3', 3, b"")):
+        guard = "[ \"$*\" = 'discover --format cloudstack' ] || exit 9"
+        fake.write_text(f"#!/bin/sh\n{guard}\n{body}\n", encoding="utf-8")
+        fake.chmod(0o755)
+        r = subprocess.run(["sh", str(script)], capture_output=True, timeout=30)
+        assert (r.returncode, r.stdout) == (code, expected), (body, r)
     assert os.access(PACKAGING / "cloudstack" / "cloudstack-gpudiscovery", os.X_OK)
     stock = "/usr/share/cloudstack-common/scripts/vm/hypervisor/kvm/gpudiscovery.sh"
     for name in ("preinst", "postrm"):
