@@ -98,6 +98,40 @@ def test_shipped_config_sets_nothing_and_never_changes() -> None:
     assert "%{_docdir}/gpulib/examples/gpulib.conf.example" in spec
 
 
+def test_shipped_config_is_the_previous_releases_byte_for_byte() -> None:
+    """unattended-upgrades skips a package whose upgrade could prompt about a
+    configuration file ("has conffile prompt and needs to be upgraded
+    manually"), checking before any maintainer script runs: the shipped file
+    must be the previous release's exact bytes (and postrm, which undoes the
+    move of an edited file, must know the same md5)."""
+    import hashlib
+
+    check = CHECK.read_text(encoding="utf-8")
+    (commit,) = re.findall(r"^PREV_COMMIT=([0-9a-f]{7,40})$", check, re.M)
+    r = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:etc/gpulib/gpulib.conf"],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"no git history with {commit} here: {r.stderr.decode().strip()}")
+    shipped = (ETC / "gpulib" / "gpulib.conf").read_bytes()
+    assert r.stdout == shipped
+    postrm = (DEBIAN / "gpulib.postrm").read_text(encoding="utf-8")
+    (md5,) = re.findall(r"^STUB_MD5=([0-9a-f]{32})$", postrm, re.M)
+    assert md5 == hashlib.md5(shipped).hexdigest()
+
+
+def test_downgrade_refusal_knows_its_version() -> None:
+    """preinst and prerm compare with the package's own version, which
+    debian/rules writes in (a placeholder left in a built script would make
+    every version compare wrong)."""
+    rules = (DEBIAN / "rules").read_text(encoding="utf-8")
+    for name in ("preinst", "prerm"):
+        text = (DEBIAN / f"gpulib.{name}").read_text(encoding="utf-8")
+        assert re.search(r"^VERSION=@GPULIB_VERSION@$", text, re.M), name
+        assert f"debian/gpulib/DEBIAN/{name}" in rules, name
+        assert "refusing to replace gpulib" in text, name
+    assert "! grep -l '@GPULIB_VERSION@' debian/gpulib/DEBIAN/*" in rules
+
+
 def test_shipped_config_loads_as_defaults(tmp_path: Path) -> None:
     cfg = Config.load(str(ETC / "gpulib" / "gpulib.conf"))
     for section, keys in DEFAULTS.items():
@@ -461,3 +495,54 @@ def _left_for_a_second_run() -> list[str]:
         if os.path.lexists(path):
             left.append(path)
     return left
+
+
+# --- SELinux (EL9) -------------------------------------------------------------
+SELINUX = PACKAGING / "selinux"
+SELINUX_MAKEFILE = Path("/usr/share/selinux/devel/Makefile")
+
+
+def test_selinux_file_contexts_are_what_doctor_checks() -> None:
+    """The module's file contexts, the labels `gpulib doctor` expects and the
+    paths the packages install are the same four."""
+    from gpulib.doctor import selinux
+
+    contexts = {}
+    for line in (SELINUX / "gpulib.fc").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            path, *_, context = line.split()
+            m = re.fullmatch(r"gen_context\(system_u:object_r:(\w+),s0\)", context)
+            assert m, line
+            contexts[path.removesuffix("(/.*)?").lstrip("/")] = m.group(1)
+    assert contexts == dict(selinux.LABELS)
+    te = (SELINUX / "gpulib.te").read_text(encoding="utf-8")
+    for selinux_type in contexts.values():
+        assert re.search(rf"^type {selinux_type};$", te, re.M), selinux_type
+    spec = SPEC.read_text(encoding="utf-8")
+    assert "make -f /usr/share/selinux/devel/Makefile gpulib.pp" in spec
+    assert "%selinux_modules_install" in spec and "%selinux_modules_uninstall" in spec
+
+
+@pytest.mark.skipif(not SELINUX_MAKEFILE.exists() or shutil.which("checkmodule") is None
+                    or shutil.which("semodule_package") is None,
+                    reason="SELinux's policy build tools are missing (apt-get install "
+                           "selinux-policy-dev checkpolicy semodule-utils)")
+def test_selinux_module_compiles(tmp_path: Path) -> None:
+    """The module the rpm builds from source (`make -f
+    /usr/share/selinux/devel/Makefile gpulib.pp`), here against Debian's
+    reference policy headers: its syntax, its interfaces, its file contexts."""
+    for f in SELINUX.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    r = subprocess.run(["make", "-f", str(SELINUX_MAKEFILE), "gpulib.pp"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pp = tmp_path / "gpulib.pp"
+    assert pp.stat().st_size > 1000
+    if shutil.which("sedismod") is None:
+        return
+    # What the compiled module declares: its four types.
+    listing = subprocess.run(["sedismod", str(pp)], input="1\nq\n", capture_output=True,
+                             text=True, timeout=60).stdout
+    for selinux_type in ("gpulib_hook_exec_t", "gpulib_conf_t", "gpulib_var_lib_t",
+                         "gpulib_log_t"):
+        assert selinux_type in listing, listing[-2000:]
