@@ -332,6 +332,7 @@ class Doctor:
             logfailures,
             mdev,
             nouveau,
+            selinux,
             sriov,
             state,
         )
@@ -349,6 +350,7 @@ class Doctor:
             ("state", state.check),
             ("discovery", discovery.check),
             ("logging", logfailures.check),
+            ("selinux", selinux.check),
         ]
 
     def run(self, only: Optional[list[str]] = None) -> Report:
