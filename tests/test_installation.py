@@ -145,3 +145,39 @@ def test_the_cli_takes_hold_first() -> None:
                    if line.startswith(("from gpulib", "import gpulib"))]
         assert imports[0] == "from gpulib.installation import hold", exe.name
         assert text.index(f'hold("{exe.name}")') < text.index(imports[1]), exe.name
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv(1) to hold the lock as another user")
+def test_a_lock_another_user_holds_keeps_no_hook_waiting() -> None:
+    """Any user may flock a directory they can read: `flock -x .../gpulib
+    sleep 1d` by an unprivileged user must not make every VM start wait and
+    fail. Only root's locks (the package's) and one's own are waited for."""
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="gpulib-installation-"))
+    try:
+        top.chmod(0o755)
+        site = top / "site"
+        shutil.copytree(os.path.dirname(gpulib.__file__), site / "gpulib",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        holder = subprocess.Popen(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "flock", "-x",
+             str(site / "gpulib"), "sh", "-c", "echo held; exec sleep 60"],
+            stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+            began = time.monotonic()
+            r = subprocess.run([sys.executable, "-c",
+                                "from gpulib.installation import hold; hold('gpulib', wait=5); "
+                                "print('ran')"],
+                               capture_output=True, text=True, env=_env(site, top), timeout=30,
+                               cwd=top)
+            took = time.monotonic() - began
+        finally:
+            os.killpg(holder.pid, 9)  # flock and the sleep under it
+            holder.wait(timeout=10)
+        assert (r.returncode, r.stdout, r.stderr) == (0, "ran\n", "")
+        assert took < 4
+    finally:
+        shutil.rmtree(top)
