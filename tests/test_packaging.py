@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -546,3 +547,60 @@ def test_selinux_module_compiles(tmp_path: Path) -> None:
     for selinux_type in ("gpulib_hook_exec_t", "gpulib_conf_t", "gpulib_var_lib_t",
                          "gpulib_log_t"):
         assert selinux_type in listing, listing[-2000:]
+
+
+def _stand_in(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """preinst's stand-in written over a fake old executable, with its lock
+    directory and saved copies below tmp_path: (executable, hall, saved dir)."""
+    preinst = (DEBIAN / "gpulib.preinst").read_text(encoding="utf-8")
+    func = re.search(r"^write_stand_in\(\) \{\n.*?^\}\n", preinst, re.M | re.S)
+    assert func
+    hall = tmp_path / "pkg" / "hooks"
+    hall.mkdir(parents=True)
+    saved = tmp_path / "run" / "saved"
+    saved.mkdir(parents=True)
+    exe = tmp_path / "libexec" / "libvirt-vm-state-change"
+    exe.parent.mkdir()
+    exe.write_text("#!/usr/bin/python3\nprint('old release')\n")
+    r = subprocess.run(["sh", "-c", f'{func.group(0)}\nwrite_stand_in "$1"', "sh", str(exe)],
+                       env={**os.environ, "PKGDIR": str(tmp_path / "pkg"),
+                            "RUNDIR": str(tmp_path / "run")}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return exe, hall, saved
+
+
+def test_upgrade_stand_in_waits_then_runs_the_new_release(tmp_path: Path) -> None:
+    """Reproduction: a hook started as the stand-in replaced the old file: the
+    kernel had read the old file's `#!/usr/bin/python3`, python3 then opened
+    the path and found a shell script (SyntaxError, exit 1). The stand-in is a
+    Python program; it waits for the upgrade's lock and runs the new file."""
+    exe, hall, _ = _stand_in(tmp_path)
+    assert exe.read_text().startswith("#!/usr/bin/python3\n# gpulib-upgrade-stand-in\n")
+    holder = subprocess.Popen(["flock", "-x", str(hall), "sleep", "1.5"])
+    try:
+        time.sleep(0.3)
+        run = subprocess.Popen([sys.executable, str(exe), "onStart", "vm"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(0.5)
+        assert run.poll() is None, "the stand-in did not wait for the upgrade"
+        new = exe.with_name(exe.name + ".dpkg-new")
+        new.write_text("#!/usr/bin/python3\nimport sys\nprint('new release', sys.argv[1:])\n")
+        new.replace(exe)
+    finally:
+        holder.wait(timeout=10)
+    out, err = run.communicate(timeout=30)
+    assert (run.returncode, out, err) == (0, b"new release ['onStart', 'vm']\n", b"")
+
+
+def test_upgrade_stand_in_after_a_failed_upgrade(tmp_path: Path) -> None:
+    """dpkg put the stand-in back with the old files: it restores the saved
+    old executable and runs it; with nothing saved, one line and exit 3."""
+    exe, _, saved = _stand_in(tmp_path)
+    r = subprocess.run([sys.executable, str(exe)], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (3, "")
+    assert r.stderr == "libvirt-vm-state-change: gpulib is being upgraded: nothing was done; " \
+                       "run it again\n"
+    (saved / exe.name).write_text("#!/usr/bin/python3\nprint('old release')\n")
+    r = subprocess.run([sys.executable, str(exe)], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "old release\n", "")
+    assert exe.read_text() == "#!/usr/bin/python3\nprint('old release')\n"
