@@ -60,9 +60,7 @@ class PciNames:
                     key, _, value = line[2:].partition("=")
                     out[key] = clean_name(value)
         if not out and self._sysfs.root == "/":
-            modalias = self._sysfs.read(f"sys/bus/pci/devices/{address}/modalias")
-            if modalias:
-                out = hwdb_lookup(modalias)
+            out = hwdb_lookup(str(address))
         return out
 
     def _vendor_block(self, vendor: int) -> tuple[Optional[str], str]:
@@ -116,22 +114,19 @@ class PciNames:
 _hwdb: list[object] = []
 
 
-def hwdb_lookup(modalias: str) -> dict[str, str]:
-    """udev's hwdb properties for a modalias, through pyudev; {} when unavailable.
+def hwdb_lookup(address: str) -> dict[str, str]:
+    """udev's properties of a PCI device (its hwdb names among them), through
+    pyudev's public Device interface; {} when unavailable.
 
-    pyudev has no public hwdb call, so this uses its libudev binding; any
-    failure (no libudev, no hwdb.bin, another pyudev) falls back to pci.ids.
+    libudev finds udev's database wherever this system keeps it; any failure
+    (no libudev, no entry, another pyudev) falls back to pci.ids.
     """
     try:
         import pyudev
-        from pyudev._util import udev_list_iterate
 
         if not _hwdb:
-            context = pyudev.Context()
-            _hwdb.extend([context, context._libudev.udev_hwdb_new(context)])
-        context, hwdb = _hwdb
-        lib = context._libudev  # type: ignore[attr-defined]
-        entry = lib.udev_hwdb_get_properties_list_entry(hwdb, modalias.encode(), 0)
-        return {k.decode(): v.decode() for k, v in udev_list_iterate(lib, entry)}
+            _hwdb.append(pyudev.Context())
+        device = pyudev.Devices.from_sys_path(_hwdb[0], f"/sys/bus/pci/devices/{address}")
+        return {k: clean_name(v) for k, v in device.properties.items() if k.startswith("ID_")}
     except Exception:
         return {}

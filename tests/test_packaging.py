@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,9 @@ HOOK_PAGES = {
     "libvirt-vm-state-change": "gpulib.hooks.statechange",
     "gpulib-qemu-hook": "gpulib.hooks.qemu",
 }
-RUNTIME_DEPS = {"python3-lxml", "python3-click", "python3-pyudev", "python3-filelock"}
+# The Python distributions gpulib imports, and their Debian/EL package names.
+RUNTIME_IMPORTS = {"lxml", "click", "pyudev"}
+RUNTIME_DEPS = {f"python3-{name}" for name in RUNTIME_IMPORTS}
 
 
 def unit_directives(path: Path) -> list[tuple[str, str, str]]:
@@ -94,6 +97,40 @@ def test_shipped_config_sets_nothing_and_never_changes() -> None:
     spec = SPEC.read_text(encoding="utf-8")
     assert "%dir %{_sysconfdir}/gpulib/gpulib.conf.d" in spec
     assert "%{_docdir}/gpulib/examples/gpulib.conf.example" in spec
+
+
+def test_shipped_config_is_the_previous_releases_byte_for_byte() -> None:
+    """unattended-upgrades skips a package whose upgrade could prompt about a
+    configuration file ("has conffile prompt and needs to be upgraded
+    manually"), checking before any maintainer script runs: the shipped file
+    must be the previous release's exact bytes (and postrm, which undoes the
+    move of an edited file, must know the same md5)."""
+    import hashlib
+
+    check = CHECK.read_text(encoding="utf-8")
+    (commit,) = re.findall(r"^PREV_COMMIT=([0-9a-f]{7,40})$", check, re.M)
+    r = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:etc/gpulib/gpulib.conf"],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"no git history with {commit} here: {r.stderr.decode().strip()}")
+    shipped = (ETC / "gpulib" / "gpulib.conf").read_bytes()
+    assert r.stdout == shipped
+    postrm = (DEBIAN / "gpulib.postrm").read_text(encoding="utf-8")
+    (md5,) = re.findall(r"^STUB_MD5=([0-9a-f]{32})$", postrm, re.M)
+    assert md5 == hashlib.md5(shipped).hexdigest()
+
+
+def test_downgrade_refusal_knows_its_version() -> None:
+    """preinst and prerm compare with the package's own version, which
+    debian/rules writes in (a placeholder left in a built script would make
+    every version compare wrong)."""
+    rules = (DEBIAN / "rules").read_text(encoding="utf-8")
+    for name in ("preinst", "prerm"):
+        text = (DEBIAN / f"gpulib.{name}").read_text(encoding="utf-8")
+        assert re.search(r"^VERSION=@GPULIB_VERSION@$", text, re.M), name
+        assert f"debian/gpulib/DEBIAN/{name}" in rules, name
+        assert "refusing to replace gpulib" in text, name
+    assert "! grep -l '@GPULIB_VERSION@' debian/gpulib/DEBIAN/*" in rules
 
 
 def test_shipped_config_loads_as_defaults(tmp_path: Path) -> None:
@@ -218,6 +255,75 @@ def test_debian_runtime_dependencies() -> None:
     assert set(re.findall(r"^Requires:\s+(\S+)$", spec, flags=re.M)) >= RUNTIME_DEPS
 
 
+def _outside_imports() -> dict[str, set[str]]:
+    """Top-level modules gpulib's code imports from outside the stdlib and
+    itself, with the files that import them."""
+    import ast
+    import importlib.util
+    import sysconfig
+
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    found: dict[str, set[str]] = {}
+    for path in sorted((REPO / "gpulib").rglob("*.py")) + sorted((REPO / "hooks").iterdir()):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in ("gpulib", "__future__"):
+                    continue
+                spec = importlib.util.find_spec(top)
+                origin = spec.origin if spec else None
+                if spec is not None and (origin in (None, "built-in", "frozen") or
+                                         (os.path.realpath(origin).startswith(stdlib + os.sep)
+                                         and "site-packages" not in origin)):
+                    continue
+                found.setdefault(top, set()).add(str(path.relative_to(REPO)))
+    return found
+
+
+def test_declared_runtime_dependencies_are_the_imported_ones() -> None:
+    """filelock was declared everywhere long after gpulib stopped importing it:
+    the deb, the rpm and setup.cfg declare exactly what the code imports."""
+    imported = set(_outside_imports())
+    assert imported == RUNTIME_IMPORTS, _outside_imports()
+    control = (DEBIAN / "control").read_text(encoding="utf-8")
+    assert {d for d in _field(control, "gpulib", "Depends") if d.startswith("python3-")} \
+        == RUNTIME_DEPS
+    spec = SPEC.read_text(encoding="utf-8")
+    assert {r for r in re.findall(r"^Requires:\s+(python3-\S+)", spec, flags=re.M)} \
+        == RUNTIME_DEPS
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg", encoding="utf-8")
+    declared = {re.split(r"[<>=!~ ;]", line.strip())[0]
+                for line in cfg.get("options", "install_requires").splitlines() if line.strip()}
+    assert declared == RUNTIME_IMPORTS
+
+
+def test_libraries_are_used_through_their_public_interface() -> None:
+    """`pyudev._util` and the Context's `_libudev`: private names another pyudev
+    release may drop. No private module or attribute of a dependency."""
+    import ast
+
+    for path in sorted((REPO / "gpulib").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                parts = node.module.split(".")
+                if parts[0] in RUNTIME_IMPORTS:
+                    assert not any(p.startswith("_") for p in parts), (path, node.module)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_libudev"):
+                raise AssertionError(f"{path}: {node.attr}")
+        assert "pyudev._" not in text, path
+
+
 def test_build_deps_list_covers_build_depends() -> None:
     control = (DEBIAN / "control").read_text(encoding="utf-8")
     source = control.split("\n\n", 1)[0]
@@ -271,10 +377,24 @@ def test_maintainer_scripts_parse() -> None:
         assert r.returncode == 0, f"{script.name}: {r.stderr}"
 
 
-def test_discovery_replacement_script() -> None:
+def test_discovery_replacement_script(tmp_path: Path) -> None:
     text = (PACKAGING / "cloudstack" / "cloudstack-gpudiscovery").read_text(encoding="utf-8")
     assert text.startswith("#!/bin/sh\n")
-    assert "exec /usr/bin/gpulib discover --format cloudstack\n" in text
+    assert "/usr/bin/gpulib discover --format cloudstack" in text
+    # The agent gets the whole report or nothing: a gpulib that failed halfway
+    # (a traceback after part of the JSON) leaves stdout empty, with its status.
+    fake = tmp_path / "gpulib"
+    script = tmp_path / "gpudiscovery"
+    script.write_text(text.replace("/usr/bin/gpulib", str(fake)), encoding="utf-8")
+    for body, code, expected in (
+            ('printf \'{"gpus": [\\n\'; echo "Traceback ..." >&2; exit 1', 1, b""),
+            ('printf \'{"gpus": []}\\n\\n\'; exit 0', 0, b'{"gpus": []}\n\n'),
+            ('echo "gpulib: gpulib is being upgraded" >&2; exit 3', 3, b"")):
+        guard = "[ \"$*\" = 'discover --format cloudstack' ] || exit 9"
+        fake.write_text(f"#!/bin/sh\n{guard}\n{body}\n", encoding="utf-8")
+        fake.chmod(0o755)
+        r = subprocess.run(["sh", str(script)], capture_output=True, timeout=30)
+        assert (r.returncode, r.stdout) == (code, expected), (body, r)
     assert os.access(PACKAGING / "cloudstack" / "cloudstack-gpudiscovery", os.X_OK)
     stock = "/usr/share/cloudstack-common/scripts/vm/hypervisor/kvm/gpudiscovery.sh"
     for name in ("preinst", "postrm"):
@@ -376,3 +496,111 @@ def _left_for_a_second_run() -> list[str]:
         if os.path.lexists(path):
             left.append(path)
     return left
+
+
+# --- SELinux (EL9) -------------------------------------------------------------
+SELINUX = PACKAGING / "selinux"
+SELINUX_MAKEFILE = Path("/usr/share/selinux/devel/Makefile")
+
+
+def test_selinux_file_contexts_are_what_doctor_checks() -> None:
+    """The module's file contexts, the labels `gpulib doctor` expects and the
+    paths the packages install are the same four."""
+    from gpulib.doctor import selinux
+
+    contexts = {}
+    for line in (SELINUX / "gpulib.fc").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            path, *_, context = line.split()
+            m = re.fullmatch(r"gen_context\(system_u:object_r:(\w+),s0\)", context)
+            assert m, line
+            contexts[path.removesuffix("(/.*)?").lstrip("/")] = m.group(1)
+    assert contexts == dict(selinux.LABELS)
+    te = (SELINUX / "gpulib.te").read_text(encoding="utf-8")
+    for selinux_type in contexts.values():
+        assert re.search(rf"^type {selinux_type};$", te, re.M), selinux_type
+    spec = SPEC.read_text(encoding="utf-8")
+    assert "make -f /usr/share/selinux/devel/Makefile gpulib.pp" in spec
+    assert "%selinux_modules_install" in spec and "%selinux_modules_uninstall" in spec
+
+
+@pytest.mark.skipif(not SELINUX_MAKEFILE.exists() or shutil.which("checkmodule") is None
+                    or shutil.which("semodule_package") is None,
+                    reason="SELinux's policy build tools are missing (apt-get install "
+                           "selinux-policy-dev checkpolicy semodule-utils)")
+def test_selinux_module_compiles(tmp_path: Path) -> None:
+    """The module the rpm builds from source (`make -f
+    /usr/share/selinux/devel/Makefile gpulib.pp`), here against Debian's
+    reference policy headers: its syntax, its interfaces, its file contexts."""
+    for f in SELINUX.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    r = subprocess.run(["make", "-f", str(SELINUX_MAKEFILE), "gpulib.pp"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pp = tmp_path / "gpulib.pp"
+    assert pp.stat().st_size > 1000
+    if shutil.which("sedismod") is None:
+        return
+    # What the compiled module declares: its four types.
+    listing = subprocess.run(["sedismod", str(pp)], input="1\nq\n", capture_output=True,
+                             text=True, timeout=60).stdout
+    for selinux_type in ("gpulib_hook_exec_t", "gpulib_conf_t", "gpulib_var_lib_t",
+                         "gpulib_log_t"):
+        assert selinux_type in listing, listing[-2000:]
+
+
+def _stand_in(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """preinst's stand-in written over a fake old executable, with its lock
+    directory and saved copies below tmp_path: (executable, hall, saved dir)."""
+    preinst = (DEBIAN / "gpulib.preinst").read_text(encoding="utf-8")
+    func = re.search(r"^write_stand_in\(\) \{\n.*?^\}\n", preinst, re.M | re.S)
+    assert func
+    hall = tmp_path / "pkg" / "hooks"
+    hall.mkdir(parents=True)
+    saved = tmp_path / "run" / "saved"
+    saved.mkdir(parents=True)
+    exe = tmp_path / "libexec" / "libvirt-vm-state-change"
+    exe.parent.mkdir()
+    exe.write_text("#!/usr/bin/python3\nprint('old release')\n")
+    r = subprocess.run(["sh", "-c", f'{func.group(0)}\nwrite_stand_in "$1"', "sh", str(exe)],
+                       env={**os.environ, "PKGDIR": str(tmp_path / "pkg"),
+                            "RUNDIR": str(tmp_path / "run")}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return exe, hall, saved
+
+
+def test_upgrade_stand_in_waits_then_runs_the_new_release(tmp_path: Path) -> None:
+    """Reproduction: a hook started as the stand-in replaced the old file: the
+    kernel had read the old file's `#!/usr/bin/python3`, python3 then opened
+    the path and found a shell script (SyntaxError, exit 1). The stand-in is a
+    Python program; it waits for the upgrade's lock and runs the new file."""
+    exe, hall, _ = _stand_in(tmp_path)
+    assert exe.read_text().startswith("#!/usr/bin/python3\n# gpulib-upgrade-stand-in\n")
+    holder = subprocess.Popen(["flock", "-x", str(hall), "sleep", "1.5"])
+    try:
+        time.sleep(0.3)
+        run = subprocess.Popen([sys.executable, str(exe), "onStart", "vm"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(0.5)
+        assert run.poll() is None, "the stand-in did not wait for the upgrade"
+        new = exe.with_name(exe.name + ".dpkg-new")
+        new.write_text("#!/usr/bin/python3\nimport sys\nprint('new release', sys.argv[1:])\n")
+        new.replace(exe)
+    finally:
+        holder.wait(timeout=10)
+    out, err = run.communicate(timeout=30)
+    assert (run.returncode, out, err) == (0, b"new release ['onStart', 'vm']\n", b"")
+
+
+def test_upgrade_stand_in_after_a_failed_upgrade(tmp_path: Path) -> None:
+    """dpkg put the stand-in back with the old files: it restores the saved
+    old executable and runs it; with nothing saved, one line and exit 3."""
+    exe, _, saved = _stand_in(tmp_path)
+    r = subprocess.run([sys.executable, str(exe)], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (3, "")
+    assert r.stderr == "libvirt-vm-state-change: gpulib is being upgraded: nothing was done; " \
+                       "run it again\n"
+    (saved / exe.name).write_text("#!/usr/bin/python3\nprint('old release')\n")
+    r = subprocess.run([sys.executable, str(exe)], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "old release\n", "")
+    assert exe.read_text() == "#!/usr/bin/python3\nprint('old release')\n"

@@ -17,6 +17,10 @@ from typing import Any, Optional
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    # Before any other import: a run that meets a package upgrade waits for it.
+    from gpulib.installation import hold
+
+    hold("gpulib")
     from gpulib.cli import inventory
 
     code = inventory.main(args)

@@ -24,6 +24,8 @@ Check ids (stable: scripts and the JSON depend on them):
 * `discovery`      the CloudStack discovery JSON is valid for the agent
 * `logging`        no hook or command lost log records since boot (a full log
                    disk, a broken syslog: `run/gpulib/log-failures`)
+* `selinux`        where SELinux is on: gpulib's policy module is installed and
+                   its files carry its types (the qemu hook, config, state, log)
 
 A check emits one `ok` result summing up what it saw, or one result per
 problem. The report's status is the worst status; the exit code is 0 when
@@ -31,7 +33,7 @@ everything is ok, 1 when anything failed, 2 for warnings only.
 
 Each check is a module of this package (`iommu`, `nouveau`, `binding`,
 `groups`, `sriov`, `mdev`, `hooks`, `libvirt`, `config`, `state`,
-`discovery`): `check(doctor) -> [Result]`. A result's fix is rendered from
+`discovery`, `logfailures`, `selinux`): `check(doctor) -> [Result]`. A result's fix is rendered from
 its typed actions (`gpulib.doctor.actions`) where the fix is something
 `gpulib setup` can apply, so one place decides what is wrong and what fixes it.
 

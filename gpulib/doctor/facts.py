@@ -336,6 +336,7 @@ class Doctor:
             logfailures,
             mdev,
             nouveau,
+            selinux,
             sriov,
             state,
         )
@@ -353,6 +354,7 @@ class Doctor:
             ("state", state.check),
             ("discovery", discovery.check),
             ("logging", logfailures.check),
+            ("selinux", selinux.check),
         ]
 
     def run(self, only: Optional[list[str]] = None) -> Report:

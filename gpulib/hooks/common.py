@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from gpulib.installation import started_with as _installation_started_with
+
 # typing costs the no-GPU fast path 2-3 ms: names for type checkers only
 # (mypy treats any TYPE_CHECKING as true).
 TYPE_CHECKING = False
@@ -23,30 +25,24 @@ MAX_INPUT_BYTES = 8 * 1024 * 1024
 
 
 def installation_stamp() -> tuple[int, ...]:
-    """The ctime of the directories holding gpulib's modules: installing a new
-    version (dpkg, rpm, pip) renames files into them, which changes it."""
-    import os
+    """The ctime of the directories holding gpulib's modules (gpulib.installation)."""
+    from gpulib.installation import stamp
 
-    base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    stamp = []
-    for directory in (base, os.path.join(base, "hooks")):
-        try:
-            stamp.append(os.stat(directory).st_ctime_ns)
-        except OSError:
-            stamp.append(0)
-    return tuple(stamp)
+    return stamp()
 
 
-# Taken when the hook starts, before it imported anything but this module.
-_STARTED_WITH = installation_stamp()
+# A hook started without its executable (python3 -c, a test) has not taken
+# hold of the installation: its start is now, before it imports the rest.
+_installation_started_with()
 
 
 def check_not_upgraded() -> None:
     """With the state lock held: refuse to go on if gpulib was upgraded since
     this hook started. Its modules would be of two versions (those loaded
-    before, the new ones it would import now). The package's maintainer
-    scripts hold the state lock across the upgrade, so this is seen here."""
-    if installation_stamp() != _STARTED_WITH:
+    before, the new ones it would import now). The hook's executable holds the
+    installation from its first line (gpulib.installation.hold), so a package
+    upgrade waits for it; this still catches an install that does not (pip)."""
+    if installation_stamp() != _installation_started_with():
         from gpulib.errors import LockTimeout
 
         raise LockTimeout("gpulib was upgraded while this hook waited for the state lock: "
