@@ -91,7 +91,11 @@ def test_domain_without_gpus_starts_and_stops(env: Env, libvirtd: PrivateLibvirt
     assert [c["op"] for c in calls] == ["prepare begin", "start begin", "started begin",
                                         "stopped end", "release end"], env.explain(res)
     assert all(c["rc"] == 0 for c in calls), env.explain(res)
-    assert env.state() == state_before
+    # Nothing recorded; the demo's schema-2 file may be rewritten in the current schema.
+    after = env.state()
+    assert {k: v for k, v in after.items() if k not in ("version", "intents")} == \
+        {k: v for k, v in state_before.items() if k not in ("version", "intents")}
+    assert after.get("intents", []) == []
 
 
 def test_running_domain_survives_libvirtd_restart(env: Env, libvirtd: PrivateLibvirtd,

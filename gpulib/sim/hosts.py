@@ -230,10 +230,10 @@ def _only_type_left(host: FakeHost, parent: str, keep: str) -> None:
 
 def _write_demo_state(host: FakeHost) -> None:
     created = "2026-01-19T07:00:00Z"
-    from gpulib.state import SCHEMA_VERSION
-
+    # Schema 2, as a host that ran an earlier gpulib has it (the first change
+    # writes the current schema; the previous release reads this one).
     state = {
-        "version": SCHEMA_VERSION,
+        "version": 2,
         "vgpus": {u: {"parent": DEMO_T4, "type_id": "nvidia-232", "pool": "t4-desktops",
                       "on_demand": False, "created": created}
                   for u in DEMO_POOL_MDEVS},
