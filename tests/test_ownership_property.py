@@ -221,6 +221,10 @@ class Ownership(RuleBasedStateMachine):
             return
         kind, ident, used_by = offers[pick % len(offers)]
         error = self._prepare(_xml(vm, _hostdev(kind, ident)))
+        if self.ctx.sysfs.exists(f"run/libvirt/qemu/{vm}.xml"):
+            # libvirt runs it: a start under its name is refused whatever it names.
+            assert error is not None and "already running" in error.message, error
+            return
         if used_by is None:
             assert error is None, f"{kind} {ident} offered free, refused: {error}"
         elif used_by != vm:
