@@ -234,6 +234,12 @@ class Preparer:
                     # Pending from now: the clock of a retried start starts again.
                     record(state, self.vm, self.domain_uuid, devices, status="pending",
                            clock=boot_clock(self.ctx))
+                if self.edit_xml and any(d.kind in ("mdev", "vf") for d in devices):
+                    # What each vGPU is travels in the live XML: a migration's
+                    # destination gives the VM the same (gpulib.migration).
+                    from gpulib.devicetype import record_types
+
+                    record_types(self.sysfs, state, self.dom)
                 journal.commit()
             except BaseException:
                 if journal.rollback():
