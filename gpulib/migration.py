@@ -79,12 +79,20 @@ class Need(NamedTuple):
 
     at: int  # its index among Domain.hostdevs()
     type: DeviceType  # `type.id`: the source's device (mdev UUID, VF address)
+    want: VgpuRequest  # what serves it: its type (a record), or its request's profile
 
     @property
     def label(self) -> str:
-        what = self.type.type_id if self.type.kind == "mdev" else f"vGPU type {self.type.type_id}"
-        name = f" ({self.type.name})" if self.type.name else ""
-        return f"{self.type.kind} {self.type.id}, {what}{name}"
+        t = self.type
+        what = (t.type_id if t.kind == "mdev" else f"vGPU type {t.type_id}") if t.type_id \
+            else f"profile {t.name}"
+        name = f" ({t.name})" if t.name and t.type_id else ""
+        return f"{t.kind} {t.id}, {what}{name}"
+
+    @property
+    def what(self) -> str:
+        t = self.type
+        return f"{t.name or t.type_id}" + (f" (type {t.type_id})" if t.type_id else "")
 
 
 class Choice(NamedTuple):
@@ -115,11 +123,18 @@ def needs(sysfs: Sysfs, state: State, dom: Domain) -> list[Need]:
     """What each hostdev of the incoming XML must get here; DeviceError naming the
     first that no equivalent can be given for (a whole GPU or VF, an unknown type)."""
     records = {(r.kind, r.id): r for r in dom.device_types()}
+    requested = _requested(dom)
     out = []
     for i, h in enumerate(dom.hostdevs()):
         if isinstance(h, MdevHostdev):
             uuid = h.uuid_checked()
             rec = records.get(("mdev", uuid))
+            if rec is None and uuid in requested:
+                # A vGPU of gpulib's request (`gpulib attach`): the request says what.
+                item = requested[uuid]
+                rec = DeviceType("mdev", uuid, item.type_id or "", item.profile, None)
+                out.append(Need(i, rec, item._replace(count=1, numa=None)))
+                continue
             if rec is None:
                 known = state.vgpus.get(uuid)  # this host's registry knows the UUID
                 if known is not None:
@@ -142,7 +157,26 @@ def needs(sysfs: Sysfs, state: State, dom: Domain) -> list[Need]:
                     f"PCI hostdev {address} is a device given whole (a GPU or VF passed "
                     "through): its state cannot move with the guest, the migration is "
                     "refused (only vGPUs migrate: mdevs and NVIDIA vGPU VFs)")
-        out.append(Need(i, rec))
+        want = VgpuRequest(None, rec.type_id if rec.kind == "mdev" else f"nvidia-{rec.type_id}")
+        out.append(Need(i, rec, want))
+    return out
+
+
+def _requested(dom: Domain) -> dict[str, VgpuRequest]:
+    """The derived UUIDs of the domain's metadata request, with what each asks for."""
+    try:
+        request = dom.metadata_request()
+    except DomainXmlError:
+        return {}
+    if request is None or dom.uuid is None:
+        return {}
+    duuid = dom.uuid_checked()
+    out = {}
+    k = 0
+    for v in request.vgpus:
+        for _ in range(v.count):
+            out[derive_uuid(duuid, k)] = v
+            k += 1
     return out
 
 
@@ -180,9 +214,11 @@ class Planner:
             return False
         if t.kind == "mdev":
             live = mdev.read_mdev(self.sysfs, ident)
-            return live is not None and live.type_id == t.type_id and \
-                str(live.parent) not in self.state.unmanaged and \
-                self._same_gpu(t.gpu, live.parent)
+            if live is None or str(live.parent) in self.state.unmanaged or \
+                    not self._same_gpu(t.gpu, live.parent):
+                return False
+            name = mdev.MdevType(self.sysfs, live.parent, live.type_id).name
+            return need.want.matches_type(live.type_id, name)
         try:
             vf = PciAddress.parse(ident)
         except GpulibError:
@@ -230,13 +266,12 @@ class Planner:
                                          == t.gpu)
 
         self.allocator.accept = serves
-        req = VgpuRequest(None, t.type_id, 1, None)
         on = f" on a {t.gpu} GPU" if t.gpu else ""
         try:
-            action = self.allocator.choose_vgpu(self.vm, req, lambda: self._new_uuid(need))
+            action = self.allocator.choose_vgpu(self.vm, need.want, lambda: self._new_uuid(need))
         except NotAvailableError:
             raise NotAvailableError(
-                f"no free vGPU of {t.name or t.type_id} (type {t.type_id}){on} for {self.vm}: "
+                f"no free vGPU of {need.what}{on} for {self.vm}: "
                 f"{need.label} has no equivalent here") from None
         if isinstance(action, AllocateVgpu):
             target, parent = action.uuid, action.parent

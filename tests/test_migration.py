@@ -532,3 +532,33 @@ def test_device_records_parse_and_refuse_bad_values() -> None:
         rec.set(key, bad.split('"')[1])
         with pytest.raises(Exception, match=why):
             parse_domain(etree.tostring(broken)).device_types()
+
+
+# -- VMs gpulib attach gave vGPUs -----------------------------------------------------------------
+
+def test_attach_records_the_type_and_a_request_alone_also_says_it(src: FakeHost,
+                                                                  dst: FakeHost) -> None:
+    from gpulib.attach import Wanted, plan_attach
+    from gpulib.config import Config
+    from gpulib.context import Context
+
+    ctx = Context.for_root(src.root, simulate=True)
+    xml = (f"<domain type='kvm'><name>att-1</name><uuid>{U_VM}</uuid>"
+           "<devices><emulator>/usr/bin/qemu-system-x86_64</emulator></devices></domain>")
+    change = plan_attach(ctx, Config.load(ctx.config_path), xml,
+                         Wanted(profile="GRID T4-8Q", count=1))
+    defined = change.after
+    uuid = derive_uuid(U_VM, 0)
+    assert parse_domain(defined).device_types() == [
+        DeviceType("mdev", uuid, T4_8Q, "GRID T4-8Q", "10de:1eb8")]
+    # An older definition without the record: the request's derived UUID says
+    # what the vGPU is, and the destination gives one of the profile.
+    dom = parse_domain(defined)
+    dom.set_device_types([])
+    bare = dom.to_xml()
+    assert "gpulib:device" not in bare and "GRID T4-8Q" in bare
+    held_elsewhere(dst, "stranger", U_STRANGER, mdevs=(uuid,))
+    res = migrate_begin(dst.root, "att-1", bare)
+    assert res.returncode == 0, res.stderr
+    new = derive_uuid(U_VM, 1)
+    assert sources(res.stdout.decode()) == [new] and mdev_type_of(dst.root, new) == T4_8Q
