@@ -562,3 +562,63 @@ def test_attach_records_the_type_and_a_request_alone_also_says_it(src: FakeHost,
     assert res.returncode == 0, res.stderr
     new = derive_uuid(U_VM, 1)
     assert sources(res.stdout.decode()) == [new] and mdev_type_of(dst.root, new) == T4_8Q
+
+
+# -- gpulib doctor's migration check ---------------------------------------------------------------
+
+CAPS = ("<qemuCaps>\n  <emulator>/usr/bin/qemu-system-x86_64</emulator>\n"
+        "  <qemuctime>1700000000</qemuctime>\n  <selfctime>1700000000</selfctime>\n"
+        "  <selfvers>{libvirt}</selfvers>\n  <usedQMP/>\n  <version>{qemu}</version>\n"
+        "</qemuCaps>\n")
+
+
+def _migration_result(root: str) -> Any:
+    from gpulib import doctor as dr
+    from gpulib.context import Context
+
+    report = dr.run(Context.for_root(root), only=["migration"])
+    (result,) = report.results_for("migration")
+    return result
+
+
+@pytest.mark.parametrize("libvirt,qemu,status,words", [
+    (10000000, 8002000, "ok", "libvirt 10.0.0, QEMU 8.2.0: vGPU live migration supported"),
+    (9000000, 7002022, "warn", "QEMU 7.2.22 is older than 8.1.0"),
+    (8004000, 9000000, "warn", "libvirt 8.4.0 is older than 8.6.0"),
+])
+def test_doctor_reads_libvirts_capabilities_cache(dst: FakeHost, libvirt: int, qemu: int,
+                                                 status: str, words: str) -> None:
+    dst.write_file("var/cache/libvirt/qemu/capabilities/3c76bc41.xml",
+                   CAPS.format(libvirt=libvirt, qemu=qemu))
+    r = _migration_result(dst.root)
+    assert r.status == status and words in r.message, r.message
+    # What no file says is named as such, whatever the versions.
+    assert "cannot be seen from here" in r.message
+    assert (r.fix is None) == (status == "ok")
+
+
+def test_doctor_without_the_cache_reads_the_library_and_dpkg(dst: FakeHost) -> None:
+    r = _migration_result(dst.root)
+    assert r.status == "ok" and "cannot tell the version of libvirt and QEMU" in r.message
+    dst.write_file("usr/lib/x86_64-linux-gnu/libvirt.so.0.8006.0", "")
+    dst.write_file("var/lib/dpkg/status",
+                   "Package: qemu-system-x86\nStatus: install ok installed\n"
+                   "Version: 1:8.1.2+ds-1\n\nPackage: other\nVersion: 1.0\n")
+    r = _migration_result(dst.root)
+    assert r.status == "ok" and "libvirt 8.6.0, QEMU 8.1.2" in r.message, r.message
+
+
+def test_doctor_on_this_machines_libvirt_and_qemu() -> None:
+    """This machine's own files (read-only): libvirt's library name, dpkg's database."""
+    from gpulib.doctor.migration import LIBVIRT_NEEDED, QEMU_NEEDED, versions
+    from gpulib.sysfs import Sysfs
+
+    libvirt, qemu = versions(Sysfs("/"))
+    if libvirt is None or qemu is None:
+        pytest.skip("this machine's libvirt or QEMU version is in no file the check reads "
+                    "(libvirt-daemon-system and qemu-system-x86 from packages)")
+    expected = "ok" if libvirt >= LIBVIRT_NEEDED and qemu >= QEMU_NEEDED else "warn"
+    r = _migration_result("/")
+    assert r.status == expected, r.message
+    shown = ".".join(str(x) for x in qemu)
+    assert f"QEMU {shown}" in r.message, r.message
