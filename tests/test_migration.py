@@ -622,3 +622,38 @@ def test_doctor_on_this_machines_libvirt_and_qemu() -> None:
     assert r.status == expected, r.message
     shown = ".".join(str(x) for x in qemu)
     assert f"QEMU {shown}" in r.message, r.message
+
+
+# -- after migrate begin: libvirt's start of the incoming domain -----------------------------------
+
+@pytest.mark.parametrize("kind", ["mdev", "vf"])
+def test_the_incoming_start_accepts_what_migrate_begin_made(tmp_path: Path, kind: str) -> None:
+    if kind == "mdev":
+        src, dst = t4(str(tmp_path / "src")), t4(str(tmp_path / "dst"))
+        held_elsewhere(dst, "stranger", U_STRANGER, mdevs=(derive_uuid(U_VM, 0),))
+        live = started_on(src, request_xml("mig-1", U_VM, f"type='{T4_8Q}'"))
+    else:
+        src, _ = a10(str(tmp_path / "src"))
+        dst, vfs = a10(str(tmp_path / "dst"))
+        held_elsewhere(dst, "stranger", U_STRANGER, vfs=(vfs[0],))
+        live = started_on(src, request_xml("mig-1", U_VM, "profile='NVIDIA A10-2Q'"))
+    res = migrate_begin(dst.root, "mig-1", live)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    held = state_of(dst.root)["allocations"]["mig-1"]["devices"]
+    # libvirt goes on with the XML it got: prepare begin, then started begin.
+    for op in ("prepare", "started"):
+        r = run([QEMU_HOOK, "mig-1", op, "begin", "-"], dst.root, stdin=out)
+        assert r.returncode == 0, r.stderr
+    alloc = state_of(dst.root)["allocations"]["mig-1"]
+    assert alloc["devices"] == held and alloc["status"] == "active"
+    assert state_of(dst.root)["intents"] == []
+    # ... and its stop, later, destroys what was made for it (on demand).
+    r = run([QEMU_HOOK, "mig-1", "release", "end", "-"], dst.root, stdin=out)
+    assert r.returncode == 0 and state_of(dst.root)["allocations"] == {}
+    made = sources(out.decode())[0]
+    if kind == "mdev":
+        assert made not in live_mdevs(dst.root)
+    else:
+        typed = Path(dst.root, "sys/bus/pci/devices", made, "nvidia/current_vgpu_type")
+        assert typed.read_text().strip() == "0"
