@@ -127,6 +127,25 @@ class Preparer:
         self._host: Optional[Inventory] = None
         self._light: Optional[Inventory] = None  # the pools' GPUs, read before the lock
 
+    # Each entry says which start it is (the XML editable or not, metadata
+    # requests honoured or not) rather than passing the flags itself.
+    @classmethod
+    def for_transformer(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
+        """The CloudStack transformer (and the pipe workflow): it may edit the XML."""
+        return cls(ctx, config, dom, edit_xml=True,
+                   allow_metadata=metadata_allowed(ctx, config))
+
+    @classmethod
+    def for_libvirt_start(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
+        """libvirt's `prepare begin` / `restore begin`: the XML is fixed (stdout ignored)."""
+        return cls(ctx, config, dom, edit_xml=False,
+                   allow_metadata=metadata_allowed(ctx, config))
+
+    @classmethod
+    def for_reconnect(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
+        """libvirt's `reconnect begin`: the VM runs already; only recorded."""
+        return cls(ctx, config, dom, edit_xml=False, allow_metadata=False)
+
     # -- the start ------------------------------------------------------------------------
     def _validate(self) -> tuple[list[str], list[PciAddress], Optional[GpuRequest]]:
         """Every UUID, address and request of the XML, checked before anything else."""

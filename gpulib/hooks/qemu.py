@@ -72,14 +72,13 @@ def _prepare(vm_arg: str) -> int:
             return 0
         from gpulib.domain import DomainXmlError, parse_domain
         from gpulib.hooks.common import start
-        from gpulib.hooks.prepare import Preparer, metadata_allowed
+        from gpulib.hooks.prepare import Preparer
 
         dom = parse_domain(xml)
         if dom.name != vm_arg:
             raise DomainXmlError(f"hook called for {vm_arg!r} with the XML of {dom.name!r}")
         ctx, config = start("gpulib-qemu-hook")
-        Preparer(ctx, config, dom, edit_xml=False,
-                 allow_metadata=metadata_allowed(ctx, config)).run()
+        Preparer.for_libvirt_start(ctx, config, dom).run()
         return 0
 
     return run_guarded(PROGRAM, body)
@@ -155,7 +154,7 @@ def _reconnect() -> None:
         from gpulib.hooks.prepare import Preparer
 
         dom = parse_domain(xml)
-        Preparer(ctx, config, dom, edit_xml=False, allow_metadata=False).run_reconnect()
+        Preparer.for_reconnect(ctx, config, dom).run_reconnect()
         return 0
 
     # A failure here would make libvirt kill the running VM: log, never fail.
