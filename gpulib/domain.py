@@ -1058,7 +1058,9 @@ class Domain:
             self.mark_changed()
             return
         if gpus is None:
-            gpus = self._new_gpulib_element()
+            self._new_gpulib_element([_device_type_element(rec) for rec in records])
+            self.mark_changed()
+            return
         last = None
         for child in gpus:
             if isinstance(child.tag, str):
@@ -1069,8 +1071,12 @@ class Domain:
             last = elem
         self.mark_changed()
 
-    def _new_gpulib_element(self) -> Element:
+    def _new_gpulib_element(self, children: list[Element]) -> Element:
+        """`<gpulib:gpus>` holding `children`, put into `<metadata>` (made when
+        there is none)."""
         gpus = etree.Element(f"{{{GPULIB_NS}}}gpus", nsmap={"gpulib": GPULIB_NS})
+        for child in children:
+            gpus.append(child)
         metadata = self.root.find("metadata")
         if metadata is None:
             metadata = etree.Element("metadata")
@@ -1130,26 +1136,7 @@ class Domain:
                 last = elem
             self.mark_changed()
             return
-        gpus = etree.Element(f"{{{GPULIB_NS}}}gpus", nsmap={"gpulib": GPULIB_NS})
-        for item in request.items:
-            gpus.append(_request_element(item))
-        metadata = self.root.find("metadata")
-        if metadata is None:
-            metadata = etree.Element("metadata")
-            metadata.append(gpus)
-            # libvirt keeps <metadata> after the identity elements.
-            ref = None
-            for tag in ("name", "uuid", "genid", "title", "description"):
-                elem = self.root.find(tag)
-                if elem is not None:
-                    ref = elem
-            if ref is None:
-                self.root.insert(0, metadata)
-                _layout(metadata, _indent_before(metadata))
-            else:
-                _insert_after(self.root, ref, metadata)
-        else:
-            _insert_after(metadata, None, gpus)
+        self._new_gpulib_element([_request_element(item) for item in request.items])
         self.mark_changed()
 
 

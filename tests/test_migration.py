@@ -52,26 +52,27 @@ def _host(root: str) -> FakeHost:
     return host
 
 
+def _gpu(root: str, model: str, address: str, bridge: str) -> tuple[FakeHost, dict[str, Any]]:
+    """A host with one GPU of `model` (gpulib.sim's models) behind its own bridge."""
+    host = _host(root)
+    m = models()[model]
+    host.add_bridge(bridge, numa_node=0, iommu_group=host.new_iommu_group())
+    host.add_function(address, m["vendor"], m["device"], m["class"], driver="nvidia",
+                      iommu_group=host.new_iommu_group(), numa_node=0, parent=bridge,
+                      vendor_name=m["vendor_name"], device_name=m["device_name"])
+    return host, m
+
+
 def t4(root: str) -> FakeHost:
     """One T4, mdev types on the PF (as tests.hosts.t4_host, at a root of choice)."""
-    host = _host(root)
-    m = models()["t4"]
-    host.add_bridge("0000:3a:00.0", numa_node=0, iommu_group=host.new_iommu_group())
-    host.add_function(T4, m["vendor"], m["device"], m["class"], driver="nvidia",
-                      iommu_group=host.new_iommu_group(), numa_node=0, parent="0000:3a:00.0",
-                      vendor_name=m["vendor_name"], device_name=m["device_name"])
+    host, m = _gpu(root, "t4", T4, "0000:3a:00.0")
     host.populate_mdev_parent(T4, m["mdev_types"])
     return host
 
 
 def a10(root: str) -> tuple[FakeHost, list[str]]:
     """One A10 with four NVIDIA vendor-specific vGPU VFs."""
-    host = _host(root)
-    m = models()["a10"]
-    host.add_bridge("0000:40:03.1", numa_node=0, iommu_group=host.new_iommu_group())
-    host.add_function(A10, m["vendor"], m["device"], m["class"], driver="nvidia",
-                      iommu_group=host.new_iommu_group(), numa_node=0, parent="0000:40:03.1",
-                      vendor_name=m["vendor_name"], device_name=m["device_name"])
+    host, m = _gpu(root, "a10", A10, "0000:40:03.1")
     host.set_sriov_capability(A10, 32, m["vf_device"], offset=4)
     types = {int(k): v for k, v in m["nvidia_vf_types"].items()}
     vfs = host.enable_sriov(A10, 4, vf_driver="nvidia")
