@@ -483,3 +483,14 @@ def check(ctx: Context, config: Config, dom: Domain) -> Answer:
     except DeviceError as exc:
         return Answer(vm, choices, exc.message)
     return Answer(vm, choices, None)
+
+
+def annotate(ctx: Context, config: Config, dom: Domain) -> list[DeviceType]:
+    """On the source: record in `dom` (in place) what each of its vGPUs is, from
+    this host (live devices, gpulib's registry), for a VM given its vGPUs before
+    gpulib recorded them; the records. Nothing is written to the host."""
+    from gpulib.devicetype import record_types
+
+    record_types(ctx.sysfs, open_store(ctx, config).load(), dom)
+    return dom.device_types()
+

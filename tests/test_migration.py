@@ -658,3 +658,29 @@ def test_the_incoming_start_accepts_what_migrate_begin_made(tmp_path: Path, kind
     else:
         typed = Path(dst.root, "sys/bus/pci/devices", made, "nvidia/current_vgpu_type")
         assert typed.read_text().strip() == "0"
+
+
+def test_an_old_vm_is_annotated_on_the_source_then_migrates(src: FakeHost,
+                                                           dst: FakeHost) -> None:
+    made = cli(src.root, "mdev", "create", "--parent", T4, "--type", T4_8Q)
+    assert made.returncode == 0, made.stderr
+    uuid = made.stdout.strip()
+    old = ("<domain type='kvm'><name>old-1</name><uuid>" + U_VM + "</uuid><devices>"
+           "<hostdev mode='subsystem' type='mdev' model='vfio-pci' display='off'><source>"
+           f"<address uuid='{uuid}'/></source></hostdev></devices></domain>")
+    assert run([QEMU_HOOK, "old-1", "prepare", "begin", "-"], src.root,
+               stdin=old.encode()).returncode == 0
+    src.add_running_domain("old-1", U_VM, mdevs=(uuid,))
+    # Its XML says nothing of the type: the destination cannot tell.
+    res = migrate_begin(dst.root, "old-1", old)
+    assert res.returncode == 1 and "does not say what vGPU type" in res.stderr.decode()
+    # The source's registry answers; the annotated XML migrates.
+    before = tree_contents(src.root)
+    ann = cli(src.root, "migrate", "annotate", "-", stdin=old)
+    assert ann.returncode == 0, ann.stderr
+    assert tree_contents(src.root) == before
+    assert parse_domain(ann.stdout).device_types() == [
+        DeviceType("mdev", uuid, T4_8Q, "GRID T4-8Q", "10de:1eb8")]
+    res = migrate_begin(dst.root, "old-1", ann.stdout)
+    assert res.returncode == 0, res.stderr
+    assert mdev_type_of(dst.root, sources(res.stdout.decode())[0]) == T4_8Q

@@ -16,6 +16,16 @@ def migrate_group() -> None:
     """Live migration of VMs with vGPUs (run on the destination)."""
 
 
+def _read(xml: str) -> bytes:
+    if xml == "-":
+        return sys.stdin.buffer.read(MAX_XML_BYTES + 1)
+    try:
+        with open(xml, "rb") as fh:
+            return fh.read(MAX_XML_BYTES + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read {xml}: {exc.strerror}") from None
+
+
 @migrate_group.command("check")
 @click.argument("xml", default="-", metavar="[XML|-]")
 @json_option
@@ -30,15 +40,7 @@ def check_cmd(env: Env, xml: str, as_json: bool) -> None:
     """
     from gpulib.migration import check
 
-    if xml == "-":
-        data = sys.stdin.buffer.read(MAX_XML_BYTES + 1)
-    else:
-        try:
-            with open(xml, "rb") as fh:
-                data = fh.read(MAX_XML_BYTES + 1)
-        except OSError as exc:
-            raise InputError(f"cannot read {xml}: {exc.strerror}") from None
-    answer = check(env.ctx, env.config, parse_domain(data))
+    answer = check(env.ctx, env.config, parse_domain(_read(xml)))
     if as_json:
         emit_json(answer.as_dict())
     else:
@@ -46,3 +48,26 @@ def check_cmd(env: Env, xml: str, as_json: bool) -> None:
             click.echo(line)
     if not answer.ok:
         click.get_current_context().exit(1)
+
+
+@migrate_group.command("annotate")
+@click.argument("xml", default="-", metavar="[XML|-]")
+@click.pass_obj
+def annotate_cmd(env: Env, xml: str) -> None:
+    """Run on the source: print the domain XML with what each vGPU is recorded.
+
+    For a VM given its vGPUs before gpulib recorded them in its metadata:
+    this host (its live vGPUs, gpulib's registry) says what they are, and
+    `virsh migrate --xml FILE` sends the annotated XML (metadata is no part
+    of what the guest sees). Changes nothing on the host.
+    """
+    from gpulib.migration import annotate
+
+    dom = parse_domain(_read(xml))
+    records = annotate(env.ctx, env.config, dom)
+    named = len(dom.mdev_hostdevs()) + len(dom.pci_hostdevs())
+    if len(records) < named:
+        click.echo(f"note: {named - len(records)} hostdev(s) of {dom.name} are no vGPU this "
+                   "host knows: not recorded", err=True)
+    click.echo(dom.to_xml(), nl=False)
+
