@@ -684,3 +684,24 @@ def test_an_old_vm_is_annotated_on_the_source_then_migrates(src: FakeHost,
     res = migrate_begin(dst.root, "old-1", ann.stdout)
     assert res.returncode == 0, res.stderr
     assert mdev_type_of(dst.root, sources(res.stdout.decode())[0]) == T4_8Q
+
+
+@pytest.mark.parametrize("xml,words", [
+    ("<domain><name>mig-1</name><devices><hostdev", "XML"),
+    ("<domain><name>other</name><uuid>" + U_VM + "</uuid><metadata>"
+     "<gpulib:gpus xmlns:gpulib='http://gpulib.org/xmlns/domain/1'/></metadata></domain>",
+     "with the XML of 'other'"),
+    ("<domain><name>mig-1</name><uuid>" + U_VM + "</uuid><metadata>"
+     "<gpulib:gpus xmlns:gpulib='http://gpulib.org/xmlns/domain/1'>"
+     "<gpulib:device kind='mdev' id='" + U_OTHER + "' type='../../x'/></gpulib:gpus>"
+     "</metadata><devices><hostdev mode='subsystem' type='mdev'><source>"
+     "<address uuid='" + U_OTHER + "'/></source></hostdev></devices></domain>",
+     "not an mdev type id"),
+])
+def test_bad_input_one_line_exit_2_nothing_changed(dst: FakeHost, xml: str, words: str) -> None:
+    before = tree_contents(dst.root)
+    res = migrate_begin(dst.root, "mig-1", xml)
+    err = res.stderr.decode()
+    assert res.returncode == 2 and res.stdout == b"" and len(err.splitlines()) == 1, err
+    assert words in err
+    assert tree_contents(dst.root) == before
