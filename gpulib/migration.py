@@ -36,7 +36,7 @@ migrate check`): the choice is made on the state as read, nothing applied.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from gpulib import mdev, nvidia
 from gpulib.allocator import (
@@ -183,14 +183,18 @@ def _requested(dom: Domain) -> dict[str, VgpuRequest]:
 class Planner:
     """Chooses, for one arriving VM, the device each Need gets (no write)."""
 
-    def __init__(self, sysfs: Sysfs, state: State, occ: Occupancy, allocator: Allocator,
-                 vm: str, domain_uuid: str, own: list[Device]) -> None:
-        """`own`: what this VM already holds here (an earlier attempt's allocation,
-        the changes a killed attempt left): kept when it serves."""
+    def __init__(self, sysfs: Sysfs, state: State, occ: Occupancy,
+                 allocator: Callable[[], Allocator], vm: str, domain_uuid: str,
+                 own: list[Device]) -> None:
+        """`allocator`: makes the allocator when a vGPU needs one (it reads the
+        whole host: not when every vGPU keeps its device). `own`: what this VM
+        already holds here (an earlier attempt's allocation, the changes a killed
+        attempt left): kept when it serves."""
         self.sysfs = sysfs
         self.state = state
         self.occ = occ
-        self.allocator = allocator
+        self._make_allocator = allocator
+        self._allocator: Optional[Allocator] = None
         self.vm = vm
         self.domain_uuid = domain_uuid
         self.own = own
@@ -265,10 +269,13 @@ class Planner:
                                          f"{c.gpu.fn.vendor_id:04x}:{c.gpu.fn.device_id:04x}"
                                          == t.gpu)
 
-        self.allocator.accept = serves
+        if self._allocator is None:
+            self._allocator = self._make_allocator()
+        self._allocator.accept = serves
         on = f" on a {t.gpu} GPU" if t.gpu else ""
         try:
-            action = self.allocator.choose_vgpu(self.vm, need.want, lambda: self._new_uuid(need))
+            action = self._allocator.choose_vgpu(self.vm, need.want,
+                                                 lambda: self._new_uuid(need))
         except NotAvailableError:
             raise NotAvailableError(
                 f"no free vGPU of {need.what}{on} for {self.vm}: "
@@ -399,8 +406,8 @@ def arrive(ctx: Context, config: Config, dom: Domain) -> list[Choice]:
         journal = Journal(sysfs, state, vm, liveness, checkpoint=store.checkpoint,
                           held_by_other=lambda device: occ.is_held(device, vm))
         try:
-            planner = Planner(sysfs, state, occ, _allocator(ctx, config, dom, state, occ,
-                                                            journal),
+            planner = Planner(sysfs, state, occ,
+                              lambda: _allocator(ctx, config, dom, state, occ, journal),
                               vm, domain_uuid, _own(state, vm, domain_uuid))
             choices: list[Choice] = []
             devices: list[Device] = []
@@ -474,9 +481,12 @@ def check(ctx: Context, config: Config, dom: Domain) -> Answer:
         if not wanted:
             return Answer(vm, [], None)
         occ = Occupancy.build(sysfs, state, running)
-        allocator = _allocator(ctx, config, dom, state, occ, None)
-        allocator.dry_run = True
-        planner = Planner(sysfs, state, occ, allocator, vm, domain_uuid,
+        def dry_allocator() -> Allocator:
+            allocator = _allocator(ctx, config, dom, state, occ, None)
+            allocator.dry_run = True
+            return allocator
+
+        planner = Planner(sysfs, state, occ, dry_allocator, vm, domain_uuid,
                           _own(state, vm, domain_uuid))
         for need in wanted:
             choices.append(planner.choose(need))

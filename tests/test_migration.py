@@ -705,3 +705,20 @@ def test_bad_input_one_line_exit_2_nothing_changed(dst: FakeHost, xml: str, word
     assert res.returncode == 2 and res.stdout == b"" and len(err.splitlines()) == 1, err
     assert words in err
     assert tree_contents(dst.root) == before
+
+
+def test_a_kept_vgpu_costs_no_reading_of_the_whole_host(src: FakeHost, dst: FakeHost) -> None:
+    live = started_on(src, request_xml("mig-1", U_VM, f"type='{T4_8Q}'"))
+    uuid = derive_uuid(U_VM, 0)
+    dst.add_mdev(uuid, T4, T4_8Q)  # the same vGPU exists here, free: kept as it is
+    probe = ("import sys\nfrom gpulib.hooks.qemu import main\n"
+             "rc = main(['gpulib-qemu-hook', 'mig-1', 'migrate', 'begin', '-'])\n"
+             "sys.stderr.write('discovery imported: %s\\n' % ('gpulib.discovery' in sys.modules))\n"
+             "sys.exit(rc)\n")
+    res = subprocess.run([sys.executable, "-c", probe], input=live.encode(),
+                         capture_output=True, env=hook_env(dst.root), cwd=str(REPO), timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.decode() == live
+    assert b"discovery imported: False" in res.stderr
+    assert state_of(dst.root)["allocations"]["mig-1"]["devices"] == [
+        {"kind": "mdev", "id": uuid, "on_demand": False}]
