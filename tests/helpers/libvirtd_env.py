@@ -93,7 +93,8 @@ cgroup_controllers = [ ]
 NAMESPACE_SCRIPT = """\
 set -eu
 b=$1
-if [ -n "${2-}" ]; then hostname "$2"; fi
+# The UTS namespace's hostname, set through /proc (no hostname(1) needed).
+if [ -n "${2-}" ]; then echo "$2" > /proc/sys/kernel/hostname; fi
 # /run first and --no-mtab: mount(8) must not create /run/mount on the host.
 mount --no-mtab --bind "$b/run" /run
 mount --no-mtab --bind "$b/etc" /etc/libvirt
