@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -456,6 +457,14 @@ def test_kill_migrate_begin_at_every_write_the_retry_or_the_next_run_settles(
         explained = {i["id"] for i in st["intents"]} | {
             d["id"] for a in st["allocations"].values() for d in a["devices"]}
         assert live_mdevs(dst.root) - {derive_uuid(U_VM, 0)} <= explained
+        # Cancelled instead (a copy of the host): the incoming domain's release
+        # end, the next run, leaves nothing of it.
+        cancelled = str(tmp_path / f"c{n}")
+        shutil.copytree(dst.root, cancelled, symlinks=True)
+        assert run([QEMU_HOOK, "mig-1", "release", "end", "-"], cancelled).returncode == 0
+        st = state_of(cancelled)
+        assert st["intents"] == [] and "mig-1" not in st["allocations"]
+        assert live_mdevs(cancelled) == {derive_uuid(U_VM, 0)}
         # The retry (libvirt's next attempt) gives exactly the VM's vGPUs.
         again = migrate_begin(dst.root, "mig-1", live)
         assert again.returncode == 0, again.stderr
