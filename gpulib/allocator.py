@@ -111,6 +111,14 @@ class Allocator:
         # What it chose: never chosen again, even for the same VM (the occupancy
         # only keeps a device from other VMs).
         self._chosen: set[str] = set()
+        # Which candidates may serve at all (a migration: the same kind of
+        # device, on a GPU of the same model); None: any.
+        self.accept: Optional[Callable[[Candidate], bool]] = None
+        # Choices nobody applies (a question, `gpulib migrate check`): the new
+        # vGPUs chosen so far count against their type's capacity here, as the
+        # kernel would count them once made.
+        self.dry_run = False
+        self._planned: dict[str, int] = {}
 
     def _held(self, node: str, vm: Optional[str] = None) -> bool:
         return self.occ.is_held(node, vm)
@@ -228,6 +236,23 @@ class Allocator:
                         break
         return out
 
+    def _usable(self, cands: list[Candidate]) -> list[Candidate]:
+        """The candidates `accept` allows, less (in a dry run) the capacity of the
+        new vGPUs chosen already (one candidate stands for one instance)."""
+        if self.accept is not None:
+            cands = [c for c in cands if self.accept(c)]
+        if not self._planned:
+            return cands
+        seen: dict[str, int] = {}
+        out = []
+        for c in cands:
+            if c.kind == "mdev" and c.action.on_demand:
+                n = seen[c.ident] = seen.get(c.ident, 0) + 1
+                if n <= self._planned.get(c.ident, 0):
+                    continue
+            out.append(c)
+        return out
+
     # -- requests ----------------------------------------------------------------------------
     def choose_vgpu(self, vm: str, req: VgpuRequest, uuid_for: Callable[[], str],
                     fresh_only: bool = False, found: int = 0
@@ -241,10 +266,10 @@ class Allocator:
         The choice reads the host's present capacity: the caller applies it
         (`apply_allocation`) before it asks for the next one.
         """
-        cands = [] if fresh_only else self._order(self._pool_candidates(req, vm))
+        cands = [] if fresh_only else self._order(self._usable(self._pool_candidates(req, vm)))
         if not cands:
             # New vGPUs read every GPU's types: only when no pool member serves.
-            fresh = self._new_candidates(req, vm)
+            fresh = self._usable(self._new_candidates(req, vm))
             if fresh_only:
                 fresh = [c for c in fresh if c.kind == "mdev"]
             cands = self._order(fresh)
@@ -255,6 +280,8 @@ class Allocator:
                 + f" ({found} of {req.count} found)")
         chosen = cands[0]
         action = chosen.action
+        if self.dry_run and isinstance(action, AllocateVgpu) and action.on_demand:
+            self._planned[chosen.ident] = self._planned.get(chosen.ident, 0) + 1
         if isinstance(action, AllocateVgpu) and not action.uuid:
             action = action._replace(uuid=uuid_for())
         ident = action.uuid if isinstance(action, AllocateVgpu) else action.address

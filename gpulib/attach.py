@@ -40,6 +40,7 @@ from gpulib.config import Config
 from gpulib.context import CLOUDSTACK_AGENT_DIR, DEFINED_DOMAINS, Context
 from gpulib.domain import (
     MAX_REQUEST_COUNT,
+    DeviceType,
     Domain,
     GpuRequest,
     GpuRequestItem,
@@ -313,6 +314,25 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
                              "request: detach it first")
         dom.add_mdev_hostdev(uuid, display="off")
         change.lines.append(f"+ vGPU {uuid} ({label}{where}; created when the VM starts)")
+    _record_types(dom, inv, match, [derive_uuid(duuid, i)
+                                    for i in range(first, first + wanted.count)])
+
+
+def _record_types(dom: Domain, inv: Inventory, match: VgpuRequest, uuids: list[str]) -> None:
+    """Record what the new vGPUs are (`<gpulib:device>`: it travels with a live
+    migration) when this host offers the request as one type of one GPU model;
+    otherwise the request itself says what they are."""
+    offers = set()
+    for gpu in inv.gpus:
+        model = f"{gpu.fn.vendor_id:04x}:{gpu.fn.device_id:04x}"
+        types = list(gpu.mdev_types) + [t for vf in gpu.vfs for t in vf.mdev_types]
+        offers |= {(t.type_id, t.name, model) for t in types
+                   if match.matches_type(t.type_id, t.name)}
+    if len(offers) != 1:
+        return
+    type_id, name, model = offers.pop()
+    dom.set_device_types(dom.device_types() + [DeviceType("mdev", u, type_id, name, model)
+                                               for u in uuids])
 
 
 def _note_missing_hook(ctx: Context, change: Change) -> None:
@@ -476,10 +496,11 @@ def _add_group_peers(ctx: Context, config: Config, dom: Domain,
     transformer adds them (its own routine, so the two cannot drift apart)."""
     if not config.get_bool("transformer", "add_group_functions"):
         return []
-    from gpulib.hooks.prepare import Preparer
+    from gpulib.hooks.hostfacts import HostReader
+    from gpulib.hooks.placement import Placement
 
-    preparer = Preparer(ctx, config, dom, edit_xml=True, allow_metadata=False)
-    return [PciAddress.parse(d.id) for d in preparer._add_group_peers(h)]
+    placement = Placement(dom, dom.name_checked(), config, HostReader(ctx, config))
+    return [PciAddress.parse(d.id) for d in placement.add_group_peers(h)]
 
 
 # -- detach ----------------------------------------------------------------------------------
@@ -509,6 +530,7 @@ def plan_detach(ctx: Context, config: Config, xml: str, targets: list[str]) -> C
         if request is not None:
             dom.set_metadata_request(None)
             change.lines.append("- gpulib request " + _describe(request))
+        _forget_removed(dom)
         return change
     for target in targets:
         h = _find(change, target)
@@ -523,7 +545,20 @@ def plan_detach(ctx: Context, config: Config, xml: str, targets: list[str]) -> C
                     _remove(change, other, derived, removed, why)
     if removed and request is not None:
         _renumber(change, request, derived, removed)
+    _forget_removed(dom)
     return change
+
+
+def _forget_removed(dom: Domain) -> None:
+    """Drop the records (`<gpulib:device>`) of vGPUs the domain no longer names."""
+    named = set()
+    for h in dom.hostdevs():
+        try:
+            named.add(("mdev", h.uuid_checked()) if isinstance(h, MdevHostdev)
+                      else ("vf", str(h.address)))
+        except InputError:
+            continue  # names no device: no record either
+    dom.set_device_types([r for r in dom.device_types() if (r.kind, r.id) in named])
 
 
 def _describe(request: GpuRequest) -> str:
@@ -628,8 +663,10 @@ def _renumber(change: Change, request: GpuRequest, derived: dict[str, int],
         if h is None:
             continue
         new_uuid = derive_uuid(duuid, new)
-        h.element.find("source/address").set("uuid", new_uuid)
-        dom.mark_changed()
+        h.uuid = new_uuid
+        # Its record follows it.
+        dom.set_device_types([r._replace(id=new_uuid) if r.id == by_index[old] else r
+                              for r in dom.device_types()])
         change.lines.append(f"~ vGPU {by_index[old]} is now {new_uuid} (its place in the "
                             "request moved)")
 

@@ -21,7 +21,7 @@ from lxml import etree
 
 from gpulib.errors import InputError
 from gpulib.lazyre import lazy
-from gpulib.pci import MAX_DOMAIN, PciAddress
+from gpulib.pci import MAX_DOMAIN, PciAddress, libvirt_uint
 from gpulib.validate import (
     check_domain_uuid,
     check_type_id,
@@ -402,6 +402,26 @@ class PciHostdev(_XmlNode):
         except InputError as exc:
             raise DomainXmlError(f"PCI hostdev: {exc.message}") from None
 
+    @address.setter
+    def address(self, value: PciAddress) -> None:
+        """Point the hostdev at another host function: only `<source><address>`
+        changes; an attribute already naming the same number keeps its spelling."""
+        addr = self.element.find("source/address")
+        if addr is None:
+            raise DomainXmlError("PCI hostdev without <source><address>")
+        try:
+            if self.address == value:
+                return
+        except DomainXmlError:
+            pass  # unreadable before: written anew
+        for name, text in value.libvirt().items():
+            current = addr.get(name)
+            if current is not None and libvirt_uint(str(current)) == int(text, 16):
+                continue  # bus='0x3b' and bus='59' are one bus: the spelling stays
+            if current is None and name in ("domain", "function") and int(text, 16) == 0:
+                continue  # libvirt's default
+            self._set_attr(addr, name, text)
+
     def agent421_mangled(self) -> Optional[tuple[int, int, int]]:
         """(PCI domain, bus, function) when the source address is CloudStack 4.21's
         rendering of a function in a non-zero PCI domain, else None.
@@ -511,6 +531,17 @@ class MdevHostdev(_XmlNode):
         addr = self.element.find("source/address")
         value = addr.get("uuid") if addr is not None else None
         return None if value is None else str(value).strip().lower()
+
+    @uuid.setter
+    def uuid(self, value: Optional[str]) -> None:
+        """Point the hostdev at another mdev: only `<source><address uuid=>` changes
+        (a migration's destination gives the VM its own instance of the type)."""
+        canonical = _canonical_uuid(value, "mdev UUID")
+        addr = self.element.find("source/address")
+        if addr is None:
+            raise DomainXmlError("mdev hostdev without <source><address>")
+        if (addr.get("uuid") or "").strip().lower() != canonical:
+            self._set_attr(addr, "uuid", canonical)
 
     def uuid_checked(self) -> str:
         """The mdev UUID in canonical form; DomainXmlError if it is not one."""
@@ -969,50 +1000,85 @@ class Domain:
             # libvirt keeps one metadata element per namespace.
             raise DomainXmlError("gpulib metadata: more than one <gpulib:gpus> element")
         items: list[GpuRequestItem] = []
+        records = 0
         for child in found[0]:
             if not isinstance(child.tag, str):
                 continue  # comments, processing instructions
             qname = etree.QName(child)
+            if qname.namespace == GPULIB_NS and qname.localname == "device":
+                records += 1  # what a vGPU the VM holds is (device_types): no request
+                continue
             if qname.namespace != GPULIB_NS or qname.localname not in ("vgpu", "passthrough"):
                 raise DomainXmlError(
                     f"gpulib metadata: unknown element <{_display_tag(child.tag)}> "
-                    "in <gpulib:gpus> (expected vgpu or passthrough)")
+                    "in <gpulib:gpus> (expected vgpu, passthrough or device)")
             items.append(_parse_request_item(child))
+        if records and not items:
+            return None
         return GpuRequest(tuple(items))
 
-    def set_metadata_request(self, request: Optional[GpuRequest]) -> None:
-        """Write `<metadata><gpulib:gpus>` to ask for `request`; None or an empty
-        request removes it (and `<metadata>` when nothing else is left in it).
-
-        The items are written anew in the given order (the order fixes which
-        derived UUID belongs to which vGPU); the rest of `<metadata>` stays.
-        """
+    def _gpulib_element(self) -> Optional[Element]:
         found = [gpus for metadata in self.root.findall("metadata")
                  for gpus in metadata.findall(f"{{{GPULIB_NS}}}gpus")]
         if len(found) > 1:
+            # libvirt keeps one metadata element per namespace.
             raise DomainXmlError("gpulib metadata: more than one <gpulib:gpus> element")
-        if request is None or not request.items:
-            if found:
-                metadata = found[0].getparent()
-                _remove_keep_layout(found[0])
+        return found[0] if found else None
+
+    def device_types(self) -> list[DeviceType]:
+        """What each vGPU the VM was given is (`<gpulib:device>` in gpulib's
+        metadata): written when gpulib gives it, read where the VM migrates to."""
+        gpus = self._gpulib_element()
+        if gpus is None:
+            return []
+        return [_parse_device_type(child) for child in gpus
+                if isinstance(child.tag, str) and child.tag == f"{{{GPULIB_NS}}}device"]
+
+    def device_type(self, kind: str, ident: str) -> Optional[DeviceType]:
+        for rec in self.device_types():
+            if rec.kind == kind and rec.id == ident:
+                return rec
+        return None
+
+    def set_device_types(self, records: list[DeviceType]) -> None:
+        """Record what the VM's vGPUs are (in this order); [] removes the records.
+        Nothing changes when they are recorded so already (the XML stays
+        byte-identical)."""
+        if self.device_types() == list(records):
+            return
+        gpus = self._gpulib_element()
+        if gpus is not None:
+            for child in list(gpus):
+                if isinstance(child.tag, str) and child.tag == f"{{{GPULIB_NS}}}device":
+                    _remove_keep_layout(child)
+        if not records:
+            if gpus is not None and not any(isinstance(c.tag, str) for c in gpus):
+                metadata = gpus.getparent()
+                _remove_keep_layout(gpus)
                 if not any(isinstance(c.tag, str) for c in metadata):
                     _remove_keep_layout(metadata)
-                self.mark_changed()
-            return
-        if found:
-            gpus = found[0]
-            for child in list(gpus):
-                _remove_keep_layout(child)
-            last = None
-            for item in request.items:
-                elem = _request_element(item)
-                _insert_after(gpus, last, elem)
-                last = elem
             self.mark_changed()
             return
+        if gpus is None:
+            self._new_gpulib_element([_device_type_element(rec) for rec in records])
+            self.mark_changed()
+            return
+        last = None
+        for child in gpus:
+            if isinstance(child.tag, str):
+                last = child
+        for rec in records:
+            elem = _device_type_element(rec)
+            _insert_after(gpus, last, elem)
+            last = elem
+        self.mark_changed()
+
+    def _new_gpulib_element(self, children: list[Element]) -> Element:
+        """`<gpulib:gpus>` holding `children`, put into `<metadata>` (made when
+        there is none)."""
         gpus = etree.Element(f"{{{GPULIB_NS}}}gpus", nsmap={"gpulib": GPULIB_NS})
-        for item in request.items:
-            gpus.append(_request_element(item))
+        for child in children:
+            gpus.append(child)
         metadata = self.root.find("metadata")
         if metadata is None:
             metadata = etree.Element("metadata")
@@ -1030,6 +1096,49 @@ class Domain:
                 _insert_after(self.root, ref, metadata)
         else:
             _insert_after(metadata, None, gpus)
+        return gpus
+
+    def set_metadata_request(self, request: Optional[GpuRequest]) -> None:
+        """Write `<metadata><gpulib:gpus>` to ask for `request`; None or an empty
+        request removes it (and `<metadata>` when nothing else is left in it).
+
+        The items are written anew in the given order (the order fixes which
+        derived UUID belongs to which vGPU); the rest of `<metadata>` stays.
+        """
+        found = [gpus for metadata in self.root.findall("metadata")
+                 for gpus in metadata.findall(f"{{{GPULIB_NS}}}gpus")]
+        if len(found) > 1:
+            raise DomainXmlError("gpulib metadata: more than one <gpulib:gpus> element")
+        request_tags = (f"{{{GPULIB_NS}}}vgpu", f"{{{GPULIB_NS}}}passthrough")
+        if request is None or not request.items:
+            if found:
+                records = [c for c in found[0] if c.tag == f"{{{GPULIB_NS}}}device"]
+                if records:
+                    # What the VM's vGPUs are stays recorded (device_types).
+                    for child in list(found[0]):
+                        if child.tag in request_tags:
+                            _remove_keep_layout(child)
+                    self.mark_changed()
+                    return
+                metadata = found[0].getparent()
+                _remove_keep_layout(found[0])
+                if not any(isinstance(c.tag, str) for c in metadata):
+                    _remove_keep_layout(metadata)
+                self.mark_changed()
+            return
+        if found:
+            gpus = found[0]
+            for child in list(gpus):
+                if child.tag in request_tags or not isinstance(child.tag, str):
+                    _remove_keep_layout(child)
+            last = None
+            for item in request.items:
+                elem = _request_element(item)
+                _insert_after(gpus, last, elem)
+                last = elem
+            self.mark_changed()
+            return
+        self._new_gpulib_element([_request_element(item) for item in request.items])
         self.mark_changed()
 
 
@@ -1047,6 +1156,60 @@ def _request_element(item: GpuRequestItem) -> Element:
     elem.set("count", str(item.count))
     if item.numa is not None:
         elem.set("numa", str(item.numa))
+    return elem
+
+
+class DeviceType(NamedTuple):
+    """What one vGPU a VM holds is, as `<gpulib:device>` records it.
+
+    `kind`: 'mdev' (`id` the mdev UUID, `type_id` its type, e.g. nvidia-232) or
+    'vf' (`id` the NVIDIA vendor VF's PCI address, `type_id` its numeric
+    `current_vgpu_type`). `name`: the type's name (GRID T4-2Q); `gpu`: the
+    physical GPU's vendor:device (10de:1eb8), lowercase."""
+
+    kind: str
+    id: str
+    type_id: str
+    name: Optional[str]
+    gpu: Optional[str]
+
+
+def _parse_device_type(elem: Element) -> DeviceType:
+    for name in elem.attrib:
+        if not str(name).startswith("{") and name not in ("kind", "id", "type", "name", "gpu"):
+            raise _meta_error("device", f"has an unknown attribute {name}=")
+    kind = elem.get("kind")
+    if kind not in ("mdev", "vf"):
+        raise _meta_error("device", f"kind={kind!r}: must be mdev or vf")
+    raw_id = elem.get("id")
+    if raw_id is None:
+        raise _meta_error("device", "needs id= (the mdev UUID or the VF's PCI address)")
+    try:
+        ident = _canonical_uuid(raw_id, "mdev UUID") if kind == "mdev" \
+            else str(PciAddress.parse(str(raw_id)))
+    except InputError as exc:
+        raise _meta_error("device", f"id={raw_id!r}: {exc.message}") from None
+    raw_type = str(elem.get("type") or "")
+    if kind == "mdev" and not is_type_id(raw_type):
+        raise _meta_error("device", f"type={raw_type!r}: not an mdev type id")
+    if kind == "vf" and not (_SMALL_INT_RE.match(raw_type) and int(raw_type) > 0):
+        raise _meta_error("device", f"type={raw_type!r}: not an NVIDIA vGPU type number")
+    name = _meta_name(elem, "device", "name") if elem.get("name") is not None else None
+    gpu = elem.get("gpu")
+    if gpu is not None and not _VENDOR_DEVICE_RE.match(str(gpu)):
+        raise _meta_error("device", f"gpu={gpu!r}: must be vendor:device (4 hex digits each)")
+    return DeviceType(kind, ident, raw_type, name, None if gpu is None else str(gpu).lower())
+
+
+def _device_type_element(rec: DeviceType) -> Element:
+    elem = etree.Element(f"{{{GPULIB_NS}}}device", nsmap={"gpulib": GPULIB_NS})
+    elem.set("kind", rec.kind)
+    elem.set("id", rec.id)
+    elem.set("type", rec.type_id)
+    if rec.name is not None:
+        elem.set("name", rec.name)
+    if rec.gpu is not None:
+        elem.set("gpu", rec.gpu)
     return elem
 
 
@@ -1084,6 +1247,7 @@ __all__ = [
     "GPULIB_NS",
     "MAX_XML_BYTES",
     "MAX_XML_NODES",
+    "DeviceType",
     "Domain",
     "DomainXmlError",
     "GpuRequest",

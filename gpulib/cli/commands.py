@@ -28,6 +28,7 @@ COMMANDS = {
     "detach": ("gpulib.cli.attach", "detach_cmd"),
     "setup": ("gpulib.cli.setup", "setup"),
     "metrics": ("gpulib.cli.metrics", "metrics"),
+    "migrate": ("gpulib.cli.migrate", "migrate_group"),
 }
 
 

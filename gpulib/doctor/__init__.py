@@ -19,6 +19,9 @@ Check ids (stable: scripts and the JSON depend on them):
                    the CloudStack agent's hook directory)
 * `libvirt`        libvirtd was (re)started after the qemu hook appeared (the
                    link's ctime: packages set its mtime to their build time)
+* `migration`      libvirt >= 8.6 and QEMU >= 8.1 for vGPU live migration (from
+                   libvirt's capabilities cache, its library name, dpkg's database);
+                   the vendor driver's support named as not visible
 * `config`         gpulib.conf parses without errors or unknown keys
 * `state`          the state file is readable and consistent, the lock works
 * `discovery`      the CloudStack discovery JSON is valid for the agent
@@ -32,7 +35,7 @@ problem. The report's status is the worst status; the exit code is 0 when
 everything is ok, 1 when anything failed, 2 for warnings only.
 
 Each check is a module of this package (`iommu`, `nouveau`, `binding`,
-`groups`, `sriov`, `mdev`, `hooks`, `libvirt`, `config`, `state`,
+`groups`, `sriov`, `mdev`, `hooks`, `libvirt`, `migration`, `config`, `state`,
 `discovery`, `logfailures`, `selinux`): `check(doctor) -> [Result]`. A result's fix is rendered from
 its typed actions (`gpulib.doctor.actions`) where the fix is something
 `gpulib setup` can apply, so one place decides what is wrong and what fixes it.

@@ -21,7 +21,7 @@ EXIT_CODES = {OK: 0, FAIL: 1, WARN: 2}
 SCHEMA = 1
 
 CHECK_IDS = ("iommu", "nouveau", "driver-binding", "iommu-group", "sriov", "mdev", "hooks",
-             "libvirt", "config", "state", "discovery", "logging", "selinux")
+             "libvirt", "migration", "config", "state", "discovery", "logging", "selinux")
 
 AMD_VENDOR = 0x1002
 # Drivers that make a GPU the host's: a passthrough GPU must not be on one.

@@ -1,9 +1,14 @@
 """Make the devices a domain names ready, and record what the VM holds.
 
 Shared by the CloudStack transformer (which may also edit the XML) and
-libvirt's `prepare begin` / `migrate begin` / `restore begin` (which may not):
+libvirt's `prepare begin` / `restore begin` (which may not):
 the same checks in both, so a start the transformer refused (and the agent
 went on with anyway, with its own XML) fails at libvirt with gpulib's line.
+
+The start is in four parts: what it reads of the host (`hostfacts.HostReader`),
+what it decides (the pure planner, `gpulib.plan`), what it does (here: apply
+through the journal) and how it edits the XML (`placement.Placement`). A
+live migration's arrival (`migrate begin`) is `gpulib.migration`'s.
 
 A start is planned, then applied, inside one state transaction:
 
@@ -49,46 +54,37 @@ from gpulib.domain import (
     VgpuRequest,
     derive_uuid,
 )
-from gpulib.errors import DeviceError, InputError
+from gpulib.errors import DeviceError
+from gpulib.hooks.hostfacts import HostReader
+from gpulib.hooks.placement import Placement
 from gpulib.hooks.vmstate import release_stale
 from gpulib.journal import Journal, settle
-from gpulib.lifecycle import boot_clock, follow_definitions, open_store
+from gpulib.lifecycle import boot_clock, open_store
 from gpulib.liveness import Liveness
-from gpulib.mdevctl import Definition, read_definitions
-from gpulib.occupancy import Occupancy, declaring_pools, whole_gpu_refusal
+from gpulib.occupancy import Occupancy
 from gpulib.pci import (
     PciAddress,
-    PciFunction,
-    iommu_group_members,
-    libvirt_uint,
     list_addresses,
     physical_function,
 )
 from gpulib.plan import (
-    BRIDGE_BASE_CLASS,
     Action,
     AddGroupPeer,
     CreateDerived,
     HeldFacts,
-    HostFacts,
     KeepMdev,
-    MdevFacts,
     OrphanFacts,
-    PciFacts,
-    PeerFacts,
     RecreateMdev,
     Refusals,
     RetypeVf,
     UsePci,
     UseVf,
     plan_adoptions,
-    plan_group_peers,
     plan_kept,
     plan_named,
     unmet,
 )
 from gpulib.state import Device, State, VgpuRecord, utc_now
-from gpulib.sysfs import ReadFailure
 from gpulib.usage import DomainDevices, running_domains
 from gpulib.validate import check_vm_name
 
@@ -97,9 +93,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Guest slots gpulib uses for a GPU that has no fixed guest address but needs
-# its group peers beside it; low slots are left to the machine's own devices.
-FIRST_GUEST_SLOT = 0x10
 AGENT_421_BUG = ("CloudStack 4.21 agent bug: a PCI domain other than 0000 rendered as "
                  "bus and slot (apache/cloudstack issue 12960)")
 # The same rendering of a VF keeps only its PCI domain and bus: 0001:04:00.2
@@ -136,9 +129,30 @@ class Preparer:
         self.vm = check_vm_name(dom.name_checked())
         self.domain_uuid = dom.uuid_checked() if dom.uuid else None
         self.store = open_store(ctx, config)
-        self._gpu_cache: dict[PciAddress, bool] = {}
+        # What it reads of the host, and how it edits the XML: one each per start.
+        self.reader = HostReader(ctx, config)
+        self.placement = Placement(dom, self.vm, config, self.reader)
         self._host: Optional[Inventory] = None
         self._light: Optional[Inventory] = None  # the pools' GPUs, read before the lock
+
+    # Each entry says which start it is (the XML editable or not, metadata
+    # requests honoured or not) rather than passing the flags itself.
+    @classmethod
+    def for_transformer(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
+        """The CloudStack transformer (and the pipe workflow): it may edit the XML."""
+        return cls(ctx, config, dom, edit_xml=True,
+                   allow_metadata=metadata_allowed(ctx, config))
+
+    @classmethod
+    def for_libvirt_start(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
+        """libvirt's `prepare begin` / `restore begin`: the XML is fixed (stdout ignored)."""
+        return cls(ctx, config, dom, edit_xml=False,
+                   allow_metadata=metadata_allowed(ctx, config))
+
+    @classmethod
+    def for_reconnect(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
+        """libvirt's `reconnect begin`: the VM runs already; only recorded."""
+        return cls(ctx, config, dom, edit_xml=False, allow_metadata=False)
 
     # -- the start ------------------------------------------------------------------------
     def _validate(self) -> tuple[list[str], list[PciAddress], Optional[GpuRequest]]:
@@ -241,6 +255,12 @@ class Preparer:
                     # Pending from now: the clock of a retried start starts again.
                     record(state, self.vm, self.domain_uuid, devices, status="pending",
                            clock=boot_clock(self.ctx))
+                if self.edit_xml and any(d.kind in ("mdev", "vf") for d in devices):
+                    # What each vGPU is travels in the live XML: a migration's
+                    # destination gives the VM the same (gpulib.migration).
+                    from gpulib.devicetype import record_types
+
+                    record_types(self.sysfs, state, self.dom)
                 journal.commit()
             except BaseException:
                 if journal.rollback():
@@ -276,62 +296,8 @@ class Preparer:
     # -- checks ---------------------------------------------------------------------------
     def _is_gpu_fn(self, address: PciAddress) -> bool:
         """Whether discovery counts this function as a GPU (its include/exclude too)."""
-        found = self._gpu_cache.get(address)
-        if found is None:
-            from gpulib.discovery import is_gpu_function
+        return self.reader.is_gpu_fn(address)
 
-            fn = PciFunction.read_ids(self.sysfs, address)
-            found = is_gpu_function(fn, self.config.match("discovery", "include"),
-                                    self.config.match("discovery", "exclude"))
-            self._gpu_cache[address] = found
-        return found
-
-    def _is_listed(self, address: PciAddress, physfn: Optional[PciAddress]) -> bool:
-        """A GPU or a GPU's VF: a device discovery reports in its own right.
-
-        `physfn`: its PF, as `physical_function` finds it (a VF whose own
-        `physfn` loops is still found by its PF's `virtfnN` links)."""
-        if physfn is not None:
-            return self._is_gpu_fn(physfn)
-        return self._is_gpu_fn(address)
-
-    def _is_gpulibs(self, address: PciAddress, physfn: Optional[PciAddress]) -> bool:
-        """A GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group."""
-        if self._is_listed(address, physfn):
-            return True
-        if physfn is not None:
-            return False  # a VF of a device that is no GPU
-        group = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/iommu_group")
-        if group is None or not group.isdigit():
-            return False
-        return any(m != address and self._is_gpu_fn(m)
-                   for m in iommu_group_members(self.sysfs, int(group)))
-
-    def _whole_gpu_refusal(self, state: State, address: PciAddress) -> Optional[str]:
-        """The discovery rule (`Gpu.whole_refusal`) from the same facts, read directly."""
-        rel = f"sys/bus/pci/devices/{address}"
-        numvfs = self.sysfs.read_int(rel + "/sriov_numvfs") or 0
-        virtfns = sum(1 for n in self.sysfs.listdir(rel) if n.startswith("virtfn"))
-        parent = str(address)
-        vgpus = {u for u, r in state.vgpus.items() if r.parent == parent}
-        pools: list[str] = []
-        if mdev.is_parent(self.sysfs, address):
-            vgpus |= {u for u, m in mdev.live_mdevs(self.sysfs).items() if m.parent == address}
-            if self.config.pools:
-                fn = PciFunction.read_ids(self.sysfs, address)
-                pools = declaring_pools(self.config, address, fn.vendor_id, fn.device_id,
-                                        mdev.list_types(self.sysfs, address))
-        return whole_gpu_refusal(max(numvfs, virtfns), len(vgpus), pools=pools)
-
-    def _vf_refusal(self, state: State, address: PciAddress) -> Optional[str]:
-        """Why a VF cannot be given whole: it carries vGPUs (mdevs on VFs), live
-        or recorded (kept, pooled or allocated), as a PF with vGPUs cannot."""
-        if not mdev.is_parent(self.sysfs, address):
-            return None
-        parent = str(address)
-        vgpus = {u for u, r in state.vgpus.items() if r.parent == parent}
-        vgpus |= {u for u, m in mdev.live_mdevs(self.sysfs).items() if m.parent == address}
-        return whole_gpu_refusal(0, len(vgpus))
 
     def _address(self, h: PciHostdev) -> PciAddress:
         """The host address; CloudStack 4.21's mangled PCI domain repaired when exactly
@@ -395,94 +361,14 @@ class Preparer:
         """Plan (facts read first, then gpulib.plan decides: no write), then apply."""
         derived = self._derived_uuids(request)
         names = [str(a) for a in addresses]
-        facts = self._facts(state, uuids, addresses)
+        facts = self.reader.facts(state, uuids, addresses, self._peers_wanted())
         refusals = Refusals(occ, self.vm,
                             strict=self.config.get_bool("transformer", "refuse_in_use"))
         actions = plan_named(facts, state, refusals, uuids, names, derived)
         return self._apply_named(state, occ, journal, actions, addresses, running)
 
-    def _facts(self, state: State, uuids: list[str], addresses: list[PciAddress]
-               ) -> HostFacts:
-        """What the plan needs of the host, read now (the state may follow mdevctl's
-        definitions: they are the record of persistent vGPUs)."""
-        defs: Optional[dict[str, Definition]] = None
-        mdevs: dict[str, MdevFacts] = {}
-        for uuid in uuids:
-            m = mdev.read_mdev(self.sysfs, uuid)
-            defined = None
-            if m is None:
-                if defs is None:
-                    defs = read_definitions(self.ctx)
-                    follow_definitions(self.ctx, state, defs, migrate=False)
-                d = defs.get(uuid)
-                if d is not None:
-                    defined = (d.parent, d.type_id, tuple(d.attrs))
-            mdevs[uuid] = MdevFacts((str(m.parent), m.type_id) if m is not None else None,
-                                    defined)
-        physfn: dict[str, Optional[str]] = {}
-        if state.unmanaged:
-            for uuid, f in mdevs.items():
-                rec = state.vgpus.get(uuid)
-                parent = f.live[0] if f.live is not None else \
-                    f.defined[0] if f.defined is not None else rec.parent if rec else None
-                if parent is not None and parent not in physfn:
-                    of_parent = None
-                    try:
-                        of_parent = physical_function(self.sysfs, PciAddress.parse(parent))
-                    except InputError:
-                        pass  # not an address: no PF either
-                    physfn[parent] = str(of_parent) if of_parent is not None else None
-        pci: dict[str, PciFacts] = {}
-        groups: dict[str, tuple[PeerFacts, ...]] = {}
-        peers_wanted = self._peers_wanted()
-        for addr in addresses:
-            ident = str(addr)
-            if ident in pci:
-                continue
-            if not self.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
-                pci[ident] = PciFacts(False, False, None, None, False, None)
-                continue
-            physfn_of = physical_function(self.sysfs, addr)
-            pf = str(physfn_of) if physfn_of is not None else None
-            gpulibs = self._is_gpulibs(addr, physfn_of)
-            vendor = None
-            if gpulibs and nvidia.is_vendor_vf(self.sysfs, addr):
-                vendor = nvidia.current_type(self.sysfs, addr) or 0
-            whole = gpulibs and vendor is None and pf is None and self._is_gpu_fn(addr)
-            why = self._whole_gpu_refusal(state, addr) if whole else None
-            if gpulibs and vendor is None and physfn_of is not None:
-                why = self._vf_refusal(state, addr)
-            pci[ident] = PciFacts(True, gpulibs, pf, vendor, whole, why)
-            if peers_wanted and gpulibs and vendor is None:
-                members = self._group_facts(addr, set(addresses))
-                if members:
-                    groups[ident] = members
-        return HostFacts(mdevs, pci, physfn, groups)
-
     def _peers_wanted(self) -> bool:
         return self.edit_xml and self.config.get_bool("transformer", "add_group_functions")
-
-    def _group_facts(self, address: PciAddress, named: set[PciAddress]
-                     ) -> Optional[tuple[PeerFacts, ...]]:
-        """The other functions of a display-class function's IOMMU group (those
-        the domain names aside: they are never added); None: not one, or no group."""
-        rel = f"sys/bus/pci/devices/{address}"
-        klass = self.sysfs.read_id(rel + "/class", 24)
-        if klass is None or klass >> 16 not in (0x03, 0x12):
-            return None
-        group = self.sysfs.link_name(rel + "/iommu_group")
-        if not group or not group.isdigit() or len(group) > 9:
-            return None
-        out = []
-        for member in iommu_group_members(self.sysfs, int(group)):
-            if member == address or member in named:
-                continue
-            peer_class, why = self._peer_class(member)
-            # Whether it is a device of its own matters only for an endpoint.
-            listed = peer_class is not None and peer_class >> 16 != BRIDGE_BASE_CLASS and \
-                self._is_listed(member, physical_function(self.sysfs, member))
-            out.append(PeerFacts(str(member), peer_class, why, listed))
-        return tuple(out)
 
     def _apply_named(self, state: State, occ: Occupancy, journal: Journal,
                      actions: list[Action], addresses: list[PciAddress],
@@ -513,7 +399,7 @@ class Preparer:
                 devices.append(Device("mdev", action.uuid, on_demand=on_demand))
             elif isinstance(action, UseVf):
                 h, addr = hostdevs[action.at], addresses[action.at]
-                self._display_note(h, addr)
+                self.placement.display_note(h, addr)
                 if action.set_type is not None:
                     journal.set_vf_type(addr, action.set_type, action.on_demand)
                 if h.managed and self.edit_xml:
@@ -524,77 +410,14 @@ class Preparer:
                 devices.append(Device("vf", action.address, on_demand=action.on_demand))
             elif isinstance(action, UsePci):
                 h, addr = hostdevs[action.at], addresses[action.at]
-                self._display_note(h, addr)
+                self.placement.display_note(h, addr)
                 devices.append(Device("pci", action.address))
                 peers = [a.address for a in actions
                          if isinstance(a, AddGroupPeer) and a.gpu == action.address]
                 if peers:
-                    devices += self._place_peers(h, peers)
+                    devices += self.placement.place_peers(h, peers)
             # AddGroupPeer: placed with its GPU (above), on the GPU's guest slot.
         return devices
-
-    def _display_note(self, h: PciHostdev, addr: PciAddress) -> None:
-        if h.display or h.ramfb:
-            log.info("%s: display/ramfb on PCI hostdev %s has no effect (libvirt ignores "
-                     "them for PCI devices)", self.vm, addr)
-
-    def _add_group_peers(self, h: PciHostdev, occ: Optional[Occupancy] = None
-                         ) -> list[Device]:
-        """Plan and place the group peers of one GPU hostdev (`occ`: who holds
-        what; None where it is not known, as in an offline edit)."""
-        named = {x.address for x in self.dom.pci_hostdevs()}
-        members = self._group_facts(h.address, named)
-        if not members:
-            return []
-        refusals = None if occ is None else Refusals(
-            occ, self.vm, strict=self.config.get_bool("transformer", "refuse_in_use"))
-        peers = plan_group_peers(str(h.address), members, {str(a) for a in named}, refusals)
-        return self._place_peers(h, [p.address for p in peers])
-
-    def _place_peers(self, h: PciHostdev, peers: list[str]) -> list[Device]:
-        """Add the peers beside their GPU: functions 1.. of its guest slot."""
-        guest = h.guest_address or PciAddress(0, 0, self._free_guest_slot(), 0)
-        if guest.function != 0 or len(peers) > 7:
-            log.warning("%s: cannot place the group peers of %s beside it", self.vm, h.address)
-            return []
-        h.set_guest_address(guest, multifunction=True)
-        out = []
-        for i, member in enumerate(peers, start=1):
-            self.dom.add_pci_hostdev(PciAddress.parse(member), managed=h.managed,
-                                     guest_address=PciAddress(guest.domain, guest.bus,
-                                                              guest.slot, i))
-            log.info("%s: added %s, in the IOMMU group of %s", self.vm, member, h.address)
-            out.append(Device("pci", member))
-        return out
-
-    def _peer_class(self, member: PciAddress) -> tuple[Optional[int], str]:
-        """A group peer's class, or None and why it cannot be known (the planner
-        refuses then: a bridge must never go to a guest, so it is not guessed)."""
-        rel = f"sys/bus/pci/devices/{member}/class"
-        raw = self.sysfs.read_result(rel)
-        if isinstance(raw, ReadFailure):
-            return None, raw.reason
-        text = raw.decode("ascii", "replace").strip()
-        try:
-            klass = int(text, 16) if len(text) <= 8 else -1
-        except ValueError:
-            klass = -1
-        if 0 <= klass <= 0xFFFFFF:
-            return klass, ""
-        return None, "not a PCI class code"
-
-    def _free_guest_slot(self) -> int:
-        used = set()
-        for elem in self.dom.root.iter("address"):
-            # Read as libvirt reads them (bus='00' is bus 0 too).
-            if elem.get("type") == "pci" and libvirt_uint(elem.get("bus") or "0") == 0:
-                slot = libvirt_uint(elem.get("slot") or "0")
-                if slot is not None:
-                    used.add(slot)
-        for slot in range(FIRST_GUEST_SLOT, 0x1F):
-            if slot not in used:
-                return slot
-        raise DeviceError(f"no free guest PCI slot on bus 0 for the GPU of {self.vm}")
 
     # -- metadata requests ----------------------------------------------------------------------
     def _derived_uuids(self, request: Optional[GpuRequest]) -> dict[str, VgpuRequest]:
@@ -662,7 +485,7 @@ class Preparer:
                                         action.on_demand)
         again += self._adopt_requested(state, occ, journal, request,
                                        have | {d.id for d in again})
-        kept = again + self._insert(again, occ) if again else []
+        kept = again + self.placement.insert(again, occ) if again else []
         # What the XML names (and the VM already holds) counts against the request:
         # the transformer run on its own output allocates nothing more.
         missing = self._unmet(state, occ, request, named + again)
@@ -698,7 +521,7 @@ class Preparer:
             devices += allocator.allocate_vgpus(self.vm, v, next_uuid)
         for p in missing.passthrough:
             devices += allocator.allocate_passthrough(self.vm, p)
-        return kept + devices + self._insert(devices, occ)
+        return kept + devices + self.placement.insert(devices, occ)
 
     def _adopt_requested(self, state: State, occ: Occupancy, journal: Journal,
                          request: GpuRequest, have: set[str]) -> list[Device]:
@@ -768,7 +591,7 @@ class Preparer:
                     nvidia.current_type(self.sysfs, PciAddress.parse(d.id))
                 out.append(HeldFacts(d.id, vf_type=(tid or 0,
                                                     rec_v.name if rec_v is not None else None)))
-            elif request.passthrough and self._is_gpu(d.id):
+            elif request.passthrough and self.reader.is_gpu(d.id):
                 if inventory is None:
                     inventory = self._inventory(state, occ)
                 owner = inventory.owner_of(PciAddress.parse(d.id))
@@ -778,30 +601,3 @@ class Preparer:
             else:
                 out.append(HeldFacts(d.id))
         return out
-
-    def _insert(self, devices: list[Device], occ: Occupancy) -> list[Device]:
-        """Put devices into the XML; returns the group peers added beside GPUs."""
-        peers: list[Device] = []
-        for d in devices:
-            if d.kind == "mdev":
-                if self.dom.find_mdev_hostdev(d.id) is None:
-                    self.dom.add_mdev_hostdev(d.id, display="off")
-            elif d.kind == "vf" and self.dom.find_pci_hostdev(PciAddress.parse(d.id)) is None:
-                self.dom.add_pci_hostdev(PciAddress.parse(d.id), managed=False)
-        # Whole GPUs first: their group peers go beside them, on the same slot.
-        gpus = [d for d in devices if d.kind == "pci" and self._is_gpu(d.id)]
-        for d in gpus:
-            addr = PciAddress.parse(d.id)
-            if self.dom.find_pci_hostdev(addr) is None:
-                h = self.dom.add_pci_hostdev(addr, managed=True)
-                if self.config.get_bool("transformer", "add_group_functions"):
-                    peers += self._add_group_peers(h, occ)
-        for d in devices:
-            if d.kind == "pci" and self.dom.find_pci_hostdev(PciAddress.parse(d.id)) is None:
-                self.dom.add_pci_hostdev(PciAddress.parse(d.id), managed=True)
-        known = {d.id for d in devices}
-        return [p for p in peers if p.id not in known]
-
-    def _is_gpu(self, ident: str) -> bool:
-        klass = self.sysfs.read_int(f"sys/bus/pci/devices/{ident}/class", 16) or 0
-        return klass >> 16 in (0x03, 0x12)

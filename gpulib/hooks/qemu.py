@@ -8,8 +8,13 @@ XML on stdin. What each operation does (DESIGN section 2.3):
 * started begin: the VM runs; its allocation becomes active (what the
   CloudStack agent's onStart does).
 * release end: release what the VM held; also runs after a failed start.
-* migrate begin, restore begin: make the named devices exist here; print
-  nothing, so libvirt keeps its XML.
+* migrate begin (on the destination of a live migration): give the incoming
+  VM vGPUs equal to the source's (gpulib.migration), rewrite each hostdev's
+  source to name them and print the whole XML, which libvirt starts instead
+  of the incoming one. Whole GPUs, or no equivalent free: refused, one line,
+  non-zero (libvirt cancels the migration; nothing is left made).
+* restore begin: make the named devices exist here; print nothing, so
+  libvirt keeps its XML.
 * reconnect begin: re-learn a running VM after libvirtd restarts; always 0.
 * anything else: drain stdin, exit 0.
 The hook never calls back into libvirt (that would deadlock).
@@ -34,7 +39,9 @@ def main(argv: list[str]) -> int:
         return 2
     vm_arg, op = argv[1], argv[2]
     sub = argv[3] if len(argv) > 3 else "-"
-    if (op, sub) in (("prepare", "begin"), ("migrate", "begin"), ("restore", "begin")):
+    if (op, sub) == ("migrate", "begin"):
+        return _arrive(vm_arg)
+    if (op, sub) in (("prepare", "begin"), ("restore", "begin")):
         return _prepare(vm_arg)
     if (op, sub) == ("release", "end"):
         drain_stdin()
@@ -65,14 +72,40 @@ def _prepare(vm_arg: str) -> int:
             return 0
         from gpulib.domain import DomainXmlError, parse_domain
         from gpulib.hooks.common import start
-        from gpulib.hooks.prepare import Preparer, metadata_allowed
+        from gpulib.hooks.prepare import Preparer
 
         dom = parse_domain(xml)
         if dom.name != vm_arg:
             raise DomainXmlError(f"hook called for {vm_arg!r} with the XML of {dom.name!r}")
         ctx, config = start("gpulib-qemu-hook")
-        Preparer(ctx, config, dom, edit_xml=False,
-                 allow_metadata=metadata_allowed(ctx, config)).run()
+        Preparer.for_libvirt_start(ctx, config, dom).run()
+        return 0
+
+    return run_guarded(PROGRAM, body)
+
+
+def _arrive(vm_arg: str) -> int:
+    from gpulib.hooks.common import read_stdin, run_guarded, write_stdout
+    from gpulib.xmlns import may_concern_gpulib
+
+    def body() -> int:
+        xml = read_stdin()
+        if not may_concern_gpulib(xml):
+            # The whole XML as it came: an earlier hook in the chain may have
+            # rewritten it, and printing it keeps that rewrite whatever the
+            # chain does with empty output.
+            write_stdout(xml)
+            return 0
+        from gpulib.domain import DomainXmlError, parse_domain
+        from gpulib.hooks.common import start
+        from gpulib.migration import arrive
+
+        dom = parse_domain(xml)
+        if dom.name != vm_arg:
+            raise DomainXmlError(f"hook called for {vm_arg!r} with the XML of {dom.name!r}")
+        ctx, config = start("gpulib-qemu-hook")
+        arrive(ctx, config, dom)
+        write_stdout(dom.to_xml())
         return 0
 
     return run_guarded(PROGRAM, body)
@@ -121,7 +154,7 @@ def _reconnect() -> None:
         from gpulib.hooks.prepare import Preparer
 
         dom = parse_domain(xml)
-        Preparer(ctx, config, dom, edit_xml=False, allow_metadata=False).run_reconnect()
+        Preparer.for_reconnect(ctx, config, dom).run_reconnect()
         return 0
 
     # A failure here would make libvirt kill the running VM: log, never fail.

@@ -49,12 +49,11 @@ def _transform(xml: str) -> int:
 
     def body() -> int:
         from gpulib.domain import parse_domain
-        from gpulib.hooks.prepare import Preparer, metadata_allowed
+        from gpulib.hooks.prepare import Preparer
 
         ctx, config = start(PROGRAM)
         dom = parse_domain(xml)
-        Preparer(ctx, config, dom, edit_xml=True,
-                 allow_metadata=metadata_allowed(ctx, config)).run()
+        Preparer.for_transformer(ctx, config, dom).run()
         result = dom.to_xml()
         if not result.strip():
             raise RuntimeError("produced an empty XML")

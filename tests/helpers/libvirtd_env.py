@@ -88,10 +88,13 @@ group = "root"
 cgroup_controllers = [ ]
 """
 
-# Run by `unshare --mount` as `sh -c SCRIPT sh <base>`; ends as virtlogd.
+# Run by `unshare --mount` as `sh -c SCRIPT sh <base> [<hostname>]`; ends as virtlogd.
+# With a hostname (and `--uts`) the instance also looks like another host.
 NAMESPACE_SCRIPT = """\
 set -eu
 b=$1
+# The UTS namespace's hostname, set through /proc (no hostname(1) needed).
+if [ -n "${2-}" ]; then echo "$2" > /proc/sys/kernel/hostname; fi
 # /run first and --no-mtab: mount(8) must not create /run/mount on the host.
 mount --no-mtab --bind "$b/run" /run
 mount --no-mtab --bind "$b/etc" /etc/libvirt
@@ -156,8 +159,12 @@ def _end(proc: Optional[subprocess.Popen[bytes]], timeout: float = 15.0) -> None
 class PrivateLibvirtd:
     """virtlogd + libvirtd in a private mount namespace rooted at `base`."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, hostname: Optional[str] = None,
+                 host_uuid: Optional[str] = None) -> None:
+        """`hostname`, `host_uuid`: look like another host (own UTS namespace and
+        libvirtd.conf `host_uuid`), as a migration between two instances needs."""
         self.base = base
+        self.hostname = hostname
         self.hooks_dir = base / "etc" / "hooks" / "qemu.d"
         self.socket = base / "run" / "libvirt" / "libvirt-sock"
         self.uri = f"qemu:///system?socket={self.socket}"
@@ -168,7 +175,8 @@ class PrivateLibvirtd:
             (base / sub).mkdir(parents=True, exist_ok=True)
         self.hooks_dir.mkdir(parents=True, exist_ok=True)
         (base / "etc" / "qemu").mkdir(exist_ok=True)
-        (base / "etc" / "libvirtd.conf").write_text(LIBVIRTD_CONF)
+        (base / "etc" / "libvirtd.conf").write_text(
+            LIBVIRTD_CONF + (f'host_uuid = "{host_uuid}"\n' if host_uuid else ""))
         (base / "etc" / "qemu.conf").write_text(QEMU_CONF)
         os.chmod(base / "run", 0o755)
         (base / "run" / "lock").mkdir(exist_ok=True)
@@ -188,9 +196,10 @@ class PrivateLibvirtd:
     def start(self, timeout: float = 30.0) -> None:
         out = open(self.base / "log" / "virtlogd.out", "ab")  # noqa: SIM115
         try:
+            uts = ["--uts"] if self.hostname else []
             self.virtlogd = subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                 NAMESPACE_SCRIPT, "sh", str(self.base)],
+                ["unshare", "--mount", *uts, "--propagation", "private", "sh", "-c",
+                 NAMESPACE_SCRIPT, "sh", str(self.base), self.hostname or ""],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/", env=self._env(),
                 preexec_fn=_die_with_parent)
         finally:
@@ -205,7 +214,9 @@ class PrivateLibvirtd:
         out = open(self.base / "log" / "libvirtd.out", "ab")  # noqa: SIM115
         try:
             self.libvirtd = subprocess.Popen(
-                ["nsenter", f"--mount=/proc/{self.virtlogd.pid}/ns/mnt", "--", "libvirtd"],
+                ["nsenter", f"--mount=/proc/{self.virtlogd.pid}/ns/mnt",
+                 *([f"--uts=/proc/{self.virtlogd.pid}/ns/uts"] if self.hostname else []),
+                 "--", "libvirtd"],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/", env=self._env(),
                 preexec_fn=_die_with_parent)
         finally:
@@ -332,8 +343,12 @@ def marks() -> list[pytest.MarkDecorator]:
 class Env:
     """The fake host, the installed wrapper and its trace."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, hostname: Optional[str] = None,
+                 host_uuid: Optional[str] = None) -> None:
+        """`hostname`, `host_uuid`: look like another host (own UTS namespace and
+        libvirtd.conf `host_uuid`), as a migration between two instances needs."""
         self.base = base
+        self.hostname = hostname
         self.root = base / "root"
         self.trace = base / "trace"
         build_demo(str(self.root))
