@@ -155,7 +155,8 @@ def test_audio_function_on_host_driver_in_shared_group(host: FakeHost) -> None:
     host.bind_driver(RTX_AUDIO, "snd_hda_intel")
     r = assert_fault(run(host), "iommu-group", "fail", RTX_AUDIO)
     assert "snd_hda_intel" in r.message and RTX in r.message
-    assert f"driverctl set-override {RTX_AUDIO} vfio-pci" in (r.fix or "")
+    assert f"driverctl --noprobe set-override {RTX_AUDIO} vfio-pci" in (r.fix or "")
+    assert "unbind" not in (r.fix or ""), "never a live rebind"
 
 
 def test_vfs_not_enabled(host: FakeHost) -> None:
@@ -369,7 +370,7 @@ def test_cli_exit_codes(host: FakeHost, monkeypatch: Any, capsys: Any) -> None:
                                                       "--check", "iommu"])
     assert code == 1
     assert f"FAIL  iommu-group  {RTX_AUDIO}:" in out
-    assert f"fix: driverctl set-override {RTX_AUDIO} vfio-pci" in out
+    assert f"fix: driverctl --noprobe set-override {RTX_AUDIO} vfio-pci" in out
     assert "2 checks: 1 ok, 0 warn, 1 fail" in out
 
 

@@ -234,11 +234,10 @@ class Doctor:
         return f"{gpu.address} ({gpu.device_name or gpu.fn.class_name})"
 
     def rebind_fix(self, address: PciAddress) -> str:
-        dev = f"/sys/bus/pci/devices/{address}"
-        return (f"driverctl set-override {address} vfio-pci\n"
-                f"(without driverctl: echo vfio-pci > {dev}/driver_override && "
-                f"echo {address} > {dev}/driver/unbind && "
-                f"echo {address} > /sys/bus/pci/drivers_probe)")
+        """The fix for a device on the wrong driver: vfio-pci from the next boot on,
+        never a live rebind (the device may be in use: a vGPU parent, the console)."""
+        return (f"driverctl --noprobe set-override {address} vfio-pci\n"
+                "(vfio-pci from the next boot on; nothing is rebound now)")
 
     # -- running ------------------------------------------------------------------------
     # -- what gpulib setup changed, and whether the host booted since -------------------
