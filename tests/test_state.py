@@ -296,7 +296,7 @@ def test_the_quick_parse_accepts_only_what_the_checked_parse_accepts(
         vgpu: Any, alloc: Any, key: str, device: Any) -> None:
     """The common shape is parsed without the per-field checks; whatever that
     accepts, the checked parser accepts too and reads the same record."""
-    from gpulib import state as mod
+    from gpulib import records as mod
 
     quick = mod._vgpu_fast(vgpu)
     if quick is not None:
@@ -1182,7 +1182,7 @@ def test_no_space_for_a_prepared_file_still_writes_under_the_lock(
 def test_type_name_keys_are_checked_as_the_regexes_say(text: str) -> None:
     import re
 
-    from gpulib.state import _is_model, _is_type_number
+    from gpulib.records import _is_model, _is_type_number
 
     assert _is_model(text) == bool(re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{4}", text))
     assert _is_type_number(text) == bool(re.fullmatch(r"[0-9]+", text, re.ASCII))
