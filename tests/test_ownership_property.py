@@ -199,7 +199,7 @@ class Ownership(RuleBasedStateMachine):
 
         Sysfs.write = counting(real_write)  # type: ignore[method-assign]
         atomicfile.write_atomic = counting(real_atomic)
-        # The rename of a state file written before the lock (StateStore.update).
+        # The rename of the state file prepared before the lock (StateStore.transaction).
         atomicfile.PreparedFile.commit = counting(real_commit)  # type: ignore[method-assign]
         Journal.rollback = lambda self: False  # type: ignore[method-assign,assignment]
         try:

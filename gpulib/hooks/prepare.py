@@ -57,15 +57,16 @@ from gpulib.liveness import Liveness
 from gpulib.mdevctl import Definition, read_definitions
 from gpulib.occupancy import Occupancy, declaring_pools, whole_gpu_refusal
 from gpulib.pci import (
+    BRIDGE_BASE_CLASS,
     PciAddress,
     PciFunction,
+    has_gpu_class,
     iommu_group_members,
     libvirt_uint,
     list_addresses,
     physical_function,
 )
 from gpulib.plan import (
-    BRIDGE_BASE_CLASS,
     Action,
     AddGroupPeer,
     CreateDerived,
@@ -243,7 +244,7 @@ class Preparer:
                 raise
             return devices
 
-        return self.store.update(prepare, host=self.sysfs)
+        return self.store.update(prepare)
 
     def run_reconnect(self) -> None:
         """Record what a running VM holds, creating nothing (it already runs)."""
@@ -454,7 +455,7 @@ class Preparer:
         the domain names aside: they are never added); None: not one, or no group."""
         rel = f"sys/bus/pci/devices/{address}"
         klass = self.sysfs.read_id(rel + "/class", 24)
-        if klass is None or klass >> 16 not in (0x03, 0x12):
+        if klass is None or not has_gpu_class(klass >> 8):
             return None
         group = self.sysfs.link_name(rel + "/iommu_group")
         if not group or not group.isdigit() or len(group) > 9:
@@ -790,4 +791,4 @@ class Preparer:
 
     def _is_gpu(self, ident: str) -> bool:
         klass = self.sysfs.read_int(f"sys/bus/pci/devices/{ident}/class", 16) or 0
-        return klass >> 16 in (0x03, 0x12)
+        return has_gpu_class(klass >> 8)

@@ -58,7 +58,7 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
             alloc.boot_id, alloc.uptime = boot_clock(ctx)
         return True
 
-    return store.update(start, host=ctx.sysfs)
+    return store.update(start)
 
 
 def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
@@ -75,7 +75,7 @@ def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
                        retry_seconds=config.get_float("release", "clear_retry_seconds"),
                        checkpoint=store.checkpoint)
 
-    actions = store.update(stop, host=ctx.sysfs)
+    actions = store.update(stop)
     from gpulib import counters
 
     released = any(not a.startswith("kept") for a in actions)
