@@ -16,7 +16,7 @@ from gpulib.sysfs import Sysfs
 
 log = logging.getLogger(__name__)
 
-# Root-relative locations (DESIGN section 2.5 and 3).
+# Root-relative locations, the one definition of each (ARCHITECTURE.md, "Paths").
 CONFIG_FILE = "etc/gpulib/gpulib.conf"
 # Drop-ins read after CONFIG_FILE, `*.conf` in lexical order (packages and
 # configuration management add files here instead of editing gpulib.conf).
@@ -30,6 +30,21 @@ DEFINED_DOMAINS = "etc/libvirt/qemu"
 MODPROBE_DIR = "etc/modprobe.d"
 CLOUDSTACK_AGENT_DIR = "etc/cloudstack/agent"
 PROC_CMDLINE = "proc/cmdline"
+PROC_STAT = "proc/stat"
+PROC_CPUINFO = "proc/cpuinfo"
+# This boot's id: a VM is running exactly when its status file exists in it.
+BOOT_ID = "proc/sys/kernel/random/boot_id"
+OS_RELEASE = "etc/os-release"
+DEFAULT_GRUB = "etc/default/grub"
+MODPROBE_DIRS = (MODPROBE_DIR, "run/modprobe.d", "usr/lib/modprobe.d", "lib/modprobe.d")
+AGENT_PROPERTIES = CLOUDSTACK_AGENT_DIR + "/agent.properties"
+# The libvirt qemu hook (ARCHITECTURE.md, "Executables").
+LIBVIRT_HOOKS_DIR = "etc/libvirt/hooks/qemu.d"
+LIBVIRT_HOOK = LIBVIRT_HOOKS_DIR + "/50-gpulib"
+# (daemon, pid file): libvirtd's default pid file, then the modular qemu daemon's.
+LIBVIRT_DAEMONS = (("libvirtd", "run/libvirtd.pid"), ("virtqemud", "run/virtqemud.pid"))
+# gpulib setup's record of what it applied and in which boot.
+SETUP_JOURNAL = STATE_DIR + "/setup.json"
 
 
 class Context:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 from gpulib import mdev, mdevctl, nvidia
 from gpulib.allocator import release
 from gpulib.config import Config
-from gpulib.context import Context
+from gpulib.context import BOOT_ID, Context
 from gpulib.errors import GpulibError, InputError
 from gpulib.lazyre import lazy
 from gpulib.liveness import Liveness
@@ -44,7 +44,6 @@ _ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
 # A pending allocation younger than this may belong to a VM that is starting:
 # the agent's 30 s transformer limit, libvirt's own start, and a wide margin.
 PENDING_GRACE_SECONDS = 120.0
-BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
 
 
 def open_store(ctx: Context, config: Optional[Config] = None,
@@ -381,7 +380,7 @@ def age_seconds(iso: str) -> float:
 
 def boot_clock(ctx: Context) -> tuple[Optional[str], float]:
     """This boot's id and the seconds since it (CLOCK_BOOTTIME: no clock change moves it)."""
-    boot_id = ctx.sysfs.read(BOOT_ID_FILE)
+    boot_id = ctx.sysfs.read(BOOT_ID)
     boot_id = boot_id.strip() if boot_id else None
     try:
         uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
