@@ -79,7 +79,7 @@ def test_reboot_mdev_and_vendor_vf_are_recreated(demo: str) -> None:
         xml = (DATA / "cloudstack-xml" / name).read_text()
         res = as_agent(demo, xml)
         assert res.returncode == 0, res.stdout
-        assert res.stdout == xml.encode(), "only DESIGN 6.1 additions may change the XML"
+        assert res.stdout == xml.encode(), "only a start's additions may change the XML"
     for u in DEMO_POOL_MDEVS:
         assert os.path.islink(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
     cur = Path(demo, "sys/bus/pci/devices/0000:41:00.4/nvidia/current_vgpu_type").read_text()

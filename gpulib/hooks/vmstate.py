@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 
 def release_stale(ctx: Context, state: State, liveness: Liveness, config: Config,
                   keep: Optional[str] = None, store: Optional[StateStore] = None) -> None:
-    """Release what VMs that are not running left (DESIGN 6.2): pending
-    allocations of starts proven dead, and every allocation of an earlier boot
-    (lifecycle.pending_is_dead); removals announced first (`store`'s
-    checkpoint)."""
+    """Release what VMs that are not running left (ARCHITECTURE.md, "What a
+    start and a stop do"): pending allocations of starts proven dead, and
+    every allocation of an earlier boot (lifecycle.pending_is_dead); removals
+    announced first (`store`'s checkpoint)."""
     release_not_running(ctx, state, liveness,
                         destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
                         pending_only=True, keep=keep,
