@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from gpulib.allocator import release
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.lifecycle import boot_clock, open_store, release_not_running
@@ -64,6 +63,8 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
 def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
     """onStop / release end: release what the VM held, unless it runs (a late,
     repeated or failed stop: libvirt's status file still names it)."""
+    from gpulib.allocator import release
+
     store = open_store(ctx, config)
 
     def stop(state: State) -> list[str]:
