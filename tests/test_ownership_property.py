@@ -221,6 +221,11 @@ class Ownership(RuleBasedStateMachine):
             return
         kind, ident, used_by = offers[pick % len(offers)]
         error = self._prepare(_xml(vm, _hostdev(kind, ident)))
+        if os.path.exists(self.ctx.path(f"run/libvirt/qemu/{vm}.xml")):
+            # A start under a running VM's name is refused, whatever it names.
+            assert error is not None and "already running" in error.message, \
+                f"{kind} {ident} accepted for {vm}, which is running"
+            return
         if used_by is None:
             assert error is None, f"{kind} {ident} offered free, refused: {error}"
         elif used_by != vm:
