@@ -90,13 +90,11 @@ def _is_mdev(node: str) -> bool:
     return len(node) == 36 and node.count("-") == 4
 
 
-class Blocked(NamedTuple):
-    """Why a device cannot be made ready now (`Tree.blocked`)."""
-
-    # The nodes whose holds (other VMs' vGPUs or VFs below them) keep the
-    # device: the first with any names them. Empty: nothing a VM holds does.
-    scopes: tuple[str, ...]
-    reason: str
+# `scopes`: the nodes whose holds (other VMs' vGPUs or VFs below them) keep
+# the device: the first with any names them. Empty: nothing a VM holds does.
+# The functional form, with real types (see pci.PciAddress).
+Blocked = NamedTuple("Blocked", [("scopes", tuple[str, ...]), ("reason", str)])  # noqa: UP014
+Blocked.__doc__ = "Why a device cannot be made ready now (`Tree.blocked`)."
 
 
 class Tree:
