@@ -30,6 +30,7 @@ from gpulib.context import Context
 from gpulib.domain import PassthroughRequest, VgpuRequest
 from gpulib.errors import NotAvailableError
 from gpulib.lifecycle import open_store, reconcile, restore
+from gpulib.liveness import Liveness
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, virtfn_links
 from gpulib.runtime import discover_host
@@ -93,7 +94,7 @@ class Allocations(RuleBasedStateMachine):
     @rule(vm=st.sampled_from(VMS))
     def release_vm(self, vm: str) -> None:
         with self.store.transaction() as state:
-            release(self.ctx.sysfs, state, vm, retry_seconds=0)
+            release(self.ctx.sysfs, state, vm, Liveness(self.ctx.sysfs), retry_seconds=0)
 
     @rule(vm=st.sampled_from(VMS))
     def vm_runs(self, vm: str) -> None:
