@@ -265,7 +265,7 @@ def _hurry() -> Optional[int]:
     holding the state lock would otherwise get a thin slice of CPU while all
     the others wait for it. Raising its priority to the highest for the
     lock's duration (a few milliseconds) is priority inheritance by hand:
-    in the boot storm of scripts/bench the storm took a fifth less time with
+    in the boot storm of scripts/bench the storm took a sixth less time with
     it than without (three interleaved runs each). Only the lock's holder is
     raised, never a whole hook run: the guests booting on the same cores
     come first otherwise. Needs CAP_SYS_NICE (the hooks run as root);
