@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from gpulib.sysfs import Sysfs
 
@@ -75,17 +75,15 @@ class Context:
             log.warning("GPULIB_SIMULATE ignored: GPULIB_ROOT is the real root")
             simulate = False
         if simulate:
-            from gpulib.sim.kernel import SimulatedKernel
-
-            kernel = SimulatedKernel(root)
+            write = _simulated_kernel_write(root)
             # The fault mode (gpulib.sim.faults) is looked for only here, so
             # a real host's reads never consult a fault table.
             from gpulib.sim.faults import FaultySysfs, load_table
 
             faults = load_table(root)
             if faults:
-                return cls(FaultySysfs(root, faults, kernel_write=kernel.write))
-            return cls(Sysfs(root, kernel_write=kernel.write, simulated=True))
+                return cls(FaultySysfs(root, faults, kernel_write=write))
+            return cls(Sysfs(root, kernel_write=write, simulated=True))
         return cls(Sysfs(root))
 
     def path(self, rel: str) -> str:
@@ -102,3 +100,19 @@ class Context:
     @property
     def config_path(self) -> str:
         return self.path(CONFIG_FILE)
+
+
+def _simulated_kernel_write(root: str) -> Callable[[str, str], None]:
+    """The simulated kernel's write, the kernel loaded at the first write: a
+    run that writes nothing to sysfs (most starts and stops) then imports
+    no more of the simulator than a real host's run imports of it (none)."""
+    kernel: list[Any] = []
+
+    def write(path: str, data: str) -> None:
+        if not kernel:
+            from gpulib.sim.kernel import SimulatedKernel
+
+            kernel.append(SimulatedKernel(root))
+        kernel[0].write(path, data)
+
+    return write
