@@ -66,10 +66,9 @@ class AllocateVf(NamedTuple):
     pool: Optional[str] = None
 
 
-class AllocatePci(NamedTuple):
-    """A whole GPU for a passthrough request."""
-
-    address: str
+# A whole GPU for a passthrough request. The functional form, with a real
+# type (see pci.PciAddress).
+AllocatePci = NamedTuple("AllocatePci", [("address", str)])  # noqa: UP014
 
 
 AllocationAction = Union[AllocateVgpu, AllocateVf, AllocatePci]

@@ -124,26 +124,20 @@ class PreparedFile:
     trailing whitespace), needs only `fdatasync` (data, no metadata) and the
     rename. The guarantees are write_atomic's: a crash leaves the old file or
     the new one, each whole; the caller fsyncs the directory afterwards.
-
-    With `content` the file is staged at once: written and synced, waiting
-    only for `commit()` (the rename), the one step a lock must cover when
-    the content was worked out before it (see StateStore.update).
     """
 
-    def __init__(self, path: str, capacity: int, mode: int = 0o600,
-                 content: Optional[bytes] = None) -> None:
+    def __init__(self, path: str, capacity: int, mode: int = 0o600) -> None:
         self.path = path
-        self.capacity = max(capacity, len(content or b""))
+        self.capacity = capacity
         self.tmp = _temp_name(path)
         self.staged = False
         self.fd: Optional[int] = _create(self.tmp, mode)
         try:
-            _write_all(self.fd, (content or b"").ljust(self.capacity))
+            _write_all(self.fd, b" " * self.capacity)
             os.fsync(self.fd)
         except OSError:
             self.discard()
             raise
-        self.staged = content is not None
 
     def replace(self, data: bytes) -> bool:
         """Put `data` in place of `path`; False (nothing done) when it does not

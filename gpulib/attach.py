@@ -57,7 +57,7 @@ from gpulib.lazyre import lazy
 from gpulib.lifecycle import open_store
 from gpulib.mdev import live_mdevs
 from gpulib.occupancy import refusal
-from gpulib.pci import PciAddress
+from gpulib.pci import BRIDGE_BASE_CLASS, PciAddress
 from gpulib.state import State
 from gpulib.sysfs import DOCUMENT_MAX
 from gpulib.validate import check_uuid, check_vm_name
@@ -69,7 +69,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _VENDOR_DEVICE_RE = lazy(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}$")
-BRIDGE_BASE_CLASS = 0x06
 
 
 class Libvirt(Protocol):
@@ -170,7 +169,7 @@ def _inventory(ctx: Context, config: Config) -> tuple[State, Inventory]:
 def _held_by(state: State, inv: Inventory, vm: str, ident: str) -> Optional[str]:
     """Why `vm` may not take a PCI device now (one line), or None: the one
     occupancy rule of the hooks and discovery (a stopped VM's definition
-    holds nothing, DESIGN section 4)."""
+    holds nothing: ARCHITECTURE.md, "Ownership of the device tree")."""
     return refusal(inv.occupancy, "pci", ident, vm)
 
 
@@ -336,7 +335,7 @@ def _record_types(dom: Domain, inv: Inventory, match: VgpuRequest, uuids: list[s
 
 
 def _note_missing_hook(ctx: Context, change: Change) -> None:
-    from gpulib.doctor import LIBVIRT_HOOK
+    from gpulib.context import LIBVIRT_HOOK
 
     # lexists: the hook is a link to /usr/libexec, which need not exist below the root.
     if not os.path.lexists(ctx.path(LIBVIRT_HOOK)):
@@ -606,13 +605,13 @@ def _is_gpu_function(inv: Inventory, address: PciAddress) -> bool:
 
 
 def _group_of(ctx: Context, address: PciAddress) -> Optional[set[PciAddress]]:
-    from gpulib.pci import PciFunction, iommu_group_members
+    from gpulib.pci import PciFunction, has_gpu_class, iommu_group_members
 
     try:
         fn = PciFunction.read(ctx.sysfs, address)
     except OSError:
         return None
-    if fn.iommu_group is None or fn.class_code >> 8 not in (0x03, 0x12):
+    if fn.iommu_group is None or not has_gpu_class(fn.class_code):
         return None
     return set(iommu_group_members(ctx.sysfs, fn.iommu_group))
 

@@ -1,4 +1,4 @@
-"""The CloudStack KVM agent's conventions: its discovery JSON (DESIGN section 5).
+"""The CloudStack KVM agent's conventions: its discovery JSON (ARCHITECTURE.md).
 
 `render(inventory)` gives exactly the document the agent parses from its stock
 `gpudiscovery.sh`: the same keys and JSON types (`enabled` is the number 0 or

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from gpulib.sysfs import Sysfs
 
 log = logging.getLogger(__name__)
 
-# Root-relative locations (DESIGN section 2.5 and 3).
+# Root-relative locations, the one definition of each (ARCHITECTURE.md, "Paths").
 CONFIG_FILE = "etc/gpulib/gpulib.conf"
 # Drop-ins read after CONFIG_FILE, `*.conf` in lexical order (packages and
 # configuration management add files here instead of editing gpulib.conf).
@@ -30,6 +30,21 @@ DEFINED_DOMAINS = "etc/libvirt/qemu"
 MODPROBE_DIR = "etc/modprobe.d"
 CLOUDSTACK_AGENT_DIR = "etc/cloudstack/agent"
 PROC_CMDLINE = "proc/cmdline"
+PROC_STAT = "proc/stat"
+PROC_CPUINFO = "proc/cpuinfo"
+# This boot's id: a VM is running exactly when its status file exists in it.
+BOOT_ID = "proc/sys/kernel/random/boot_id"
+OS_RELEASE = "etc/os-release"
+DEFAULT_GRUB = "etc/default/grub"
+MODPROBE_DIRS = (MODPROBE_DIR, "run/modprobe.d", "usr/lib/modprobe.d", "lib/modprobe.d")
+AGENT_PROPERTIES = CLOUDSTACK_AGENT_DIR + "/agent.properties"
+# The libvirt qemu hook (ARCHITECTURE.md, "Executables").
+LIBVIRT_HOOKS_DIR = "etc/libvirt/hooks/qemu.d"
+LIBVIRT_HOOK = LIBVIRT_HOOKS_DIR + "/50-gpulib"
+# (daemon, pid file): libvirtd's default pid file, then the modular qemu daemon's.
+LIBVIRT_DAEMONS = (("libvirtd", "run/libvirtd.pid"), ("virtqemud", "run/virtqemud.pid"))
+# gpulib setup's record of what it applied and in which boot.
+SETUP_JOURNAL = STATE_DIR + "/setup.json"
 
 
 class Context:
@@ -60,17 +75,15 @@ class Context:
             log.warning("GPULIB_SIMULATE ignored: GPULIB_ROOT is the real root")
             simulate = False
         if simulate:
-            from gpulib.sim.kernel import SimulatedKernel
-
-            kernel = SimulatedKernel(root)
+            write = _simulated_kernel_write(root)
             # The fault mode (gpulib.sim.faults) is looked for only here, so
             # a real host's reads never consult a fault table.
             from gpulib.sim.faults import FaultySysfs, load_table
 
             faults = load_table(root)
             if faults:
-                return cls(FaultySysfs(root, faults, kernel_write=kernel.write))
-            return cls(Sysfs(root, kernel_write=kernel.write, simulated=True))
+                return cls(FaultySysfs(root, faults, kernel_write=write))
+            return cls(Sysfs(root, kernel_write=write, simulated=True))
         return cls(Sysfs(root))
 
     def path(self, rel: str) -> str:
@@ -87,3 +100,19 @@ class Context:
     @property
     def config_path(self) -> str:
         return self.path(CONFIG_FILE)
+
+
+def _simulated_kernel_write(root: str) -> Callable[[str, str], None]:
+    """The simulated kernel's write, the kernel loaded at the first write: a
+    run that writes nothing to sysfs (most starts and stops) then imports
+    no more of the simulator than a real host's run imports of it (none)."""
+    kernel: list[Any] = []
+
+    def write(path: str, data: str) -> None:
+        if not kernel:
+            from gpulib.sim.kernel import SimulatedKernel
+
+            kernel.append(SimulatedKernel(root))
+        kernel[0].write(path, data)
+
+    return write

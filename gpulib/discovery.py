@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 # devices (ASPEED, Matrox G200 BMC parts, QEMU/Bochs stdvga, Red Hat virtio/QXL,
 # Cirrus, VMware SVGA, VirtualBox).
 NOT_GPU_VENDORS = frozenset({0x1A03, 0x102B, 0x1234, 0x1AF4, 0x1B36, 0x1013, 0x15AD, 0x80EE})
-BRIDGE_BASE_CLASS = 0x06
 
 
 def is_gpu_function(fn: PciFunction, include: Optional[Match] = None,

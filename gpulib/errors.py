@@ -63,11 +63,3 @@ class LockTimeout(GpulibError):
 
     exit_code = EXIT_BUSY
 
-
-class NeedsLock(BaseException):
-    """Work begun without the state lock (`StateStore.update`) wants to change
-    more than the state file: the host (a sysfs write) or a write-ahead
-    checkpoint. It is thrown away and run again under the lock.
-
-    A BaseException, like KeyboardInterrupt: a handler that catches Exception
-    to carry on (a failed removal logged and skipped) must not absorb it."""

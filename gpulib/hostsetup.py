@@ -45,11 +45,10 @@ from typing import Any, Optional
 from gpulib import bootconfig
 from gpulib.atomicfile import write_atomic
 from gpulib.config import Config
-from gpulib.context import Context
+from gpulib.context import SETUP_JOURNAL, Context
 from gpulib.discovery import Gpu
 from gpulib.doctor import (
     HOST_DISPLAY_DRIVERS,
-    SETUP_JOURNAL,
     Doctor,
     Report,
     host_path,

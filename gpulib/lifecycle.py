@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from gpulib import mdev, mdevctl, nvidia
-from gpulib.allocator import release
 from gpulib.config import Config
-from gpulib.context import Context
+from gpulib.context import BOOT_ID, Context
 from gpulib.errors import GpulibError, InputError
 from gpulib.lazyre import lazy
 from gpulib.liveness import Liveness
@@ -39,13 +37,17 @@ from gpulib.state import (
 from gpulib.sysfs import Sysfs
 from gpulib.usage import DomainDevices, running_domains
 
+# The vGPU modules and the allocator are imported where a function needs
+# them: onStart comes here for its store and clock, and needs neither.
+if TYPE_CHECKING:
+    from gpulib import mdevctl
+
 log = logging.getLogger(__name__)
 
 _ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
 # A pending allocation younger than this may belong to a VM that is starting:
 # the agent's 30 s transformer limit, libvirt's own start, and a wide margin.
 PENDING_GRACE_SECONDS = 120.0
-BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
 
 
 def open_store(ctx: Context, config: Optional[Config] = None,
@@ -71,6 +73,8 @@ def rebuild_state(ctx: Context, previous: Optional[State] = None,
     from gpulib.conf (persistent vGPUs of a pool's type on its parents, up to
     its target), so `pool apply` does not make a second set.
     """
+    from gpulib import mdev, mdevctl, nvidia
+
     sysfs = ctx.sysfs
     state = previous.copy() if previous is not None else State()
     state.extra[REBUILT_FROM_KEY] = "its copy and the host" if previous is not None \
@@ -169,6 +173,8 @@ def _held_by(state: State, uuid: str) -> Optional[str]:
 
 
 def definition_for(rec: VgpuRecord, uuid: str) -> mdevctl.Definition:
+    from gpulib import mdevctl
+
     return mdevctl.Definition(uuid, rec.parent, rec.type_id, "auto")
 
 
@@ -183,6 +189,8 @@ def follow_definitions(ctx: Context, state: State,
     definitions were the record first gets definitions for its persistent
     vGPUs; with `migrate` False (a read-only listing) it is left as it is.
     """
+    from gpulib import mdevctl
+
     defs = mdevctl.read_definitions(ctx) if defs is None else defs
     out: list[Outcome] = []
     if state.extra.get(DEFINITIONS_MARKER) != "mdevctl":
@@ -234,6 +242,8 @@ def plan_definition(ctx: Context, uuid: str, parent: str, type_id: str,
     `attrs` is given. A UUID defined on another parent, or as another type, is
     refused with both named. Nothing is written.
     """
+    from gpulib import mdevctl
+
     old = mdevctl.read_definition(ctx, uuid)
     if old is None:
         return mdevctl.Definition(uuid, parent, type_id, start or "auto", attrs or [])
@@ -250,6 +260,8 @@ def plan_definition(ctx: Context, uuid: str, parent: str, type_id: str,
 
 def save_definition(ctx: Context, d: mdevctl.Definition) -> None:
     """Write a definition unless the file already says the same."""
+    from gpulib import mdevctl
+
     if mdevctl.read_definition(ctx, d.uuid) == d:
         return
     try:
@@ -298,6 +310,8 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
     `autostart_wait` seconds, so that one tool starts a vGPU, not both; a vGPU
     the other tool made meanwhile is reported "already live", not an error.
     """
+    from gpulib import mdev, mdevctl, nvidia
+
     sysfs = ctx.sysfs
     liveness = Liveness(sysfs)
     out = settle_intents(ctx, state, liveness)
@@ -387,7 +401,7 @@ def boot_clock(ctx: Context) -> tuple[Optional[str], float]:
 
 def boot_clock_of(sysfs: Sysfs) -> tuple[Optional[str], float]:
     """`boot_clock` from the host's files alone."""
-    boot_id = sysfs.read(BOOT_ID_FILE)
+    boot_id = sysfs.read(BOOT_ID)
     boot_id = boot_id.strip() if boot_id else None
     try:
         uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
@@ -466,6 +480,8 @@ def release_not_running(ctx: Context, state: State, liveness: Liveness,
         boot = "an earlier boot" if from_other_boot(alloc, clock) else "this boot"
         log.warning("releasing the %s allocation of %s: it is not running (made %s, in %s)",
                     alloc.status, vm, alloc.since, boot)
+        from gpulib.allocator import release
+
         actions = release(ctx.sysfs, state, vm, liveness, destroy_on_demand=destroy_on_demand,
                           retry_seconds=0.5, checkpoint=checkpoint)
         out.append(Outcome("vm", vm, f"released {alloc.status} allocation", True,
@@ -477,6 +493,7 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
               grace: float = PENDING_GRACE_SECONDS,
               running: Optional[list[DomainDevices]] = None,
               checkpoint: Optional[Callable[[State], None]] = None) -> list[Outcome]:
+    from gpulib import mdev
     from gpulib.occupancy import Occupancy
 
     sysfs = ctx.sysfs

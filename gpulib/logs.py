@@ -58,41 +58,6 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
         root.addHandler(err)
 
 
-class HeldBack(logging.Filter):
-    """Log records of work that may be thrown away, held until it counts.
-
-    `StateStore.update` works a change out first without the lock and throws
-    it away when another process wrote meanwhile: what that run logged
-    ("allocated ...") did not happen. While this filter sits on the root
-    logger's handlers, records reach no handler; `release(True)` hands them
-    over in order, `release(False)` drops them.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._handlers = list(logging.getLogger().handlers)
-        # By identity: every handler sees the same record (kept alive here, so
-        # no id is reused while held).
-        self._records: dict[int, logging.LogRecord] = {}
-        for handler in self._handlers:
-            handler.addFilter(self)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        self._records.setdefault(id(record), record)
-        return False
-
-    def release(self, keep: bool) -> None:
-        for handler in self._handlers:
-            handler.removeFilter(self)
-        records, self._records = self._records, {}
-        if not keep:
-            return
-        for record in records.values():
-            for handler in self._handlers:
-                if record.levelno >= handler.level:
-                    handler.handle(record)
-
-
 class FailureNote:
     """Notes, once per process, that a log record was lost (for `gpulib doctor`)."""
 

@@ -2,7 +2,7 @@
 
 libvirt runs the qemu hook's `migrate begin` on the destination with the
 incoming domain XML, and uses what the hook prints as the XML to start
-(DESIGN 2.3). That XML names the *source's* devices: an mdev UUID or an
+(ARCHITECTURE.md, "Executables"). That XML names the *source's* devices: an mdev UUID or an
 NVIDIA vendor VF's PCI address that means nothing here, or names a device
 another VM holds. For every vGPU hostdev it names, this module
 
@@ -434,7 +434,7 @@ def arrive(ctx: Context, config: Config, dom: Domain) -> list[Choice]:
         rewrite(dom, choices)
         return choices
 
-    choices = store.update(give, host=sysfs)
+    choices = store.update(give)
     for c in choices:
         log.info("%s arrives: %s", vm, c)
     return choices

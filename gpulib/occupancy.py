@@ -15,8 +15,9 @@ Holds (why a VM holds a device):
   libvirt gave it whether or not gpulib knows).
 Defined but stopped domains hold nothing.
 
-Ownership is of the device tree (DESIGN section 4). The tree of a node is its
-chain of ancestors: an mdev -> its parent (a PF, or a VF) -> that VF's PF.
+Ownership is of the device tree (ARCHITECTURE.md, its section of that
+name). The tree of a node is its chain of ancestors: an mdev -> its parent
+(a PF, or a VF) -> that VF's PF.
 Two holds conflict when one node is the other or an ancestor of it (a whole
 GPU against its VFs and the vGPUs on either, both ways), and when both are
 whole PCI functions in one IOMMU group (vfio gives a group to one VM: a
@@ -89,13 +90,11 @@ def _is_mdev(node: str) -> bool:
     return len(node) == 36 and node.count("-") == 4
 
 
-class Blocked(NamedTuple):
-    """Why a device cannot be made ready now (`Tree.blocked`)."""
-
-    # The nodes whose holds (other VMs' vGPUs or VFs below them) keep the
-    # device: the first with any names them. Empty: nothing a VM holds does.
-    scopes: tuple[str, ...]
-    reason: str
+# `scopes`: the nodes whose holds (other VMs' vGPUs or VFs below them) keep
+# the device: the first with any names them. Empty: nothing a VM holds does.
+# The functional form, with real types (see pci.PciAddress).
+Blocked = NamedTuple("Blocked", [("scopes", tuple[str, ...]), ("reason", str)])  # noqa: UP014
+Blocked.__doc__ = "Why a device cannot be made ready now (`Tree.blocked`)."
 
 
 class Tree:
@@ -449,9 +448,6 @@ class Occupancy:
     def free_for(self, node: str, vm: str) -> bool:
         """Whether `vm` may take `node` now."""
         return not self.conflicts(node, vm) and self.unavailable(node) is None
-
-    def held_by(self, vm: str) -> set[str]:
-        return {h.device for h in self.holds if h.vm == vm}
 
     def stray_mdevs(self, live: Iterable[str], known: Iterable[str]) -> list[str]:
         """Live mdevs no registry entry names and nobody holds."""

@@ -53,11 +53,15 @@ def libvirt_uint(text: str) -> Optional[int]:
     return value if value <= 0xFFFFFFFF else None
 
 
-class PciAddress(NamedTuple):
-    domain: int
-    bus: int
-    slot: int
-    function: int
+# The functional form, with real types: the class form's annotations are
+# strings here (postponed evaluation), and typing compiles each one when it
+# makes the class, about half a millisecond per field on every hook run.
+_PciAddressFields = NamedTuple("_PciAddressFields", [("domain", int), ("bus", int),  # noqa: UP014
+                                                     ("slot", int), ("function", int)])
+
+
+class PciAddress(_PciAddressFields):
+    __slots__ = ()
 
     @classmethod
     def parse(cls, text: str) -> PciAddress:
@@ -107,6 +111,17 @@ CLASS_3D = 0x0302
 CLASS_DISPLAY_OTHER = 0x0380
 CLASS_PROCESSING_ACCEL = 0x1200
 DISPLAY_BASE_CLASS = 0x03
+PROCESSING_BASE_CLASS = 0x12
+# Bridges stay with the host: never a guest's, never a GPU's group companion.
+BRIDGE_BASE_CLASS = 0x06
+
+
+def has_gpu_class(class_code: int) -> bool:
+    """Whether a 16-bit class code (base, sub) is one a GPU may have: a display
+    controller or a processing accelerator. Whether a function with it is a
+    GPU is `discovery.is_gpu_function`'s answer (vendor, configuration)."""
+    return class_code >> 8 in (DISPLAY_BASE_CLASS, PROCESSING_BASE_CLASS)
+
 
 # lspci's names for the classes a GPU report may show.
 CLASS_NAMES = {
@@ -223,11 +238,6 @@ class PciFunction:
         self.vf_unresolved = self.physfn is None and sysfs.exists(self.rel + "/physfn")
         if self.vf_unresolved:
             sysfs.failed(self.rel + "/physfn", "names no physical function")
-
-    def read_subsystem(self, sysfs: Sysfs) -> None:
-        self.subsystem_vendor = sysfs.read_id(self.rel + "/subsystem_vendor")
-        self.subsystem_device = sysfs.read_id(self.rel + "/subsystem_device")
-        self.revision = sysfs.read_id(self.rel + "/revision", 8)
 
     @property
     def is_vf(self) -> bool:

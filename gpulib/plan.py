@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 from gpulib.domain import GpuRequest, VgpuRequest
 from gpulib.errors import DeviceError
 from gpulib.occupancy import Occupancy, refusal
+from gpulib.pci import BRIDGE_BASE_CLASS
 
 if TYPE_CHECKING:
     from gpulib.state import Device, State
@@ -145,8 +146,6 @@ class AdoptMdev(NamedTuple):
 
 Action = Union[KeepMdev, RecreateMdev, CreateDerived, UseVf, UsePci, AddGroupPeer, RetypeVf,
                AdoptMdev]
-
-BRIDGE_BASE_CLASS = 0x06
 
 
 def unmanaged(state: State, facts: HostFacts, address: str) -> bool:

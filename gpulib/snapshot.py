@@ -51,28 +51,27 @@ from gpulib import atomicfile, mdev
 from gpulib.cloudstack import STATE_CHANGE_HOOK, TRANSFORMER_HOOK
 from gpulib.config import Config
 from gpulib.context import (
-    CONFIG_FILE,
-    DEFINED_DOMAINS,
-    RUNNING_DOMAINS,
-    STATE_FILE,
-    Context,
-)
-from gpulib.doctor import (
     AGENT_PROPERTIES,
+    CONFIG_FILE,
     DEFAULT_GRUB,
+    DEFINED_DOMAINS,
     LIBVIRT_DAEMONS,
     LIBVIRT_HOOK,
     MODPROBE_DIRS,
     OS_RELEASE,
     PROC_CPUINFO,
     PROC_STAT,
-    agent_hooks_dir,
+    RUNNING_DOMAINS,
+    STATE_FILE,
+    Context,
 )
+from gpulib.doctor import agent_hooks_dir
 from gpulib.errors import GpulibError, InputError
 from gpulib.pci import (
     PCI_DEVICES,
     PciAddress,
     PciFunction,
+    has_gpu_class,
     iommu_group_members,
     list_addresses,
     virtfn_links,
@@ -105,8 +104,6 @@ MODULES = ("nouveau", "nvidia", "nvidia_vgpu_vfio", "nvidia_drm", "nvidia_modese
            "nvidia_uvm", "vfio", "vfio_pci", "vfio_pci_core", "vfio_iommu_type1", "mdev",
            "vfio_mdev", "kvm", "kvm_intel", "kvm_amd", "kvmgt", "i915", "xe", "amdgpu",
            "radeon", "gim", "pci_stub", "snd_hda_intel")
-DISPLAY_BASE = 0x03
-ACCEL_BASE = 0x12
 AUDIO_BASE = 0x04
 
 
@@ -172,7 +169,7 @@ def select_functions(ctx: Context, config: Optional[Config] = None) -> list[PciA
     fns = {a: PciFunction.read_ids(sysfs, a) for a in all_functions(ctx)}
     selected: set[PciAddress] = set()
     for a, fn in fns.items():
-        if fn.class_code >> 8 in (DISPLAY_BASE, ACCEL_BASE) or \
+        if has_gpu_class(fn.class_code) or \
                 (include and include.matches(a, fn.vendor_id, fn.device_id)):
             selected.add(a)
     for a in list(selected):

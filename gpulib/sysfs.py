@@ -37,8 +37,6 @@ import posixpath
 import stat
 from typing import Callable, Optional, Union
 
-from gpulib.errors import NeedsLock
-
 log = logging.getLogger(__name__)
 
 # A kernel carries out a write to an attribute file: (absolute path, data).
@@ -196,9 +194,6 @@ class Sysfs:
         # the order met; each is logged once.
         self.failures: list[tuple[str, str]] = []
         self._failed: set[str] = set()
-        # While a change is worked out without the state lock: the writes it
-        # asked for (none is made; see StateStore.update).
-        self.barred: Optional[list[str]] = None
 
     def __repr__(self) -> str:
         return f"Sysfs(root={self.root!r}, simulated={self.simulated})"
@@ -373,9 +368,6 @@ class Sysfs:
         normal outcome (EEXIST of a vGPU another tool created): logged at
         info, not as a warning.
         """
-        if self.barred is not None:
-            self.barred.append(rel)
-            raise NeedsLock(f"write to {rel}")
         path = self.root + rel
         log.info("write %r to %s", data, path)
         try:

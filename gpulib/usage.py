@@ -1,10 +1,11 @@
 """Which devices running domains hold, read from libvirt's status files.
 
 Hooks must never call libvirt, so this reads `run/libvirt/qemu/<name>.xml`
-(`<domstatus><domain>`, DESIGN section 4). Only what libvirt itself acts on
-counts: `<hostdev>` elements that are children of the domain's `<devices>`,
-in no namespace. Nothing inside `<metadata>` (any namespace), comments or
-CDATA is a device: a tenant can put XML there.
+(`<domstatus><domain>`; ARCHITECTURE.md, "Ownership of the device tree").
+Only what libvirt itself acts on counts: `<hostdev>` elements that are
+children of the domain's `<devices>`, in no namespace. Nothing inside
+`<metadata>` (any namespace), comments or CDATA is a device: a tenant can
+put XML there.
 
 Defined but stopped domains (`etc/libvirt/qemu/*.xml`) are not users: a
 plain-libvirt user may keep two defined VMs naming one GPU and start either.

@@ -2,7 +2,7 @@
 
 Every entry point (domain XML, the CLI, the state file, mdevctl definitions,
 the hooks' argv) checks UUIDs, mdev type ids, PCI addresses and VM names here,
-so they all accept and refuse the same strings (DESIGN sections 2 and 8):
+so they all accept and refuse the same strings (ARCHITECTURE.md, "Bad input"):
 
 * a UUID as the kernel's mdev `create` takes it: 8-4-4-4-12 hex digits,
   either case (gpulib stores and prints lowercase); no braces, no

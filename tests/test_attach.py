@@ -325,7 +325,8 @@ def test_transient_domain_is_refused(ctx: Context, config: Config) -> None:
 
 def test_device_in_another_stopped_vm_is_given_with_a_note(host: FakeHost, ctx: Context,
                                                            config: Config) -> None:
-    """A stopped VM's definition holds nothing (DESIGN 4): two VMs may name one GPU."""
+    """A stopped VM's definition holds nothing (ARCHITECTURE.md, "Ownership of
+    the device tree"): two VMs may name one GPU."""
     host.add_defined_domain("db1", "0f5c1a3e-2b4d-4c6e-8f0a-1b2c3d4e5f60",
                             pci=(T4_PASSTHROUGH,))
     libvirt = FakeLibvirt(domain())

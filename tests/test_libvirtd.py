@@ -1,4 +1,4 @@
-"""gpulib's qemu hook inside a real libvirtd (DESIGN section 2.3).
+"""gpulib's qemu hook inside a real libvirtd (ARCHITECTURE.md, "Executables").
 
 A private libvirtd (tests/helpers/libvirtd_env.py: own mount namespace, own
 /etc/libvirt, /run, /var/lib/libvirt; the host's are untouched) starts with
@@ -165,7 +165,8 @@ def test_pool_vgpu_is_recreated_then_released(env: Env, libvirtd: PrivateLibvirt
     assert "vm" not in state_prepared["vgpus"][POOL_UUID]
 
     # After `release end`: the allocation is gone and the registry entry is free again;
-    # the pool vGPU itself stays live for the next VM (DESIGN 6.2: pool devices stay).
+    # the pool vGPU itself stays live for the next VM (pool devices stay:
+    # ARCHITECTURE.md, "What a start and a stop do").
     expected = json.loads(json.dumps(state_prepared))
     del expected["allocations"][name]
     state_after = env.state()

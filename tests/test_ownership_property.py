@@ -199,7 +199,7 @@ class Ownership(RuleBasedStateMachine):
 
         Sysfs.write = counting(real_write)  # type: ignore[method-assign]
         atomicfile.write_atomic = counting(real_atomic)
-        # The rename of a state file written before the lock (StateStore.update).
+        # The rename of the state file prepared before the lock (StateStore.transaction).
         atomicfile.PreparedFile.commit = counting(real_commit)  # type: ignore[method-assign]
         Journal.rollback = lambda self: False  # type: ignore[method-assign,assignment]
         try:
@@ -221,9 +221,10 @@ class Ownership(RuleBasedStateMachine):
             return
         kind, ident, used_by = offers[pick % len(offers)]
         error = self._prepare(_xml(vm, _hostdev(kind, ident)))
-        if self.ctx.sysfs.exists(f"run/libvirt/qemu/{vm}.xml"):
-            # libvirt runs it: a start under its name is refused whatever it names.
-            assert error is not None and "already running" in error.message, error
+        if os.path.exists(self.ctx.path(f"run/libvirt/qemu/{vm}.xml")):
+            # A start under a running VM's name is refused, whatever it names.
+            assert error is not None and "already running" in error.message, \
+                f"{kind} {ident} accepted for {vm}, which is running"
             return
         if used_by is None:
             assert error is None, f"{kind} {ident} offered free, refused: {error}"

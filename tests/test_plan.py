@@ -82,7 +82,7 @@ def _chain(node: str, parents: dict[str, str]) -> list[str]:
 
 
 def _conflict(a: str, b: str, parents: dict[str, str]) -> bool:
-    """The ownership rule of DESIGN section 4, written out plainly."""
+    """The ownership rule of ARCHITECTURE.md, written out plainly."""
     if a in _chain(b, parents) or b in _chain(a, parents):
         return True
     return a.count(":") == 2 and b.count(":") == 2 and GROUPS.get(a) == GROUPS.get(b)

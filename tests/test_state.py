@@ -296,7 +296,7 @@ def test_the_quick_parse_accepts_only_what_the_checked_parse_accepts(
         vgpu: Any, alloc: Any, key: str, device: Any) -> None:
     """The common shape is parsed without the per-field checks; whatever that
     accepts, the checked parser accepts too and reads the same record."""
-    from gpulib import state as mod
+    from gpulib import records as mod
 
     quick = mod._vgpu_fast(vgpu)
     if quick is not None:
@@ -1182,7 +1182,7 @@ def test_no_space_for_a_prepared_file_still_writes_under_the_lock(
 def test_type_name_keys_are_checked_as_the_regexes_say(text: str) -> None:
     import re
 
-    from gpulib.state import _is_model, _is_type_number
+    from gpulib.records import _is_model, _is_type_number
 
     assert _is_model(text) == bool(re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{4}", text))
     assert _is_type_number(text) == bool(re.fullmatch(r"[0-9]+", text, re.ASCII))
@@ -1191,7 +1191,7 @@ def test_type_name_keys_are_checked_as_the_regexes_say(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# update(): worked out without the lock, swapped in under it.
+# update(): one locked read-change-write.
 
 
 def _unmanage(address: str) -> Callable[[State], str]:
@@ -1202,10 +1202,12 @@ def _unmanage(address: str) -> Callable[[State], str]:
 
 
 def _lock_events(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
-    """Record fsync, fdatasync, rename and the lock's take and release in `events`."""
+    """Record fsync, fdatasync, rename, the lock's take and release and the
+    priority changes in `events`."""
     import gpulib.state as state_module
 
-    real = {name: getattr(os, name) for name in ("fsync", "fdatasync", "replace")}
+    real = {name: getattr(os, name) for name in ("fsync", "fdatasync", "replace",
+                                                  "setpriority")}
     real_acquire, real_release = StateStore._acquire, state_module._Lock.release
 
     def recorded(name: str) -> Callable[..., Any]:
@@ -1229,7 +1231,7 @@ def _lock_events(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
     monkeypatch.setattr(state_module._Lock, "release", release)
 
 
-def test_update_writes_before_the_lock_and_only_renames_under_it(
+def test_update_changes_under_the_lock_in_the_design_write_order(
         store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
     with store.transaction() as s:
         s.unmanaged.add("0000:01:00.0")
@@ -1242,14 +1244,31 @@ def test_update_writes_before_the_lock_and_only_renames_under_it(
         return "done"
 
     assert store.update(change) == "done"
-    # The new file is synced before the lock; under it, a read, the rename and
-    # the copy's rename (not synced); the directory's fsync after it. DESIGN
-    # 6.4's order, the lock for a moment.
-    assert events == ["change", "fsync", "lock", "replace", "replace", "release", "fsync"]
+    # The temp file is made and synced before the lock; under it the change,
+    # the data sync, the rename and the copy's rename (not synced); the
+    # directory's fsync after it (ARCHITECTURE.md, "The state file").
+    locked = events[events.index("lock"):events.index("release") + 1]
+    assert events[:events.index("lock")] == ["fsync"]
+    assert [e for e in locked if e != "setpriority"] == \
+        ["lock", "change", "fdatasync", "replace", "replace", "release"]
+    assert events[events.index("release") + 1:] in (["fsync"], ["setpriority", "fsync"])
     assert store.load().unmanaged == {"0000:01:00.0", "0000:02:00.0"}
     assert Path(store.backup_path).read_bytes() == written_text(store.state_path)
-    assert written_text(store.state_path) == dumps(store.load()).encode()
     assert temp_files(store) == []
+
+
+def test_the_priority_is_raised_only_while_the_lock_is_held(
+        store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    _lock_events(monkeypatch, events)
+    monkeypatch.setattr(os, "getpriority", lambda *a: 0)
+    raised: list[tuple[int, ...]] = []
+    monkeypatch.setattr(os, "setpriority", lambda *a: (events.append("setpriority"),
+                                                      raised.append(a)))
+    store.update(_unmanage("0000:01:00.0"))
+    first, last = events.index("setpriority"), len(events) - events[::-1].index("setpriority")
+    assert events.index("lock") < first and last - 1 > events.index("release")
+    assert [a[2] for a in raised] == [-20, 0]
 
 
 def test_update_that_changes_nothing_writes_nothing(store: StateStore,
@@ -1260,60 +1279,19 @@ def test_update_that_changes_nothing_writes_nothing(store: StateStore,
     events: list[str] = []
     _lock_events(monkeypatch, events)
     assert store.update(lambda s: sorted(s.unmanaged)) == ["0000:01:00.0"]
-    assert events == []
+    assert "replace" not in events and "fdatasync" not in events
     after = os.stat(store.state_path)
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-
-
-def test_update_without_a_file_or_with_an_old_schema_runs_under_the_lock(
-        store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    events: list[str] = []
-    _lock_events(monkeypatch, events)
-    store.update(_unmanage("0000:01:00.0"))  # no file yet: transaction() makes it
-    assert events.index("lock") < events.index("replace") < events.index("release")
-    assert store.load().unmanaged == {"0000:01:00.0"}
-
-
-def test_a_race_lost_runs_the_change_again_on_what_won_it(tmp_path: Path) -> None:
-    store, other = make_store(tmp_path), make_store(tmp_path)
-    with store.transaction() as s:
-        s.unmanaged.add("0000:01:00.0")
-    seen: list[set[str]] = []
-
-    def change(s: State) -> int:
-        seen.append(set(s.unmanaged))
-        if len(seen) == 1:
-            with other.transaction() as o:  # another process writes meanwhile
-                o.unmanaged.add("0000:02:00.0")
-        s.unmanaged.add("0000:03:00.0")
-        return len(seen)
-
-    assert store.update(change) == 2
-    assert seen == [{"0000:01:00.0"}, {"0000:01:00.0", "0000:02:00.0"}]
-    assert store.load().unmanaged == {"0000:01:00.0", "0000:02:00.0", "0000:03:00.0"}
     assert temp_files(store) == []
 
 
-def test_races_lost_again_and_again_end_under_the_lock(tmp_path: Path) -> None:
-    import gpulib.state as state_module
-
-    store, other = make_store(tmp_path), make_store(tmp_path)
-    with store.transaction() as s:
-        s.unmanaged.add("0000:01:00.0")
-    runs = [0]
-
-    def change(s: State) -> None:
-        runs[0] += 1
-        if store._optimistic_run:
-            with other.transaction() as o:  # every run without the lock loses
-                o.type_names.setdefault("10de:0001", {})[str(runs[0])] = f"t{runs[0]}"
-        s.unmanaged.add("0000:09:00.0")
-
-    store.update(change)
-    assert runs[0] == state_module.OPTIMISTIC_TRIES + 1
-    final = store.load()
-    assert "0000:09:00.0" in final.unmanaged
-    assert len(final.type_names["10de:0001"]) == state_module.OPTIMISTIC_TRIES
+def test_update_without_a_file_runs_under_the_lock(
+        store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    _lock_events(monkeypatch, events)
+    store.update(_unmanage("0000:01:00.0"))  # no file yet: the transaction makes it
+    assert events.index("lock") < events.index("replace") < events.index("release")
+    assert store.load().unmanaged == {"0000:01:00.0"}
 
 
 class _Recorder:
@@ -1324,10 +1302,7 @@ class _Recorder:
         self.writes.append((path, data))
 
 
-@pytest.mark.parametrize("swallow", [False, True], ids=["raised", "caught-by-the-change"])
-def test_a_sysfs_write_is_made_only_in_the_run_under_the_lock(
-        tmp_path: Path, swallow: bool) -> None:
-    from gpulib.errors import NeedsLock
+def test_a_change_runs_once_and_makes_its_sysfs_write_once(tmp_path: Path) -> None:
     from gpulib.sysfs import Sysfs
 
     store = make_store(tmp_path)
@@ -1335,91 +1310,48 @@ def test_a_sysfs_write_is_made_only_in_the_run_under_the_lock(
         s.unmanaged.add("0000:01:00.0")
     kernel = _Recorder()
     host = Sysfs(str(tmp_path), kernel_write=kernel)
-    runs: list[bool] = []
+    runs = [0]
 
     def change(s: State) -> None:
-        runs.append(store._optimistic_run)
-        try:
-            host.write("sys/bus/mdev/devices/x/remove", "1")
-        except BaseException:
-            if not swallow:
-                raise
+        runs[0] += 1
+        host.write("sys/bus/mdev/devices/x/remove", "1")
         s.unmanaged.discard("0000:01:00.0")
 
-    store.update(change, host=host)
-    assert runs == [True, False]
+    store.update(change)
+    assert runs == [1]
     assert kernel.writes == [(host.root + "sys/bus/mdev/devices/x/remove", "1")]
     assert store.load().unmanaged == set()
-    assert host.barred is None
-    with pytest.raises(NeedsLock):  # barred again only inside a run without the lock
-        host.barred = []
-        host.write("sys/x", "1")
 
 
-def test_a_checkpoint_sends_the_change_under_the_lock(store: StateStore) -> None:
+def test_a_checkpoint_inside_an_update_is_on_disk_at_once(store: StateStore) -> None:
     with store.transaction() as s:
         s.unmanaged.add("0000:01:00.0")
-    runs: list[bool] = []
 
     def change(s: State) -> None:
-        runs.append(store._optimistic_run)
         s.unmanaged.add("0000:02:00.0")
-        store.checkpoint(s)  # a write-ahead intent must be on disk: only under the lock
+        store.checkpoint(s)  # a write-ahead intent must be on disk before its sysfs write
         assert store.load().unmanaged == {"0000:01:00.0", "0000:02:00.0"}
 
     store.update(change)
-    assert runs == [True, False]
+    assert store.load().unmanaged == {"0000:01:00.0", "0000:02:00.0"}
 
 
-def test_a_change_that_raises_is_answered_under_the_lock(store: StateStore) -> None:
+def test_a_change_that_raises_changes_nothing(store: StateStore) -> None:
     with store.transaction() as s:
         s.unmanaged.add("0000:01:00.0")
     before = read_bytes(store.state_path)
-    runs: list[bool] = []
+    runs = [0]
 
     def change(s: State) -> None:
-        runs.append(store._optimistic_run)
+        runs[0] += 1
         s.unmanaged.add("0000:02:00.0")
         raise Boom("refused")
 
     with pytest.raises(Boom):
         store.update(change)
-    assert runs == [True, False]
+    assert runs == [1]
     assert read_bytes(store.state_path) == before
     assert temp_files(store) == []
-
-
-def test_the_log_of_a_run_thrown_away_is_never_written(tmp_path: Path) -> None:
-    store, other = make_store(tmp_path), make_store(tmp_path)
-    with store.transaction() as s:
-        s.unmanaged.add("0000:01:00.0")
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(level=logging.INFO)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    old_level = root.level
-    root.setLevel(logging.INFO)
-    runs = [0]
-    try:
-        def change(s: State) -> None:
-            runs[0] += 1
-            logging.getLogger("gpulib.test").info("allocated in run %d", runs[0])
-            if runs[0] == 1:
-                with other.transaction() as o:
-                    o.unmanaged.add("0000:02:00.0")
-            s.unmanaged.add("0000:03:00.0")
-
-        store.update(change)
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(old_level)
-    assert [line for line in lines if line.startswith("allocated")] == ["allocated in run 2"]
-    assert handler.filters == []
 
 
 def _claim(s: State, vm: str) -> str:
@@ -1433,33 +1365,20 @@ def _claim(s: State, vm: str) -> str:
 
 
 @HYPOTHESIS
-@given(plan=st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1, max_size=12))
-def test_updates_racing_writers_never_lose_or_double_a_claim(
-        plan: list[tuple[bool, int]]) -> None:
-    """Whatever other writers do between an update's read and its swap, every
-    claim lands once, on a device nobody else holds."""
+@given(plan=st.lists(st.booleans(), min_size=1, max_size=12))
+def test_updates_and_other_writers_never_lose_or_double_a_claim(plan: list[bool]) -> None:
+    """Updates and other writers' transactions, in any order: every claim
+    lands once, on a device nobody else holds."""
     with tempfile.TemporaryDirectory() as tmp:
         store, other = make_store(tmp), make_store(tmp)
         got: dict[str, str] = {}
-        others = 0
-        for i, (by_update, interruptions) in enumerate(plan):
+        for i, by_update in enumerate(plan):
             vm = f"vm-{i}"
             if not by_update:
                 with other.transaction() as o:
                     got[vm] = _claim(o, vm)
                 continue
-            left = [interruptions]
-
-            def change(s: State, vm: str = vm, left: list[int] = left) -> str:
-                nonlocal others
-                if left[0] and store._optimistic_run:  # never under the lock: that waits
-                    left[0] -= 1
-                    others += 1
-                    with other.transaction() as o:  # a writer slips in before the swap
-                        got[f"other-{others}"] = _claim(o, f"other-{others}")
-                return _claim(s, vm)
-
-            got[vm] = store.update(change)
+            got[vm] = store.update(lambda s, vm=vm: _claim(s, vm))
         final = store.load()
         held = {vm: a.devices[0].id for vm, a in final.allocations.items()}
         assert held == got
@@ -1482,41 +1401,23 @@ def test_64_processes_updating_at_once_each_get_their_own_device(tmp_path: Path)
     assert temp_files(store) == []
 
 
-def test_an_update_waits_for_the_lock_its_timeout_in_all(
+def test_an_update_waits_for_the_lock_its_timeout_and_no_longer(
         store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every race lost means another wait for the lock: together they stay
-    within the store's timeout (a hook must answer inside the agent's 30 s)."""
-    import gpulib.state as state_module
+    """A hook must answer inside the agent's 30 s: a busy lock ends the wait
+    after the store's timeout, with nothing changed."""
+    import fcntl
 
     with store.transaction() as s:
         s.unmanaged.add("0000:01:00.0")
-    store.timeout = 1.0
-    waits: list[float] = []
-    real = state_module._flock_wait
-
-    def slow(fd: int, timeout: float) -> bool:
-        waits.append(timeout)
-        if timeout <= 0:
-            return False
-        time.sleep(min(0.3, timeout))  # a busy lock
-        return real(fd, timeout)
-
-    monkeypatch.setattr(state_module, "_flock_wait", slow)
-    runs = [0]
-
-    def change(s: State) -> None:
-        runs[0] += 1
-        if store._optimistic_run:  # another writer, every time
-            rival = store.load()
-            rival.type_names["10de:0001"] = {"1": f"run-{runs[0]}"}
-            write_raw(store, dumps(rival).encode())
-        s.unmanaged.add("0000:02:00.0")
-
-    start = time.monotonic()
-    with pytest.raises(LockTimeout):
-        store.update(change)
-    assert time.monotonic() - start < 2.0
-    assert waits[0] == pytest.approx(1.0, abs=0.05)
-    assert all(a > b for a, b in zip(waits, waits[1:])) and waits[-1] == 0
+    store.timeout = 0.3
+    fd = os.open(store.lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process holds the lock
+        start = time.monotonic()
+        with pytest.raises(LockTimeout):
+            store.update(_unmanage("0000:02:00.0"))
+        assert 0.25 < time.monotonic() - start < 2.0
+    finally:
+        os.close(fd)
     assert "0000:02:00.0" not in store.load().unmanaged
-    assert store._wait_until is None
+    assert temp_files(store) == []

@@ -247,7 +247,7 @@ class Lives(RuleBasedStateMachine):
     @rule(damage=st.sampled_from([b"", b"{", b"\x00" * 16]))
     def state_file_damaged(self, damage: bytes) -> None:
         Path(self.root, STATE).write_bytes(damage)
-        open_store(self.ctx, self.config).update(lambda s: None, host=self.ctx.sysfs)
+        open_store(self.ctx, self.config).update(lambda s: None)
 
     # -- invariants -------------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`gpulib discover`'s work, without click.
 
-The CloudStack agent runs `gpulib discover --format cloudstack` (DESIGN
-section 7: under 150 ms on a large host), and importing click costs about as
+The CloudStack agent runs `gpulib discover --format cloudstack` (its budget
+in ARCHITECTURE.md: under 100 ms on a large host), and importing click costs about as
 much as reading a large host's sysfs. So `gpulib.cli.main` serves the plain
 forms of `discover` here, parsed by `parse_args`; everything else (help,
 unknown or misspelt options, other commands) goes to click, which prints

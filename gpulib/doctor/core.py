@@ -8,7 +8,45 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from gpulib import cloudstack
-from gpulib.context import CLOUDSTACK_AGENT_DIR, MODPROBE_DIR, Context
+
+# The locations the checks read, defined once in gpulib.context; the doctor
+# package still exports them for its checks.
+from gpulib.context import (
+    AGENT_PROPERTIES as AGENT_PROPERTIES,
+)
+from gpulib.context import (
+    BOOT_ID as BOOT_ID,
+)
+from gpulib.context import (
+    DEFAULT_GRUB as DEFAULT_GRUB,
+)
+from gpulib.context import (
+    LIBVIRT_DAEMONS as LIBVIRT_DAEMONS,
+)
+from gpulib.context import (
+    LIBVIRT_HOOK as LIBVIRT_HOOK,
+)
+from gpulib.context import (
+    LIBVIRT_HOOKS_DIR as LIBVIRT_HOOKS_DIR,
+)
+from gpulib.context import (
+    MODPROBE_DIRS as MODPROBE_DIRS,
+)
+from gpulib.context import (
+    OS_RELEASE as OS_RELEASE,
+)
+from gpulib.context import (
+    PROC_CPUINFO as PROC_CPUINFO,
+)
+from gpulib.context import (
+    PROC_STAT as PROC_STAT,
+)
+from gpulib.context import (
+    SETUP_JOURNAL as SETUP_JOURNAL,
+)
+from gpulib.context import (
+    Context,
+)
 from gpulib.doctor.actions import Action
 
 log = logging.getLogger(__name__)
@@ -26,25 +64,12 @@ CHECK_IDS = ("iommu", "nouveau", "driver-binding", "iommu-group", "sriov", "mdev
 AMD_VENDOR = 0x1002
 # Drivers that make a GPU the host's: a passthrough GPU must not be on one.
 HOST_DISPLAY_DRIVERS = frozenset({"nvidia", "nouveau", "amdgpu", "radeon", "i915", "xe"})
-# The libvirt qemu hook (DESIGN 2.3) and the executables the package installs.
-LIBVIRT_HOOKS_DIR = "etc/libvirt/hooks/qemu.d"
-LIBVIRT_HOOK = LIBVIRT_HOOKS_DIR + "/50-gpulib"
+# The executables the package installs.
 QEMU_HOOK_EXECUTABLE = "gpulib-qemu-hook"
 AGENT_HOOK_EXECUTABLES = {
     cloudstack.TRANSFORMER_HOOK: "libvirt-vm-xml-transformer",
     cloudstack.STATE_CHANGE_HOOK: "libvirt-vm-state-change",
 }
-AGENT_PROPERTIES = CLOUDSTACK_AGENT_DIR + "/agent.properties"
-MODPROBE_DIRS = (MODPROBE_DIR, "run/modprobe.d", "usr/lib/modprobe.d", "lib/modprobe.d")
-# (daemon, pid file): libvirtd's default pid file, then the modular qemu daemon's.
-LIBVIRT_DAEMONS = (("libvirtd", "run/libvirtd.pid"), ("virtqemud", "run/virtqemud.pid"))
-PROC_STAT = "proc/stat"
-PROC_CPUINFO = "proc/cpuinfo"
-DEFAULT_GRUB = "etc/default/grub"
-BOOT_ID = "proc/sys/kernel/random/boot_id"
-# gpulib setup's record of what it applied and in which boot (DESIGN 3: var/lib/gpulib).
-SETUP_JOURNAL = "var/lib/gpulib/setup.json"
-OS_RELEASE = "etc/os-release"
 
 
 def host_path(rel: str) -> str:

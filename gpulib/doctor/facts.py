@@ -17,7 +17,7 @@ from gpulib import bootconfig
 from gpulib.bootconfig import DEFAULT_GRUB
 from gpulib.config import Config
 from gpulib.context import PROC_CMDLINE, STATE_DIR, STATE_FILE, Context
-from gpulib.discovery import BRIDGE_BASE_CLASS, Gpu, Inventory
+from gpulib.discovery import Gpu, Inventory
 from gpulib.doctor.actions import Action, render
 from gpulib.doctor.core import (
     AMD_VENDOR,
@@ -33,7 +33,7 @@ from gpulib.doctor.core import (
 )
 from gpulib.errors import GpulibError
 from gpulib.nvidia import NVIDIA_VENDOR
-from gpulib.pci import PciAddress, PciFunction
+from gpulib.pci import BRIDGE_BASE_CLASS, PciAddress, PciFunction
 from gpulib.runtime import discover_host
 from gpulib.state import CorruptStateError, State, StateVersionError
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file

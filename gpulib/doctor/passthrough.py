@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from gpulib.context import MODPROBE_DIR
-from gpulib.discovery import BRIDGE_BASE_CLASS, Gpu
+from gpulib.discovery import Gpu
 from gpulib.doctor.actions import Action, KernelArgs, Manual, Reboot, RunCommand, WriteFile
 from gpulib.doctor.core import is_free_for_vfio, is_vfio_driver
-from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction
+from gpulib.pci import BRIDGE_BASE_CLASS, PCI_DEVICES, PciAddress, PciFunction
 
 if TYPE_CHECKING:
     from gpulib.doctor.facts import Doctor

@@ -18,8 +18,15 @@ from gpulib.errors import InputError
 from gpulib.lifecycle import follow_definitions
 from gpulib.mdevctl import Definition, read_definitions
 from gpulib.occupancy import declaring_pools, whole_gpu_refusal
-from gpulib.pci import PciAddress, PciFunction, iommu_group_members, physical_function
-from gpulib.plan import BRIDGE_BASE_CLASS, HostFacts, MdevFacts, PciFacts, PeerFacts
+from gpulib.pci import (
+    BRIDGE_BASE_CLASS,
+    PciAddress,
+    PciFunction,
+    has_gpu_class,
+    iommu_group_members,
+    physical_function,
+)
+from gpulib.plan import HostFacts, MdevFacts, PciFacts, PeerFacts
 from gpulib.state import State
 from gpulib.sysfs import ReadFailure
 
@@ -155,7 +162,7 @@ class HostReader:
         the domain names aside: they are never added); None: not one, or no group."""
         rel = f"sys/bus/pci/devices/{address}"
         klass = self.sysfs.read_id(rel + "/class", 24)
-        if klass is None or klass >> 16 not in (0x03, 0x12):
+        if klass is None or not has_gpu_class(klass >> 8):
             return None
         group = self.sysfs.link_name(rel + "/iommu_group")
         if not group or not group.isdigit() or len(group) > 9:
@@ -189,4 +196,4 @@ class HostReader:
 
     def is_gpu(self, ident: str) -> bool:
         klass = self.sysfs.read_int(f"sys/bus/pci/devices/{ident}/class", 16) or 0
-        return klass >> 16 in (0x03, 0x12)
+        return has_gpu_class(klass >> 8)

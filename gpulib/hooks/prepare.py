@@ -189,15 +189,9 @@ class Preparer:
                 from gpulib.runtime import discover_host
 
                 self._host = discover_host(self.ctx, self.config, state=early, learn=False)
-        pristine = self.dom.copy()
-        runs = [0]
 
         def prepare(state: State) -> list[Device]:
-            # Run without the lock first, and again under it when that run does
-            # not count (StateStore.update): from the XML as it was given.
-            if runs[0]:
-                self.dom.restore(pristine)
-            runs[0] += 1
+            # Runs once, under the state lock (StateStore.update).
             running = running_domains(self.sysfs)
             liveness = Liveness(self.sysfs, running)
             running_as = liveness.domain_uuid(self.vm) if liveness.is_running(self.vm) \
@@ -270,7 +264,7 @@ class Preparer:
                 raise
             return devices
 
-        return self.store.update(prepare, host=self.sysfs)
+        return self.store.update(prepare)
 
     def run_reconnect(self) -> None:
         """Record what a running VM holds, creating nothing (it already runs)."""

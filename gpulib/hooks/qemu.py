@@ -1,7 +1,7 @@
 """`gpulib-qemu-hook <vm> <operation> <sub-op> <extra>`: libvirt's own qemu hook.
 
 Installed as /etc/libvirt/hooks/qemu.d/50-gpulib. libvirt passes the domain
-XML on stdin. What each operation does (DESIGN section 2.3):
+XML on stdin. What each operation does (ARCHITECTURE.md, "Executables"):
 * prepare begin: make the devices the XML names ready (recreate a missing
   mdev, set a VF's vGPU type, create on-demand vGPUs whose UUID the XML
   fixes). Non-zero exit aborts the start; libvirt shows our stderr line.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from gpulib.allocator import release
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.lifecycle import boot_clock, open_store, release_not_running
@@ -21,10 +20,10 @@ log = logging.getLogger(__name__)
 
 def release_stale(ctx: Context, state: State, liveness: Liveness, config: Config,
                   keep: Optional[str] = None, store: Optional[StateStore] = None) -> None:
-    """Release what VMs that are not running left (DESIGN 6.2): pending
-    allocations of starts proven dead, and every allocation of an earlier boot
-    (lifecycle.pending_is_dead); removals announced first (`store`'s
-    checkpoint)."""
+    """Release what VMs that are not running left (ARCHITECTURE.md, "What a
+    start and a stop do"): pending allocations of starts proven dead, and
+    every allocation of an earlier boot (lifecycle.pending_is_dead); removals
+    announced first (`store`'s checkpoint)."""
     release_not_running(ctx, state, liveness,
                         destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
                         pending_only=True, keep=keep,
@@ -58,12 +57,14 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
             alloc.boot_id, alloc.uptime = boot_clock(ctx)
         return True
 
-    return store.update(start, host=ctx.sysfs)
+    return store.update(start)
 
 
 def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
     """onStop / release end: release what the VM held, unless it runs (a late,
     repeated or failed stop: libvirt's status file still names it)."""
+    from gpulib.allocator import release
+
     store = open_store(ctx, config)
 
     def stop(state: State) -> list[str]:
@@ -75,7 +76,7 @@ def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
                        retry_seconds=config.get_float("release", "clear_retry_seconds"),
                        checkpoint=store.checkpoint)
 
-    actions = store.update(stop, host=ctx.sysfs)
+    actions = store.update(stop)
     from gpulib import counters
 
     released = any(not a.startswith("kept") for a in actions)

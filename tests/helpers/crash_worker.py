@@ -7,7 +7,7 @@ that write (and every state write after it) fails with ENOSPC, and the hook
 goes on as it would on a host whose /var/lib is full.
 
 Counts every sysfs write (`Sysfs.write`) and every state write
-(`atomicfile.write_atomic`, and the rename of a state file written before
+(`atomicfile.write_atomic`, and the rename of the state file prepared before
 the lock, `PreparedFile.commit`) in the order they happen; the N-th one is not
 made: the process ends at once with os._exit(137), as a kill would leave it
 (no cleanup, no rollback, no lock release other than the kernel's). Prints
