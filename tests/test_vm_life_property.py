@@ -100,7 +100,6 @@ class Lives(RuleBasedStateMachine):
         # What libvirt would run for each VM: the XML its last start produced.
         self.prepared: dict[str, str] = {}
         self.running: dict[str, str] = {}  # name -> the XML libvirt runs
-        self.after_cleanup = False
 
     def teardown(self) -> None:
         self.tmp.cleanup()
@@ -133,7 +132,6 @@ class Lives(RuleBasedStateMachine):
             assert self._snapshot()["allocations"].get(name) == before["allocations"].get(name)
         if out is not None:
             self.prepared[name] = out
-        self.after_cleanup = False
 
     @rule(name=st.sampled_from(sorted(VMS)), plan=st.sampled_from(sorted(PLANS)))
     def start_as_another_domain(self, name: str, plan: str) -> None:
@@ -150,6 +148,12 @@ class Lives(RuleBasedStateMachine):
     def libvirt_starts(self, name: str) -> None:
         xml = self.prepared.pop(name, None)
         if xml is None or name in self.running:
+            return
+        live = set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
+        if any(h.uuid_checked() not in live for h in parse_domain(xml).mdev_hostdevs()):
+            # libvirt fails to start a domain whose mdev is gone (released meanwhile,
+            # by an administrator or a reboot): `release end` follows.
+            deactivate(self.ctx, self.config, name)
             return
         self._status_file(name, xml)
         self.running[name] = xml
@@ -207,14 +211,14 @@ class Lives(RuleBasedStateMachine):
         store = open_store(self.ctx, self.config)
         with store.transaction() as state:
             restore(self.ctx, state, autostart_wait=0, checkpoint=store.checkpoint)
-        self.after_cleanup = True
+        self.after_cleanup_only_live_owners()
 
     @rule()
     def reconcile(self) -> None:
         store = open_store(self.ctx, self.config)
         with store.transaction() as state:
             reconcile(self.ctx, state, checkpoint=store.checkpoint)
-        self.after_cleanup = True
+        self.after_cleanup_only_live_owners()
 
     @rule(name=st.sampled_from(sorted(VMS)))
     def admin_releases(self, name: str) -> None:
@@ -292,10 +296,8 @@ class Lives(RuleBasedStateMachine):
                 assert nvidia.current_type(self.ctx.sysfs, a) != 0, \
                     f"{d.name}'s VF {a} lost its type"
 
-    @invariant()
     def after_cleanup_only_live_owners(self) -> None:
-        if not self.after_cleanup:
-            return
+        """Checked right after the boot unit and reconcile (the rules call it)."""
         doc = self._snapshot()
         allocs = doc.get("allocations", {})
         names = {d.name for d in running_domains(self.ctx.sysfs)}
