@@ -20,7 +20,6 @@ about to be destroyed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
@@ -37,7 +36,6 @@ from gpulib.usage import (
 if TYPE_CHECKING:
     from gpulib.sysfs import Sysfs
 
-log = logging.getLogger(__name__)
 
 class Liveness:
     """The running domains of this boot, read lazily and once."""
@@ -103,11 +101,3 @@ class Liveness:
             self._devices = found
         return self._devices.get(device)
 
-
-def refuse_running(liveness: Liveness, vm: str, uuid: Optional[str], what: str) -> Optional[str]:
-    """The one line a hook logs instead of `what` when `vm` runs (None: it does not)."""
-    if not liveness.is_running(vm, uuid):
-        return None
-    message = f"{vm} is running (libvirt's status file says so): {what} refused, nothing changed"
-    log.warning("%s", message)
-    return message

@@ -194,9 +194,8 @@ class Preparer:
             # Runs once, under the state lock (StateStore.update).
             running = running_domains(self.sysfs)
             liveness = Liveness(self.sysfs, running)
-            running_as = liveness.domain_uuid(self.vm) if liveness.is_running(self.vm) \
-                else None
             if liveness.is_running(self.vm):
+                running_as = liveness.domain_uuid(self.vm)
                 # libvirt refuses to start a domain under a running one's name; the
                 # running VM keeps everything it holds, whatever this start names.
                 other = "" if running_as in (None, self.domain_uuid) else \
