@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import uuid as uuidlib
 from pathlib import Path
 
@@ -444,3 +445,46 @@ def test_a_new_domain_with_an_old_name_keeps_its_pool_vgpu(demo: str) -> None:
     assert alloc["domain_uuid"] == "1b4c2e17-3a6f-4d8b-a5e1-7c0f3d9b2a46"
     assert alloc["status"] == "pending"
     assert [d["id"] for d in alloc["devices"]] == [DEMO_POOL_MDEVS[0]]
+
+
+# -- the end of a hook's process ----------------------------------------------------------------
+
+def test_hooks_end_without_teardown_and_lose_nothing(demo: str) -> None:
+    # The executables end through exit_now (no interpreter teardown): the exit
+    # code is main's, the answer is whole, and the log has every line.
+    xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
+    res = as_agent(demo, xml)
+    assert res.returncode == 0
+    assert etree.fromstring(res.stdout).findtext("name") == "i-2-52-VM"
+    assert run([STATE_CHANGE, "onStart", "i-2-52-VM"], demo).returncode == 0
+    assert run([STATE_CHANGE, "onStart"], demo).returncode == 2
+    res = run([QEMU_HOOK, "i-2-52-VM"], demo)
+    assert res.returncode == 2 and len(res.stderr.decode().splitlines()) == 1
+    assert run([STATE_CHANGE, "onStop", "i-2-52-VM"], demo).returncode == 0
+    lines = Path(demo, "var/log/gpulib/gpulib.log").read_text().splitlines()
+    assert any("onStart i-2-52-VM: allocation active" in line for line in lines)
+    assert "onStop i-2-52-VM: " in lines[-1]
+
+
+@pytest.mark.parametrize("reader_gone,code,expected", [(False, 3, 3), (False, 0, 0),
+                                                       (True, 0, 120), (True, 3, 3)])
+def test_exit_now_flushes_stdout_or_says_it_could_not(reader_gone: bool, code: int,
+                                                      expected: int) -> None:
+    # A success whose answer never left the process is not a success (120, as
+    # the interpreter's own exit says it); a failure keeps its own code.
+    program = ("import sys; from gpulib.hooks.common import exit_now; "
+               f"sys.stdout.write('answer'); exit_now({code})")
+    read, write = os.pipe()
+    if reader_gone:
+        os.close(read)
+    try:
+        # Buffered, as a hook's stdout on a pipe is: the flush is exit_now's.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        res = subprocess.run([sys.executable, "-c", program], stdout=write,
+                             stderr=subprocess.PIPE, timeout=30, env=env)
+    finally:
+        os.close(write)
+    assert res.returncode == expected
+    if not reader_gone:
+        assert os.read(read, 100) == b"answer"
+        os.close(read)
