@@ -1257,6 +1257,36 @@ def test_update_changes_under_the_lock_in_the_design_write_order(
     assert temp_files(store) == []
 
 
+def test_the_replaced_files_are_freed_after_the_lock_is_released(
+        store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The state file and its copy that a write replaces are closed (their
+    # blocks freed, perhaps discarded on the disk) once other writers may go on.
+    with store.transaction() as s:
+        s.unmanaged.add("0000:01:00.0")
+    old = {os.stat(store.state_path).st_ino: "old state", os.stat(store.backup_path).st_ino:
+           "old copy"}
+    events: list[str] = []
+    _lock_events(monkeypatch, events)
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        try:
+            found = old.get(os.fstat(fd).st_ino)
+        except OSError:
+            found = None
+        if found is not None:
+            events.append(f"close {found}")
+        real_close(fd)
+
+    monkeypatch.setattr(os, "close", close)
+    store.update(_unmanage("0000:02:00.0"))
+    # (Reading the state under the lock opens and closes it too: what counts
+    # is the last close, the one that frees the file.)
+    released = events.index("release")
+    assert sorted(e for e in events[released:] if e.startswith("close")) == \
+        ["close old copy", "close old state"]
+
+
 def test_the_priority_is_raised_only_while_the_lock_is_held(
         store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[str] = []
