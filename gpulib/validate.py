@@ -74,6 +74,8 @@ def check_uuid(text: object, what: str = "UUID") -> str:
     return text.lower()
 
 
+_LOWER_HEX = "0123456789abcdef"
+
 # ASCII white space as GLib's g_ascii_isspace takes it (libvirt's parser uses it).
 _ASCII_SPACE = " \t\n\v\f\r"
 
@@ -89,6 +91,11 @@ def libvirt_uuid(text: object) -> Optional[str]:
     is how libvirt writes it back (the status file, `virsh dumpxml`)."""
     if not isinstance(text, str) or len(text) > 4096:
         return None
+    if len(text) == 36 and text[8] == text[13] == text[18] == text[23] == "-" and not (
+            text[:8] + text[9:13] + text[14:18] + text[19:23] + text[24:]).strip(_LOWER_HEX):
+        # Already canonical, as libvirt and gpulib write it: most UUIDs read
+        # (a start reads one per running domain from the status-file cache).
+        return text
     digits: list[str] = []
     body = text.strip(_ASCII_SPACE)
     i, n = 0, len(body)

@@ -37,6 +37,7 @@ from gpulib.validate import (
     is_canonical_uuid,
     is_type_id,
     is_uuid,
+    libvirt_uuid,
     pci_address_parts,
 )
 from tests.hosts import t4_farm
@@ -399,3 +400,26 @@ def test_bad_uuids(text: str) -> None:
     with pytest.raises(InputError, match="not a UUID") as e:
         check_uuid(text)
     assert len(e.value.message) < 300
+
+
+def _virUUIDParse(text: str) -> Optional[str]:
+    """libvirt's reading of a UUID, written out as a pattern: white space
+    around it, then 16 pairs of hex digits with any '-' and ' ' before and
+    between them (never inside a pair, never after the last)."""
+    body = text.strip(" \t\n\v\f\r")
+    if not re.fullmatch(r"[- ]*(?:[0-9a-fA-F]{2}[- ]*){15}[0-9a-fA-F]{2}", body):
+        return None
+    h = "".join(c for c in body if c not in "- ").lower()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(
+    st.text(alphabet="0123456789abcdefABCDEF- \t\ng", max_size=40),
+    st.uuids().map(str),
+    st.uuids().map(lambda u: str(u).upper()),
+    st.uuids().map(lambda u: u.hex),
+    st.builds(lambda u, i, c: str(u)[:i] + c + str(u)[i + 1:], st.uuids(),
+              st.integers(0, 35), st.sampled_from("-gG ABf0"))))
+def test_uuids_are_read_as_libvirt_reads_them(text: str) -> None:
+    assert libvirt_uuid(text) == _virUUIDParse(text)
