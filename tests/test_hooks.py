@@ -472,7 +472,7 @@ def test_exit_now_flushes_stdout_or_says_it_could_not(reader_gone: bool, code: i
                                                       expected: int) -> None:
     # A success whose answer never left the process is not a success (120, as
     # the interpreter's own exit says it); a failure keeps its own code.
-    program = ("import sys; from gpulib.hooks.common import exit_now; "
+    program = ("import sys; from gpulib.process import exit_now; "
                f"sys.stdout.write('answer'); exit_now({code})")
     read, write = os.pipe()
     if reader_gone:

@@ -12,7 +12,7 @@ Exit codes: see gpulib.errors (0 ok, 1 failed, 2 bad input, 3 busy, 4 state).
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -36,6 +36,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     from gpulib.cli.common import run_main
 
     return run_main(cli, args)
+
+
+def run() -> NoReturn:
+    """The `gpulib` command: main(), then the process ends without the
+    interpreter's teardown (gpulib.process.exit_now)."""
+    from gpulib.process import exit_now
+
+    exit_now(main())
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,7 @@ from gpulib.installation import started_with as _installation_started_with
 # (mypy treats any TYPE_CHECKING as true).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Callable, NoReturn, Optional
+    from typing import Callable, Optional
 
     from gpulib.config import Config
     from gpulib.context import Context
@@ -156,32 +156,6 @@ def _hand_to_child(fd: int, rest: bytes) -> bool:
             view = view[os.write(fd, view):]
     except BaseException:
         code = 1
-    os._exit(code)
-
-
-def exit_now(code: int) -> NoReturn:
-    """End the hook's process with `code`, without the interpreter's teardown.
-
-    A hook is a short process: the teardown frees every module, the parsed
-    XML and the state one object at a time, which costs a GPU start 5-9 ms
-    (about a tenth of it) for memory the exit frees at once. What must not
-    be lost is flushed first: the log's handlers, stdout and stderr. A
-    stdout that cannot be flushed (the reader went away) gives exit 120, as
-    the interpreter's own exit would. The executables in hooks/ call this;
-    `main(argv)` itself returns, so tests and callers in-process keep their
-    interpreter."""
-    import os
-
-    logging = sys.modules.get("logging")
-    if logging is not None:
-        logging.shutdown()  # type: ignore[attr-defined]
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            if stream is sys.stdout and code == 0:
-                code = 120
     os._exit(code)
 
 
