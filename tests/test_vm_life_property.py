@@ -337,3 +337,18 @@ def test_the_machine_sees_a_running_vm_keep_its_vgpu(tmp_path: Path) -> None:
         assert machine._snapshot()["allocations"] == {}
     finally:
         machine.teardown()
+
+
+def test_the_boot_unit_run_again_releases_an_active_vm_that_is_gone(tmp_path: Path) -> None:
+    """The agent said onStart, but the VM is not running (it never started, or
+    stopped without a stop hook): the boot unit run again in the same boot
+    releases it, as reconcile does."""
+    machine = Lives()
+    try:
+        machine.start("vm-a", "vgpus", "transformer")
+        machine.on_start("vm-a")
+        assert machine._snapshot()["allocations"]["vm-a"]["status"] == "active"
+        machine.boot_unit()
+        assert machine._snapshot()["allocations"] == {}
+    finally:
+        machine.teardown()
