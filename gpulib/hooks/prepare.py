@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev, nvidia
 from gpulib.allocator import Allocator, record, release
-from gpulib.config import Config
-from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
+from gpulib.config import Config, metadata_allowed
+from gpulib.context import Context
 from gpulib.counters import counted_start
 from gpulib.domain import (
     Domain,
@@ -102,18 +102,6 @@ AGENT_LOST_VF = ("the CloudStack agent lost the VF's address (4.21 and 4.22.0 re
                  "0001:04:00.2 as bus='0x0001' slot='0x04' function='0x0'); "
                  "upgrade the agent to 4.22.1 or later (apache/cloudstack pull 12981, "
                  "the PCI domain fix of LibvirtGpuDef)")
-
-
-def metadata_allowed(ctx: Context, config: Config) -> bool:
-    """`allow_metadata_requests`: auto = on for plain libvirt, off under CloudStack.
-
-    Under CloudStack tenants can put XML into a domain (extraconfig), so a
-    request there could claim GPUs nobody paid for.
-    """
-    value = config.get("transformer", "allow_metadata_requests").lower()
-    if value == "auto":
-        return not ctx.sysfs.exists(CLOUDSTACK_AGENT_DIR + "/agent.properties")
-    return value in ("1", "yes", "true", "on")
 
 
 class Preparer:
