@@ -375,13 +375,10 @@ def arrive(ctx: Context, config: Config, dom: Domain) -> list[Choice]:
     sysfs = ctx.sysfs
     store = open_store(ctx, config)
     running_domains(sysfs, save_cache=True)  # read before the lock, re-checked under it
-    pristine = dom.copy()
-    runs = [0]
 
     def give(state: State) -> list[Choice]:
-        if runs[0]:
-            dom.restore(pristine)
-        runs[0] += 1
+        # Runs once (StateStore.update); `dom` is rewritten only after the
+        # commit, so a refusal leaves it as it came.
         running = running_domains(sysfs)
         liveness = Liveness(sysfs, running)
         if liveness.is_running(vm):
