@@ -72,13 +72,13 @@ def _prepare(vm_arg: str) -> int:
             return 0
         from gpulib.domain import DomainXmlError, parse_domain
         from gpulib.hooks.common import start
-        from gpulib.hooks.prepare import Preparer
+        from gpulib.hooks.prepare import Preparer, StartMode
 
         dom = parse_domain(xml)
         if dom.name != vm_arg:
             raise DomainXmlError(f"hook called for {vm_arg!r} with the XML of {dom.name!r}")
         ctx, config = start("gpulib-qemu-hook")
-        Preparer.for_libvirt_start(ctx, config, dom).run()
+        Preparer(ctx, config, dom, StartMode.libvirt_start(ctx, config)).run()
         return 0
 
     return run_guarded(PROGRAM, body)
@@ -151,10 +151,9 @@ def _reconnect() -> None:
         if not may_concern_gpulib(xml):
             return 0
         from gpulib.domain import parse_domain
-        from gpulib.hooks.prepare import Preparer
+        from gpulib.hooks.prepare import record_running
 
-        dom = parse_domain(xml)
-        Preparer.for_reconnect(ctx, config, dom).run_reconnect()
+        record_running(ctx, config, parse_domain(xml))
         return 0
 
     # A failure here would make libvirt kill the running VM: log, never fail.
