@@ -1,12 +1,12 @@
 """What a start does: the planner's actions carried out through the journal.
 
 The third part of a start (`gpulib.hooks.prepare`): the host's facts were read
-(`gpulib.hooks.hostfacts`), the pure planner decided (`gpulib.plan`); here
+(`gpulib.hostfacts`), the pure planner decided (`gpulib.plan`); here
 each action becomes the journal's operations (an mdev created again, a VF
 given its type, a killed start's vGPU adopted in place), so every sysfs
 write is announced first and undone on failure (ARCHITECTURE.md, "The
 journal's write-ahead rule"). Nothing here reads or edits the XML: what the
-devices look like in the domain is `gpulib.hooks.placement`'s.
+devices look like in the domain is `gpulib.placement`'s.
 """
 
 from __future__ import annotations
@@ -32,21 +32,7 @@ from gpulib.state import Device, State, VgpuRecord, utc_now
 log = logging.getLogger(__name__)
 
 
-def adopt_mdev(state: State, journal: Journal, uuid: str, on_demand: bool) -> bool:
-    """Keep a live mdev; when a killed run of this VM made it (its intent is in
-    the journal) take it over in place. Whether it is on demand: as the
-    killed run made it, else `on_demand`."""
-    orphan = journal.adopt_mdev(uuid)
-    if orphan is None:
-        return on_demand
-    if orphan.on_demand and uuid not in state.vgpus and \
-            orphan.parent is not None and orphan.type_id is not None:
-        # Its record was to be written with the killed run's allocation.
-        state.vgpus[uuid] = VgpuRecord(orphan.parent, orphan.type_id, None, True, utc_now())
-    return orphan.on_demand
-
-
-def apply_named(state: State, journal: Journal, vm: str, actions: list[Action],
+def apply_named(journal: Journal, vm: str, actions: list[Action],
                 create_derived: Callable[[CreateDerived], list[Device]]
                 ) -> list[tuple[Action, list[Device]]]:
     """Carry out the plan of the devices the XML names, in its order; each
@@ -63,7 +49,7 @@ def apply_named(state: State, journal: Journal, vm: str, actions: list[Action],
                      action.parent, vm)
             out.append((action, [Device("mdev", action.uuid, on_demand=action.on_demand)]))
         elif isinstance(action, KeepMdev):
-            on_demand = adopt_mdev(state, journal, action.uuid, action.on_demand)
+            on_demand = journal.keep_mdev(action.uuid, action.on_demand)
             out.append((action, [Device("mdev", action.uuid, on_demand=on_demand)]))
         elif isinstance(action, UseVf):
             if action.set_type is not None:

@@ -489,8 +489,8 @@ def _add_group_peers(ctx: Context, config: Config, dom: Domain,
     transformer adds them (its own routine, so the two cannot drift apart)."""
     if not config.get_bool("transformer", "add_group_functions"):
         return []
-    from gpulib.hooks.hostfacts import HostReader
-    from gpulib.hooks.placement import Placement
+    from gpulib.hostfacts import HostReader
+    from gpulib.placement import Placement
 
     placement = Placement(dom, dom.name_checked(), config, HostReader(ctx, config))
     return [PciAddress.parse(d.id) for d in placement.add_group_peers(h)]

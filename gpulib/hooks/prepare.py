@@ -61,11 +61,9 @@ from gpulib.domain import (
     derive_uuid,
 )
 from gpulib.errors import DeviceError
-from gpulib.hooks.hostfacts import HostReader
-from gpulib.hooks.placement import AGENT_421_BUG, AGENT_LOST_VF, FixedXml, Placement
-from gpulib.hooks.vmstate import release_stale
+from gpulib.hostfacts import HostReader
 from gpulib.journal import Journal, settle
-from gpulib.lifecycle import boot_clock, open_store
+from gpulib.lifecycle import boot_clock, open_store, release_stale
 from gpulib.liveness import Liveness
 from gpulib.occupancy import Occupancy
 from gpulib.pci import (
@@ -73,6 +71,7 @@ from gpulib.pci import (
     list_addresses,
     physical_function,
 )
+from gpulib.placement import AGENT_421_BUG, AGENT_LOST_VF, FixedXml, Placement
 from gpulib.plan import (
     HeldFacts,
     OrphanFacts,
@@ -329,7 +328,7 @@ class Preparer:
         refusals = Refusals(occ, self.vm,
                             strict=self.config.get_bool("transformer", "refuse_in_use"))
         actions = plan_named(facts, state, refusals, uuids, names, derived)
-        applied = apply_named(state, journal, self.vm, actions,
+        applied = apply_named(journal, self.vm, actions,
                               lambda a: self._create_derived(state, occ, journal, a.uuid,
                                                              a.request, running))
         return self.xml.place_named(applied, addresses)

@@ -21,7 +21,7 @@ from typing import Optional
 from gpulib.config import Config
 from gpulib.domain import Domain, DomainXmlError, PciHostdev
 from gpulib.errors import DeviceError
-from gpulib.hooks.hostfacts import HostReader
+from gpulib.hostfacts import HostReader
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, libvirt_uint
 from gpulib.plan import Action, AddGroupPeer, Refusals, UsePci, UseVf, plan_group_peers
