@@ -8,11 +8,17 @@ XML on stdin. What each operation does (ARCHITECTURE.md, "Executables"):
 * started begin: the VM runs; its allocation becomes active (what the
   CloudStack agent's onStart does).
 * release end: release what the VM held; also runs after a failed start.
-* migrate begin (on the destination of a live migration): give the incoming
-  VM vGPUs equal to the source's (gpulib.migration), rewrite each hostdev's
-  source to name them and print the whole XML, which libvirt starts instead
-  of the incoming one. Whole GPUs, or no equivalent free: refused, one line,
-  non-zero (libvirt cancels the migration; nothing is left made).
+* migrate begin (on the destination of a live migration): the incoming XML
+  names the source's vGPUs. For each, gpulib.migration chooses again, here,
+  an equivalent one: the same vGPU type on a GPU of the same model (from
+  the `<gpulib:device>` record in its metadata, or this host's registry),
+  the source's own device when it exists here as that and nobody holds it,
+  else a free pool member or a new vGPU; it makes them ready through the
+  journal and records them pending. Only each hostdev's source is rewritten
+  (the mdev UUID, the NVIDIA vendor VF's address) and the whole XML printed,
+  which libvirt starts instead of the incoming one; what the guest sees
+  stays the same. Whole GPUs, or no equivalent free: refused, one line,
+  non-zero (libvirt cancels the migration; nothing made is left).
 * restore begin: make the named devices exist here; print nothing, so
   libvirt keeps its XML.
 * reconnect begin: re-learn a running VM after libvirtd restarts; always 0.
