@@ -73,7 +73,6 @@ from gpulib.pci import (
 )
 from gpulib.placement import AGENT_421_BUG, AGENT_LOST_VF, FixedXml, Placement
 from gpulib.plan import (
-    HeldFacts,
     OrphanFacts,
     Refusals,
     plan_adoptions,
@@ -89,6 +88,7 @@ if TYPE_CHECKING:
     from gpulib.discovery import Inventory
 
 log = logging.getLogger(__name__)
+
 
 class StartMode:
     """Which start an entry makes, chosen there and fixed for the run.
@@ -461,43 +461,9 @@ class Preparer:
                     for _ in range(item.count):
                         index[derive_uuid(self.domain_uuid, k)] = i
                         k += 1
-        return unmet(request, index, self._held_facts(state, occ, request, held, index))
-
-    def _held_facts(self, state: State, occ: Occupancy, request: GpuRequest,
-                    held: list[Device], derived: dict[str, int]) -> list[HeldFacts]:
-        """What a request needs to know of the devices a VM holds: a vGPU's or a
-        VF's type, a whole GPU's model (read only when the request asks for one)."""
-        out = []
-        inventory: Optional[Inventory] = None
-        for d in held:
-            if d.id in derived:
-                out.append(HeldFacts(d.id))
-            elif d.kind == "mdev":
-                m = mdev.read_mdev(self.sysfs, d.id)
-                rec = state.vgpus.get(d.id)
-                source = (m.parent, m.type_id) if m is not None else \
-                    (PciAddress.parse(rec.parent), rec.type_id) if rec is not None else None
-                if source is None:
-                    out.append(HeldFacts(d.id))
-                    continue
-                t = mdev.MdevType(self.sysfs, source[0], source[1])
-                out.append(HeldFacts(d.id, mdev_type=(t.type_id, t.name)))
-            elif d.kind == "vf":
-                rec_v = state.vf_types.get(d.id)
-                tid = rec_v.type_id if rec_v is not None else \
-                    nvidia.current_type(self.sysfs, PciAddress.parse(d.id))
-                out.append(HeldFacts(d.id, vf_type=(tid or 0,
-                                                    rec_v.name if rec_v is not None else None)))
-            elif request.passthrough and self.reader.is_gpu(d.id):
-                if inventory is None:
-                    inventory = self._inventory(state, occ)
-                owner = inventory.owner_of(PciAddress.parse(d.id))
-                gpu = owner[0] if owner is not None and owner[1] is None else None
-                out.append(HeldFacts(d.id, gpu=None if gpu is None else (
-                    gpu.fn.vendor_id, gpu.fn.device_id, gpu.device_name)))
-            else:
-                out.append(HeldFacts(d.id))
-        return out
+        facts = self.reader.held_facts(state, request, held, index,
+                                       lambda: self._inventory(state, occ))
+        return unmet(request, index, facts)
 
 
 def record_running(ctx: Context, config: Config, dom: Domain) -> None:
