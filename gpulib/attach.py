@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
 from lxml import etree
 
 from gpulib.allocator import gpu_matches
-from gpulib.config import Config
-from gpulib.context import CLOUDSTACK_AGENT_DIR, DEFINED_DOMAINS, Context
+from gpulib.config import Config, metadata_allowed
+from gpulib.context import AGENT_PROPERTIES, DEFINED_DOMAINS, Context
 from gpulib.domain import (
     MAX_REQUEST_COUNT,
     DeviceType,
@@ -142,7 +142,7 @@ def _serialize(xml: str) -> str:
 
 def cloudstack_host(ctx: Context) -> bool:
     """The CloudStack agent is installed: the same test as `allow_metadata_requests = auto`."""
-    return ctx.sysfs.exists(CLOUDSTACK_AGENT_DIR + "/agent.properties")
+    return ctx.sysfs.exists(AGENT_PROPERTIES)
 
 
 def _refuse_cloudstack(ctx: Context, force: bool) -> None:
@@ -150,13 +150,6 @@ def _refuse_cloudstack(ctx: Context, force: bool) -> None:
         raise InputError("this is a CloudStack host (/etc/cloudstack/agent/agent.properties): "
                          "the management server owns the VMs' XML and would undo the edit; "
                          "use --force to edit the definition anyway")
-
-
-def _metadata_allowed(ctx: Context, config: Config) -> bool:
-    # Adapter: the qemu hook's own rule, so attach never writes a request it ignores.
-    from gpulib.hooks.prepare import metadata_allowed
-
-    return metadata_allowed(ctx, config)
 
 
 def _inventory(ctx: Context, config: Config) -> tuple[State, Inventory]:
@@ -241,7 +234,8 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
     dom = change.dom
     label = wanted.profile or wanted.type_id or "?"
     what = f"profile {label!r}" if wanted.profile else f"type {label!r}"
-    if not _metadata_allowed(ctx, config):
+    # The starts' own rule (gpulib.config): attach never writes a request they ignore.
+    if not metadata_allowed(ctx, config):
         raise InputError("gpulib metadata requests are off on this host "
                          "(allow_metadata_requests): the qemu hook would not create the "
                          "vGPUs at start; set it to yes in gpulib.conf to attach vGPUs")
@@ -495,8 +489,8 @@ def _add_group_peers(ctx: Context, config: Config, dom: Domain,
     transformer adds them (its own routine, so the two cannot drift apart)."""
     if not config.get_bool("transformer", "add_group_functions"):
         return []
-    from gpulib.hooks.hostfacts import HostReader
-    from gpulib.hooks.placement import Placement
+    from gpulib.hostfacts import HostReader
+    from gpulib.placement import Placement
 
     placement = Placement(dom, dom.name_checked(), config, HostReader(ctx, config))
     return [PciAddress.parse(d.id) for d in placement.add_group_peers(h)]

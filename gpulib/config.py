@@ -15,13 +15,17 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+from gpulib.context import AGENT_PROPERTIES
 from gpulib.errors import ConfigError
 from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress
 from gpulib.sysfs import ReadFailure, read_file
 from gpulib.validate import is_type_id
+
+if TYPE_CHECKING:
+    from gpulib.context import Context
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +359,19 @@ class Config:
 
     def match(self, section: str, key: str) -> Match:
         return Match(self._values[section][key], self._where(section, key))
+
+
+def metadata_allowed(ctx: Context, config: Config) -> bool:
+    """`allow_metadata_requests`: auto = on for plain libvirt, off under CloudStack.
+
+    Under CloudStack tenants can put XML into a domain (extraconfig), so a
+    request there could claim GPUs nobody paid for. One rule for the starts
+    that honour requests and for `gpulib attach`, which writes them.
+    """
+    value = config.get("transformer", "allow_metadata_requests").lower()
+    if value == "auto":
+        return not ctx.sysfs.exists(AGENT_PROPERTIES)
+    return value in ("1", "yes", "true", "on")
 
 
 def _dropins(path: str, cfg: Config) -> list[str]:

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     class _Start(Protocol):
         """What `counted_start` needs of the preparer it wraps."""
 
-        edit_xml: bool
+        @property
+        def hook(self) -> str: ...
 
         @property
         def sysfs(self) -> Any: ...
@@ -132,7 +133,7 @@ def counted_start(run: Callable[[S], list[Device]]) -> Callable[[S], list[Device
     domain none of whose devices are gpulib's counts as neither. Counted
     after the state change is done, so a run thrown away is never counted."""
     def counted(self: S) -> list[Device]:
-        hook = "transformer" if self.edit_xml else "qemu"
+        hook = self.hook
         try:
             devices = run(self)
         except Exception as exc:

@@ -806,32 +806,6 @@ class Domain:
     def mark_changed(self) -> None:
         self._changed = True
 
-    def copy(self) -> Domain:
-        """An independent copy: edits to one never reach the other."""
-        # lxml's own deep copy of the document (the comments around the root
-        # too): what copy.deepcopy would call, without importing `copy` on a
-        # start's path.
-        dup = Domain(self.root.getroottree().__deepcopy__(None).getroot(), self._source)
-        dup._changed = self._changed
-        return dup
-
-    def restore(self, saved: Domain) -> None:
-        """Put this document back as `saved` (a `copy()` taken earlier) holds it.
-
-        The root element stays the same object (callers keep it), its
-        attributes, text and children become a fresh copy of saved's: a start
-        worked out twice (StateStore.update) begins its second run from the XML
-        it was given."""
-        fresh = saved.copy().root
-        tail = self.root.tail
-        self.root.clear()
-        self.root.tail = tail
-        self.root.text = fresh.text
-        for key, value in fresh.attrib.items():
-            self.root.set(key, value)
-        self.root.extend(list(fresh))
-        self._changed = saved._changed
-
     def to_xml(self) -> str:
         """The domain as text: the input verbatim unless something was edited.
 

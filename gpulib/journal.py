@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from gpulib import mdev, nvidia
 from gpulib.errors import DeviceError, GpulibError
 from gpulib.pci import PciAddress
-from gpulib.state import REMOVALS, Device, Intent, State
+from gpulib.state import REMOVALS, Device, Intent, State, VgpuRecord, utc_now
 
 if TYPE_CHECKING:
     from gpulib.liveness import Liveness
@@ -114,6 +114,20 @@ class Journal:
         log.info("%s: adopted mdev %s (%s on %s), left by an interrupted start", self.vm,
                  uuid, live.type_id, live.parent)
         return orphan
+
+    def keep_mdev(self, uuid: str, on_demand: bool) -> bool:
+        """A live mdev a start (or an arrival) keeps; taken over in place when a
+        killed run of this VM made it. Whether it is on demand: as the killed
+        run made it, else `on_demand`."""
+        orphan = self.adopt_mdev(uuid)
+        if orphan is None:
+            return on_demand
+        if orphan.on_demand and uuid not in self.state.vgpus and \
+                orphan.parent is not None and orphan.type_id is not None:
+            # Its record was to be written with the killed run's allocation.
+            self.state.vgpus[uuid] = VgpuRecord(orphan.parent, orphan.type_id, None, True,
+                                                utc_now())
+        return orphan.on_demand
 
     def _intend(self, intent: Intent) -> None:
         self.state.intents.append(intent)

@@ -490,6 +490,19 @@ def release_not_running(ctx: Context, state: State, liveness: Liveness,
     return out
 
 
+def release_stale(ctx: Context, state: State, liveness: Liveness, config: Config,
+                  keep: Optional[str] = None, store: Optional[StateStore] = None) -> None:
+    """Release what VMs that are not running left (ARCHITECTURE.md, "What a
+    start and a stop do"): pending allocations of starts proven dead, and
+    every allocation of an earlier boot (pending_is_dead); removals
+    announced first (`store`'s checkpoint). Every hook's and arrival's cheap
+    cleanup."""
+    release_not_running(ctx, state, liveness,
+                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
+                        pending_only=True, keep=keep,
+                        checkpoint=store.checkpoint if store is not None else None)
+
+
 def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
               grace: float = PENDING_GRACE_SECONDS,
               running: Optional[list[DomainDevices]] = None,

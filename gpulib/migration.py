@@ -53,11 +53,11 @@ from gpulib.devicetype import gpu_model
 from gpulib.domain import DeviceType, Domain, DomainXmlError, MdevHostdev, VgpuRequest, derive_uuid
 from gpulib.errors import DeviceError, GpulibError, NotAvailableError
 from gpulib.journal import Journal, settle
-from gpulib.lifecycle import boot_clock, open_store
+from gpulib.lifecycle import boot_clock, open_store, release_stale
 from gpulib.liveness import Liveness
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress
-from gpulib.state import Device, State, VgpuRecord, utc_now
+from gpulib.state import Device, State
 from gpulib.usage import running_domains
 from gpulib.validate import check_vm_name
 
@@ -297,14 +297,8 @@ def apply(sysfs: Sysfs, state: State, journal: Journal, choice: Choice) -> Devic
         return apply_allocation(sysfs, state, journal, choice.action)
     on_demand = choice.on_demand
     if kind == "mdev":
-        orphan = journal.adopt_mdev(choice.target)
-        if orphan is not None:
-            # Made by a killed attempt of this VM: on demand as it was then.
-            on_demand = orphan.on_demand
-            if orphan.on_demand and choice.target not in state.vgpus and \
-                    orphan.parent is not None and orphan.type_id is not None:
-                state.vgpus[choice.target] = VgpuRecord(orphan.parent, orphan.type_id, None,
-                                                        True, utc_now())
+        # Made by a killed attempt of this VM: adopted, on demand as it was then.
+        on_demand = journal.keep_mdev(choice.target, on_demand)
     else:
         orphan = journal.orphan("set-vf-type", choice.target)
         if orphan is not None:
@@ -375,13 +369,10 @@ def arrive(ctx: Context, config: Config, dom: Domain) -> list[Choice]:
     sysfs = ctx.sysfs
     store = open_store(ctx, config)
     running_domains(sysfs, save_cache=True)  # read before the lock, re-checked under it
-    pristine = dom.copy()
-    runs = [0]
 
     def give(state: State) -> list[Choice]:
-        if runs[0]:
-            dom.restore(pristine)
-        runs[0] += 1
+        # Runs once (StateStore.update); `dom` is rewritten only after the
+        # commit, so a refusal leaves it as it came.
         running = running_domains(sysfs)
         liveness = Liveness(sysfs, running)
         if liveness.is_running(vm):
@@ -394,8 +385,6 @@ def arrive(ctx: Context, config: Config, dom: Domain) -> list[Choice]:
         # is free for this VM. This VM's own intents are its journal's (adopted
         # when kept, settled on commit).
         settle(sysfs, state, liveness, keep=vm)
-        from gpulib.hooks.vmstate import release_stale
-
         release_stale(ctx, state, liveness, config, keep=vm, store=store)
         alloc = state.allocations.get(vm)
         if alloc is not None and alloc.domain_uuid not in (None, domain_uuid):

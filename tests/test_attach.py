@@ -31,7 +31,7 @@ from gpulib.domain import (
     parse_domain,
 )
 from gpulib.errors import DeviceError, InputError, NotAvailableError
-from gpulib.hooks.prepare import Preparer
+from gpulib.hooks.prepare import Preparer, StartMode
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_T4, add_model, build_demo, models
 from gpulib.virsh import DomainInfo, Virsh
@@ -220,7 +220,7 @@ def test_gpu_and_its_audio_function_share_a_guest_slot_as_the_transformer_puts_t
                           "'http://gpulib.org/xmlns/domain/1'>\n      <gpulib:passthrough "
                           "model='10de:2484'/>\n    </gpulib:gpus>\n  </metadata>\n")
     theirs = parse_domain(req)
-    Preparer(ctx, config, theirs, edit_xml=True, allow_metadata=True).run()
+    Preparer(ctx, config, theirs, StartMode("transformer", edits_xml=True, requests=True)).run()
 
     def hostdevs(d: object) -> list[bytes]:
         return [etree.tostring(h.element, with_tail=False) for h in d.pci_hostdevs()]  # type: ignore[attr-defined]

@@ -582,7 +582,7 @@ def test_a_failed_state_write_rolls_back_the_start(demo: str,
     from gpulib.config import Config
     from gpulib.domain import parse_domain
     from gpulib.errors import StateError
-    from gpulib.hooks.prepare import Preparer
+    from gpulib.hooks.prepare import Preparer, StartMode
 
     ctx = Context.for_root(demo, simulate=True)
     config = Config.load(ctx.config_path)
@@ -600,7 +600,8 @@ def test_a_failed_state_write_rolls_back_the_start(demo: str,
 
     monkeypatch.setattr(atomicfile, "write_atomic", full)
     with pytest.raises(StateError, match="No space left"):
-        Preparer(ctx, config, parse_domain(PLAIN), edit_xml=True, allow_metadata=True).run()
+        Preparer(ctx, config, parse_domain(PLAIN),
+                 StartMode("transformer", edits_xml=True, requests=True)).run()
     monkeypatch.setattr(atomicfile, "write_atomic", real)
     assert len(writes) == 4  # ... and the file put back as it was
     assert tree_contents(demo) == before

@@ -176,8 +176,8 @@ class Ownership(RuleBasedStateMachine):
 
     def _prepare(self, xml: str, crash_at: int = 0) -> Optional[GpulibError]:
         dom = parse_domain(xml)
-        preparer = prepare_mod.Preparer(self.ctx, self.config, dom, edit_xml=True,
-                                        allow_metadata=True)
+        mode = prepare_mod.StartMode("transformer", edits_xml=True, requests=True)
+        preparer = prepare_mod.Preparer(self.ctx, self.config, dom, mode)
         if not crash_at:
             try:
                 preparer.run()

@@ -39,7 +39,7 @@ from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.domain import parse_domain
 from gpulib.errors import GpulibError
-from gpulib.hooks.prepare import Preparer
+from gpulib.hooks.prepare import Preparer, StartMode
 from gpulib.hooks.vmstate import activate, deactivate
 from gpulib.lifecycle import open_store, reconcile, restore
 from gpulib.liveness import Liveness
@@ -115,7 +115,8 @@ class Lives(RuleBasedStateMachine):
     def _prepare(self, name: str, uuid: str, plan: str, edit: bool) -> Optional[str]:
         dom = parse_domain(domain_xml(name, uuid, plan))
         try:
-            Preparer(self.ctx, self.config, dom, edit_xml=edit, allow_metadata=True).run()
+            mode = StartMode("transformer" if edit else "qemu", edits_xml=edit, requests=True)
+            Preparer(self.ctx, self.config, dom, mode).run()
         except GpulibError:
             return None
         return dom.to_xml()

@@ -6,9 +6,14 @@ the same checks in both, so a start the transformer refused (and the agent
 went on with anyway, with its own XML) fails at libvirt with gpulib's line.
 
 The start is in four parts: what it reads of the host (`hostfacts.HostReader`),
-what it decides (the pure planner, `gpulib.plan`), what it does (here: apply
-through the journal) and how it edits the XML (`placement.Placement`). A
-live migration's arrival (`migrate begin`) is `gpulib.migration`'s.
+what it decides (the pure planner, `gpulib.plan`), what it does (`gpulib.apply`:
+the plan's actions as journal operations) and how it edits the XML
+(`placement.Placement`; `placement.FixedXml` edits nothing). The entry
+chooses the start (`StartMode`): the transformer edits the XML, libvirt's
+`prepare begin` / `restore begin` never does, both honour metadata requests
+as `allow_metadata_requests` says; `reconnect begin` only records what a
+running VM holds (`record_running`). A live migration's arrival (`migrate
+begin`) is `gpulib.migration`'s.
 
 A start is planned, then applied, inside one state transaction:
 
@@ -43,8 +48,9 @@ from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev, nvidia
 from gpulib.allocator import Allocator, record, release
-from gpulib.config import Config
-from gpulib.context import CLOUDSTACK_AGENT_DIR, Context
+from gpulib.apply import apply_adoptions, apply_kept, apply_named
+from gpulib.config import Config, metadata_allowed
+from gpulib.context import Context
 from gpulib.counters import counted_start
 from gpulib.domain import (
     Domain,
@@ -55,11 +61,9 @@ from gpulib.domain import (
     derive_uuid,
 )
 from gpulib.errors import DeviceError
-from gpulib.hooks.hostfacts import HostReader
-from gpulib.hooks.placement import Placement
-from gpulib.hooks.vmstate import release_stale
+from gpulib.hostfacts import HostReader
 from gpulib.journal import Journal, settle
-from gpulib.lifecycle import boot_clock, open_store
+from gpulib.lifecycle import boot_clock, open_store, release_stale
 from gpulib.liveness import Liveness
 from gpulib.occupancy import Occupancy
 from gpulib.pci import (
@@ -67,24 +71,16 @@ from gpulib.pci import (
     list_addresses,
     physical_function,
 )
+from gpulib.placement import AGENT_421_BUG, AGENT_LOST_VF, FixedXml, Placement
 from gpulib.plan import (
-    Action,
-    AddGroupPeer,
-    CreateDerived,
-    HeldFacts,
-    KeepMdev,
     OrphanFacts,
-    RecreateMdev,
     Refusals,
-    RetypeVf,
-    UsePci,
-    UseVf,
     plan_adoptions,
     plan_kept,
     plan_named,
     unmet,
 )
-from gpulib.state import Device, State, VgpuRecord, utc_now
+from gpulib.state import Device, State
 from gpulib.usage import DomainDevices, running_domains
 from gpulib.validate import check_vm_name
 
@@ -93,73 +89,79 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-AGENT_421_BUG = ("CloudStack 4.21 agent bug: a PCI domain other than 0000 rendered as "
-                 "bus and slot (apache/cloudstack issue 12960)")
-# The same rendering of a VF keeps only its PCI domain and bus: 0001:04:00.2
-# becomes bus='0x0001' slot='0x04' function='0x0', like its PF and every VF
-# beside it. The agent's LibvirtGpuDef was fixed for 4.22.1.
-AGENT_LOST_VF = ("the CloudStack agent lost the VF's address (4.21 and 4.22.0 render "
-                 "0001:04:00.2 as bus='0x0001' slot='0x04' function='0x0'); "
-                 "upgrade the agent to 4.22.1 or later (apache/cloudstack pull 12981, "
-                 "the PCI domain fix of LibvirtGpuDef)")
 
+class StartMode:
+    """Which start an entry makes, chosen there and fixed for the run.
 
-def metadata_allowed(ctx: Context, config: Config) -> bool:
-    """`allow_metadata_requests`: auto = on for plain libvirt, off under CloudStack.
-
-    Under CloudStack tenants can put XML into a domain (extraconfig), so a
-    request there could claim GPUs nobody paid for.
+    `hook`: the counters' label. `edits_xml`: the XML is the start's output
+    (the transformer's stdout is what the agent starts), so it gets the
+    editing XML side (`placement.Placement`: repairs, unmanaged VFs, group
+    peers, a request's devices) rather than `placement.FixedXml`.
+    `requests`: gpulib metadata requests are read at all (per
+    `allow_metadata_requests`, `gpulib.config.metadata_allowed`).
     """
-    value = config.get("transformer", "allow_metadata_requests").lower()
-    if value == "auto":
-        return not ctx.sysfs.exists(CLOUDSTACK_AGENT_DIR + "/agent.properties")
-    return value in ("1", "yes", "true", "on")
+
+    __slots__ = ("edits_xml", "hook", "requests")
+
+    hook: str
+    edits_xml: bool
+    requests: bool
+
+    def __init__(self, hook: str, edits_xml: bool, requests: bool) -> None:
+        object.__setattr__(self, "hook", hook)
+        object.__setattr__(self, "edits_xml", edits_xml)
+        object.__setattr__(self, "requests", requests)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a StartMode is fixed by its entry")
+
+    def __repr__(self) -> str:
+        return (f"StartMode({self.hook!r}, edits_xml={self.edits_xml}, "
+                f"requests={self.requests})")
+
+    @classmethod
+    def transformer(cls, ctx: Context, config: Config) -> StartMode:
+        """The CloudStack transformer (and the pipe workflow): it edits the XML."""
+        return cls("transformer", edits_xml=True, requests=metadata_allowed(ctx, config))
+
+    @classmethod
+    def libvirt_start(cls, ctx: Context, config: Config) -> StartMode:
+        """libvirt's `prepare begin` / `restore begin`: the XML is fixed (stdout ignored)."""
+        return cls("qemu", edits_xml=False, requests=metadata_allowed(ctx, config))
 
 
 class Preparer:
-    def __init__(self, ctx: Context, config: Config, dom: Domain, edit_xml: bool,
-                 allow_metadata: bool) -> None:
+    """One start: what it reads (`hostfacts.HostReader`), what it decides
+    (`gpulib.plan`), what it does (`gpulib.apply`, through the journal) and
+    how it edits the XML (`self.xml`, chosen by the entry's `StartMode`)."""
+
+    def __init__(self, ctx: Context, config: Config, dom: Domain, mode: StartMode) -> None:
         self.ctx = ctx
         self.sysfs = ctx.sysfs
         self.config = config
         self.dom = dom
-        self.edit_xml = edit_xml
-        self.allow_metadata = allow_metadata
+        self.mode = mode
         # Bad input is exit 2 and found before anything is read or written.
         self.vm = check_vm_name(dom.name_checked())
         self.domain_uuid = dom.uuid_checked() if dom.uuid else None
         self.store = open_store(ctx, config)
         # What it reads of the host, and how it edits the XML: one each per start.
         self.reader = HostReader(ctx, config)
-        self.placement = Placement(dom, self.vm, config, self.reader)
+        xml_side = Placement if mode.edits_xml else FixedXml
+        self.xml: Placement = xml_side(dom, self.vm, config, self.reader)
         self._host: Optional[Inventory] = None
         self._light: Optional[Inventory] = None  # the pools' GPUs, read before the lock
 
-    # Each entry says which start it is (the XML editable or not, metadata
-    # requests honoured or not) rather than passing the flags itself.
-    @classmethod
-    def for_transformer(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
-        """The CloudStack transformer (and the pipe workflow): it may edit the XML."""
-        return cls(ctx, config, dom, edit_xml=True,
-                   allow_metadata=metadata_allowed(ctx, config))
-
-    @classmethod
-    def for_libvirt_start(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
-        """libvirt's `prepare begin` / `restore begin`: the XML is fixed (stdout ignored)."""
-        return cls(ctx, config, dom, edit_xml=False,
-                   allow_metadata=metadata_allowed(ctx, config))
-
-    @classmethod
-    def for_reconnect(cls, ctx: Context, config: Config, dom: Domain) -> Preparer:
-        """libvirt's `reconnect begin`: the VM runs already; only recorded."""
-        return cls(ctx, config, dom, edit_xml=False, allow_metadata=False)
+    @property
+    def hook(self) -> str:
+        return self.mode.hook
 
     # -- the start ------------------------------------------------------------------------
     def _validate(self) -> tuple[list[str], list[PciAddress], Optional[GpuRequest]]:
         """Every UUID, address and request of the XML, checked before anything else."""
         uuids = [h.uuid_checked() for h in self.dom.mdev_hostdevs()]
         addresses = [self._address(h) for h in self.dom.pci_hostdevs()]
-        request = self.dom.metadata_request() if self.allow_metadata else None
+        request = self.dom.metadata_request() if self.mode.requests else None
         return uuids, addresses, request
 
     @counted_start
@@ -173,12 +175,15 @@ class Preparer:
         running_domains(self.sysfs, save_cache=True)
         if request is not None:
             self._derived_uuids(request)  # loads their hash module now, not under the lock
-        if request is not None and (self.edit_xml or any(
+        # A request is filled only where its devices can go into the XML; else
+        # it serves only the on-demand vGPUs the XML names by derived UUID.
+        fills = request is not None and self.xml.takes_new_devices
+        if request is not None and (fills or any(
                 mdev.read_mdev(self.sysfs, u) is None for u in uuids)):
             early = self.store.load()
             pooled = any(r.pool for r in early.vgpus.values()) or \
                 any(r.pool for r in early.vf_types.values())
-            if self.edit_xml and pooled and request.vgpus and not request.passthrough:
+            if fills and pooled and request.vgpus and not request.passthrough:
                 # Pools usually serve a request: their GPUs are then all it needs to
                 # read (whether they suffice is decided under the lock).
                 from gpulib.occupancy import Tree
@@ -229,7 +234,7 @@ class Preparer:
             try:
                 devices = self._named_devices(state, occ, journal, uuids, addresses, request,
                                               running)
-                if request is not None and self.edit_xml:
+                if fills and request is not None:
                     devices += self._requested_devices(state, occ, journal, request, devices)
                 if alloc is not None:
                     # A retried start (the VM is not running): its allocation is what
@@ -248,12 +253,7 @@ class Preparer:
                     # Pending from now: the clock of a retried start starts again.
                     record(state, self.vm, self.domain_uuid, devices, status="pending",
                            clock=boot_clock(self.ctx))
-                if self.edit_xml and any(d.kind in ("mdev", "vf") for d in devices):
-                    # What each vGPU is travels in the live XML: a migration's
-                    # destination gives the VM the same (gpulib.migration).
-                    from gpulib.devicetype import record_types
-
-                    record_types(self.sysfs, state, self.dom)
+                self.xml.record_types(self.sysfs, state, devices)
                 journal.commit()
             except BaseException:
                 if journal.rollback():
@@ -265,32 +265,10 @@ class Preparer:
 
         return self.store.update(prepare)
 
-    def run_reconnect(self) -> None:
-        """Record what a running VM holds, creating nothing (it already runs)."""
-        with self.store.transaction() as state:
-            devices = []
-            for h in self.dom.mdev_hostdevs():
-                uuid = h.uuid_checked()
-                rec = state.vgpus.get(uuid)
-                devices.append(Device("mdev", uuid, on_demand=bool(rec and rec.on_demand)))
-            for pci in self.dom.pci_hostdevs():
-                try:
-                    address = pci.address
-                except DomainXmlError:
-                    continue
-                ident = str(address)
-                vrec = state.vf_types.get(ident)
-                kind = "vf" if nvidia.is_vendor_vf(self.sysfs, address) else "pci"
-                devices.append(Device(kind, ident, on_demand=bool(vrec and vrec.on_demand)))
-            if devices:
-                record(state, self.vm, self.domain_uuid, devices, status="active",
-                       clock=boot_clock(self.ctx)).status = "active"
-
     # -- checks ---------------------------------------------------------------------------
     def _is_gpu_fn(self, address: PciAddress) -> bool:
         """Whether discovery counts this function as a GPU (its include/exclude too)."""
         return self.reader.is_gpu_fn(address)
-
 
     def _address(self, h: PciHostdev) -> PciAddress:
         """The host address; CloudStack 4.21's mangled PCI domain repaired when exactly
@@ -332,85 +310,28 @@ class Preparer:
         fixed = matches[0]
         if fixed == literal:
             return fixed
-        if literal is not None and not self.edit_xml:
-            # libvirt would give the VM the device the XML reads as.
-            raise DomainXmlError(
-                f"PCI hostdev <address {written}> names {literal}, not the GPU {fixed}: "
-                f"{AGENT_421_BUG} (start it through the CloudStack transformer hook, or "
-                "upgrade the agent)")
-        if self.edit_xml:
-            for name, value in fixed.libvirt().items():
-                src.set(name, value)
-            self.dom.mark_changed()
+        self.xml.repair_address(h, fixed, literal, written)
         log.warning("%s: repaired PCI hostdev <address %s> to %s (%s)", self.vm, written, fixed,
                     AGENT_421_BUG)
         return fixed
 
-    # -- devices the XML names: plan, then apply ---------------------------------------------
+    # -- devices the XML names: facts, plan, apply, XML ---------------------------------------
     def _named_devices(self, state: State, occ: Occupancy, journal: Journal,
                        uuids: list[str], addresses: list[PciAddress],
                        request: Optional[GpuRequest],
                        running: list[DomainDevices]) -> list[Device]:
-        """Plan (facts read first, then gpulib.plan decides: no write), then apply."""
+        """Facts read first, then gpulib.plan decides (no write), gpulib.apply
+        carries the plan out through the journal, and the XML side places it."""
         derived = self._derived_uuids(request)
         names = [str(a) for a in addresses]
-        facts = self.reader.facts(state, uuids, addresses, self._peers_wanted())
+        facts = self.reader.facts(state, uuids, addresses, self.xml.peers_wanted())
         refusals = Refusals(occ, self.vm,
                             strict=self.config.get_bool("transformer", "refuse_in_use"))
         actions = plan_named(facts, state, refusals, uuids, names, derived)
-        return self._apply_named(state, occ, journal, actions, addresses, running)
-
-    def _peers_wanted(self) -> bool:
-        return self.edit_xml and self.config.get_bool("transformer", "add_group_functions")
-
-    def _apply_named(self, state: State, occ: Occupancy, journal: Journal,
-                     actions: list[Action], addresses: list[PciAddress],
-                     running: list[DomainDevices]) -> list[Device]:
-        """Carry the plan out; every sysfs write goes through the journal."""
-        devices: list[Device] = []
-        hostdevs = self.dom.pci_hostdevs()
-        for action in actions:
-            if isinstance(action, CreateDerived):
-                devices += self._create_derived(state, occ, journal, action.uuid,
-                                                action.request, running)
-            elif isinstance(action, RecreateMdev):
-                journal.create_mdev(PciAddress.parse(action.parent), action.type_id,
-                                    action.uuid, action.on_demand, action.attrs)
-                log.info("recreated mdev %s (%s on %s) for %s", action.uuid, action.type_id,
-                         action.parent, self.vm)
-                devices.append(Device("mdev", action.uuid, on_demand=action.on_demand))
-            elif isinstance(action, KeepMdev):
-                on_demand = action.on_demand
-                orphan = journal.adopt_mdev(action.uuid)
-                if orphan is not None:
-                    # Made by a killed start of this VM: on demand as it was then.
-                    on_demand = orphan.on_demand
-                    if orphan.on_demand and action.uuid not in state.vgpus and \
-                            orphan.parent is not None and orphan.type_id is not None:
-                        state.vgpus[action.uuid] = VgpuRecord(orphan.parent, orphan.type_id,
-                                                              None, True, utc_now())
-                devices.append(Device("mdev", action.uuid, on_demand=on_demand))
-            elif isinstance(action, UseVf):
-                h, addr = hostdevs[action.at], addresses[action.at]
-                self.placement.display_note(h, addr)
-                if action.set_type is not None:
-                    journal.set_vf_type(addr, action.set_type, action.on_demand)
-                if h.managed and self.edit_xml:
-                    # libvirt would unbind the nvidia driver from a managed VF and
-                    # lose the vGPU: these VFs go to guests unmanaged.
-                    h.managed = False
-                    log.info("%s: NVIDIA vGPU VF %s set to managed='no'", self.vm, addr)
-                devices.append(Device("vf", action.address, on_demand=action.on_demand))
-            elif isinstance(action, UsePci):
-                h, addr = hostdevs[action.at], addresses[action.at]
-                self.placement.display_note(h, addr)
-                devices.append(Device("pci", action.address))
-                peers = [a.address for a in actions
-                         if isinstance(a, AddGroupPeer) and a.gpu == action.address]
-                if peers:
-                    devices += self.placement.place_peers(h, peers)
-            # AddGroupPeer: placed with its GPU (above), on the GPU's guest slot.
-        return devices
+        applied = apply_named(journal, self.vm, actions,
+                              lambda a: self._create_derived(state, occ, journal, a.uuid,
+                                                             a.request, running))
+        return self.xml.place_named(applied, addresses)
 
     # -- metadata requests ----------------------------------------------------------------------
     def _derived_uuids(self, request: Optional[GpuRequest]) -> dict[str, VgpuRequest]:
@@ -469,16 +390,10 @@ class Preparer:
                     mdev.read_mdev(self.sysfs, d.id) is not None}
             typed = {d.id for d in again if d.kind == "vf" and d.id in state.vf_types and
                      nvidia.current_type(self.sysfs, PciAddress.parse(d.id))}
-            for action in plan_kept(again, state, live, typed):
-                if isinstance(action, RecreateMdev):
-                    journal.create_mdev(PciAddress.parse(action.parent), action.type_id,
-                                        action.uuid, action.on_demand)
-                elif isinstance(action, RetypeVf):
-                    journal.set_vf_type(PciAddress.parse(action.address), action.type_id,
-                                        action.on_demand)
+            apply_kept(journal, plan_kept(again, state, live, typed))
         again += self._adopt_requested(state, occ, journal, request,
                                        have | {d.id for d in again})
-        kept = again + self.placement.insert(again, occ) if again else []
+        kept = again + self.xml.insert(again, occ) if again else []
         # What the XML names (and the VM already holds) counts against the request:
         # the transformer run on its own output allocates nothing more.
         missing = self._unmet(state, occ, request, named + again)
@@ -514,7 +429,7 @@ class Preparer:
             devices += allocator.allocate_vgpus(self.vm, v, next_uuid)
         for p in missing.passthrough:
             devices += allocator.allocate_passthrough(self.vm, p)
-        return kept + devices + self.placement.insert(devices, occ)
+        return kept + devices + self.xml.insert(devices, occ)
 
     def _adopt_requested(self, state: State, occ: Occupancy, journal: Journal,
                          request: GpuRequest, have: set[str]) -> list[Device]:
@@ -522,8 +437,6 @@ class Preparer:
         in place (`plan_adoptions`, from the orphans read here)."""
         if self.domain_uuid is None or not any(i.vm == self.vm for i in state.intents):
             return []
-        from gpulib.occupancy import PENDING, Hold
-
         derived = self._derived_uuids(request)
         orphans: dict[str, OrphanFacts] = {}
         for uuid in derived:
@@ -533,17 +446,8 @@ class Preparer:
             if live is not None:
                 t = mdev.MdevType(self.sysfs, live.parent, live.type_id)
                 orphans[uuid] = OrphanFacts(str(live.parent), live.type_id, t.name)
-        out = []
-        for action in plan_adoptions(derived, have, orphans):
-            orphan = journal.adopt_mdev(action.uuid)
-            if orphan is None:
-                continue
-            if orphan.on_demand and action.uuid not in state.vgpus:
-                state.vgpus[action.uuid] = VgpuRecord(action.parent, action.type_id, None,
-                                                      True, utc_now())
-            occ.add(Hold(self.vm, PENDING, action.uuid))
-            out.append(Device("mdev", action.uuid, on_demand=orphan.on_demand))
-        return out
+        return apply_adoptions(state, occ, journal, self.vm,
+                               plan_adoptions(derived, have, orphans))
 
     def _unmet(self, state: State, occ: Occupancy, request: GpuRequest,
                held: list[Device]) -> GpuRequest:
@@ -557,40 +461,33 @@ class Preparer:
                     for _ in range(item.count):
                         index[derive_uuid(self.domain_uuid, k)] = i
                         k += 1
-        return unmet(request, index, self._held_facts(state, occ, request, held, index))
+        facts = self.reader.held_facts(state, request, held, index,
+                                       lambda: self._inventory(state, occ))
+        return unmet(request, index, facts)
 
-    def _held_facts(self, state: State, occ: Occupancy, request: GpuRequest,
-                    held: list[Device], derived: dict[str, int]) -> list[HeldFacts]:
-        """What a request needs to know of the devices a VM holds: a vGPU's or a
-        VF's type, a whole GPU's model (read only when the request asks for one)."""
-        out = []
-        inventory: Optional[Inventory] = None
-        for d in held:
-            if d.id in derived:
-                out.append(HeldFacts(d.id))
-            elif d.kind == "mdev":
-                m = mdev.read_mdev(self.sysfs, d.id)
-                rec = state.vgpus.get(d.id)
-                source = (m.parent, m.type_id) if m is not None else \
-                    (PciAddress.parse(rec.parent), rec.type_id) if rec is not None else None
-                if source is None:
-                    out.append(HeldFacts(d.id))
-                    continue
-                t = mdev.MdevType(self.sysfs, source[0], source[1])
-                out.append(HeldFacts(d.id, mdev_type=(t.type_id, t.name)))
-            elif d.kind == "vf":
-                rec_v = state.vf_types.get(d.id)
-                tid = rec_v.type_id if rec_v is not None else \
-                    nvidia.current_type(self.sysfs, PciAddress.parse(d.id))
-                out.append(HeldFacts(d.id, vf_type=(tid or 0,
-                                                    rec_v.name if rec_v is not None else None)))
-            elif request.passthrough and self.reader.is_gpu(d.id):
-                if inventory is None:
-                    inventory = self._inventory(state, occ)
-                owner = inventory.owner_of(PciAddress.parse(d.id))
-                gpu = owner[0] if owner is not None and owner[1] is None else None
-                out.append(HeldFacts(d.id, gpu=None if gpu is None else (
-                    gpu.fn.vendor_id, gpu.fn.device_id, gpu.device_name)))
-            else:
-                out.append(HeldFacts(d.id))
-        return out
+
+def record_running(ctx: Context, config: Config, dom: Domain) -> None:
+    """libvirt's `reconnect begin`: record what a running VM holds, creating
+    nothing (it already runs); no metadata request is read, no XML edited."""
+    # Bad input is refused before anything is read or written, as at a start.
+    vm = check_vm_name(dom.name_checked())
+    domain_uuid = dom.uuid_checked() if dom.uuid else None
+    sysfs = ctx.sysfs
+    with open_store(ctx, config).transaction() as state:
+        devices = []
+        for h in dom.mdev_hostdevs():
+            uuid = h.uuid_checked()
+            rec = state.vgpus.get(uuid)
+            devices.append(Device("mdev", uuid, on_demand=bool(rec and rec.on_demand)))
+        for pci in dom.pci_hostdevs():
+            try:
+                address = pci.address
+            except DomainXmlError:
+                continue
+            ident = str(address)
+            vrec = state.vf_types.get(ident)
+            kind = "vf" if nvidia.is_vendor_vf(sysfs, address) else "pci"
+            devices.append(Device(kind, ident, on_demand=bool(vrec and vrec.on_demand)))
+        if devices:
+            record(state, vm, domain_uuid, devices, status="active",
+                   clock=boot_clock(ctx)).status = "active"

@@ -8,11 +8,17 @@ XML on stdin. What each operation does (ARCHITECTURE.md, "Executables"):
 * started begin: the VM runs; its allocation becomes active (what the
   CloudStack agent's onStart does).
 * release end: release what the VM held; also runs after a failed start.
-* migrate begin (on the destination of a live migration): give the incoming
-  VM vGPUs equal to the source's (gpulib.migration), rewrite each hostdev's
-  source to name them and print the whole XML, which libvirt starts instead
-  of the incoming one. Whole GPUs, or no equivalent free: refused, one line,
-  non-zero (libvirt cancels the migration; nothing is left made).
+* migrate begin (on the destination of a live migration): the incoming XML
+  names the source's vGPUs. For each, gpulib.migration chooses again, here,
+  an equivalent one: the same vGPU type on a GPU of the same model (from
+  the `<gpulib:device>` record in its metadata, or this host's registry),
+  the source's own device when it exists here as that and nobody holds it,
+  else a free pool member or a new vGPU; it makes them ready through the
+  journal and records them pending. Only each hostdev's source is rewritten
+  (the mdev UUID, the NVIDIA vendor VF's address) and the whole XML printed,
+  which libvirt starts instead of the incoming one; what the guest sees
+  stays the same. Whole GPUs, or no equivalent free: refused, one line,
+  non-zero (libvirt cancels the migration; nothing made is left).
 * restore begin: make the named devices exist here; print nothing, so
   libvirt keeps its XML.
 * reconnect begin: re-learn a running VM after libvirtd restarts; always 0.
@@ -72,13 +78,13 @@ def _prepare(vm_arg: str) -> int:
             return 0
         from gpulib.domain import DomainXmlError, parse_domain
         from gpulib.hooks.common import start
-        from gpulib.hooks.prepare import Preparer
+        from gpulib.hooks.prepare import Preparer, StartMode
 
         dom = parse_domain(xml)
         if dom.name != vm_arg:
             raise DomainXmlError(f"hook called for {vm_arg!r} with the XML of {dom.name!r}")
         ctx, config = start("gpulib-qemu-hook")
-        Preparer.for_libvirt_start(ctx, config, dom).run()
+        Preparer(ctx, config, dom, StartMode.libvirt_start(ctx, config)).run()
         return 0
 
     return run_guarded(PROGRAM, body)
@@ -151,10 +157,9 @@ def _reconnect() -> None:
         if not may_concern_gpulib(xml):
             return 0
         from gpulib.domain import parse_domain
-        from gpulib.hooks.prepare import Preparer
+        from gpulib.hooks.prepare import record_running
 
-        dom = parse_domain(xml)
-        Preparer.for_reconnect(ctx, config, dom).run_reconnect()
+        record_running(ctx, config, parse_domain(xml))
         return 0
 
     # A failure here would make libvirt kill the running VM: log, never fail.

@@ -49,11 +49,11 @@ def _transform(xml: str) -> int:
 
     def body() -> int:
         from gpulib.domain import parse_domain
-        from gpulib.hooks.prepare import Preparer
+        from gpulib.hooks.prepare import Preparer, StartMode
 
         ctx, config = start(PROGRAM)
         dom = parse_domain(xml)
-        Preparer.for_transformer(ctx, config, dom).run()
+        Preparer(ctx, config, dom, StartMode.transformer(ctx, config)).run()
         result = dom.to_xml()
         if not result.strip():
             raise RuntimeError("produced an empty XML")

@@ -7,27 +7,14 @@ never import lxml: they run on every VM start and stop.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from gpulib.config import Config
 from gpulib.context import Context
-from gpulib.lifecycle import boot_clock, open_store, release_not_running
+from gpulib.lifecycle import boot_clock, open_store, release_stale
 from gpulib.liveness import Liveness
-from gpulib.state import State, StateStore, utc_now
+from gpulib.state import State, utc_now
 
 log = logging.getLogger(__name__)
-
-
-def release_stale(ctx: Context, state: State, liveness: Liveness, config: Config,
-                  keep: Optional[str] = None, store: Optional[StateStore] = None) -> None:
-    """Release what VMs that are not running left (ARCHITECTURE.md, "What a
-    start and a stop do"): pending allocations of starts proven dead, and
-    every allocation of an earlier boot (lifecycle.pending_is_dead); removals
-    announced first (`store`'s checkpoint)."""
-    release_not_running(ctx, state, liveness,
-                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
-                        pending_only=True, keep=keep,
-                        checkpoint=store.checkpoint if store is not None else None)
 
 
 def settle_left(ctx: Context, state: State, liveness: Liveness) -> None:

@@ -4,12 +4,13 @@ The facts side of a start (`gpulib.hooks.prepare`): whether a named PCI
 function is a GPU, a GPU's VF or a GPU's group peer (discovery's rule, its
 include/exclude too), why a whole GPU or VF cannot be given, the IOMMU-group
 members beside a GPU, and the live, defined and recorded state of named
-mdevs, gathered into `plan.HostFacts` for the pure planner.
+mdevs, gathered into `plan.HostFacts` for the pure planner; for a metadata
+request, what the devices a VM holds already are (`plan.HeldFacts`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from gpulib import mdev, nvidia
 from gpulib.config import Config
@@ -26,9 +27,13 @@ from gpulib.pci import (
     iommu_group_members,
     physical_function,
 )
-from gpulib.plan import HostFacts, MdevFacts, PciFacts, PeerFacts
-from gpulib.state import State
+from gpulib.plan import HeldFacts, HostFacts, MdevFacts, PciFacts, PeerFacts
+from gpulib.state import Device, State
 from gpulib.sysfs import ReadFailure
+
+if TYPE_CHECKING:
+    from gpulib.discovery import Inventory
+    from gpulib.domain import GpuRequest
 
 
 class HostReader:
@@ -197,3 +202,41 @@ class HostReader:
     def is_gpu(self, ident: str) -> bool:
         klass = self.sysfs.read_int(f"sys/bus/pci/devices/{ident}/class", 16) or 0
         return has_gpu_class(klass >> 8)
+
+    def held_facts(self, state: State, request: GpuRequest, held: list[Device],
+                   derived: dict[str, int], inventory: Callable[[], Inventory]
+                   ) -> list[HeldFacts]:
+        """What a request needs to know of the devices a VM holds (for the
+        planner's `unmet`): a vGPU's or a VF's type, a whole GPU's model (read
+        only when the request asks for one: `inventory` is the whole host)."""
+        out = []
+        host: Optional[Inventory] = None
+        for d in held:
+            if d.id in derived:
+                out.append(HeldFacts(d.id))
+            elif d.kind == "mdev":
+                m = mdev.read_mdev(self.sysfs, d.id)
+                rec = state.vgpus.get(d.id)
+                source = (m.parent, m.type_id) if m is not None else \
+                    (PciAddress.parse(rec.parent), rec.type_id) if rec is not None else None
+                if source is None:
+                    out.append(HeldFacts(d.id))
+                    continue
+                t = mdev.MdevType(self.sysfs, source[0], source[1])
+                out.append(HeldFacts(d.id, mdev_type=(t.type_id, t.name)))
+            elif d.kind == "vf":
+                rec_v = state.vf_types.get(d.id)
+                tid = rec_v.type_id if rec_v is not None else \
+                    nvidia.current_type(self.sysfs, PciAddress.parse(d.id))
+                out.append(HeldFacts(d.id, vf_type=(tid or 0,
+                                                    rec_v.name if rec_v is not None else None)))
+            elif request.passthrough and self.is_gpu(d.id):
+                if host is None:
+                    host = inventory()
+                owner = host.owner_of(PciAddress.parse(d.id))
+                gpu = owner[0] if owner is not None and owner[1] is None else None
+                out.append(HeldFacts(d.id, gpu=None if gpu is None else (
+                    gpu.fn.vendor_id, gpu.fn.device_id, gpu.device_name)))
+            else:
+                out.append(HeldFacts(d.id))
+        return out
