@@ -395,7 +395,7 @@ def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
 
     exp = Exposition()
     state = _state(exp, ctx, config)
-    inventory = discover_host(ctx, config, state=state, learn=False)
+    inventory = discover_host(ctx, config, state=state, learn=False, keep_domains=True)
     _gpus(exp, inventory, state)
     _allocations(exp, ctx, state, inventory, config)
     _readiness(exp, ctx, config, inventory)
