@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 from gpulib.errors import GpulibError
+from gpulib.slotted import Slotted
 
 DEFAULT_GRUB = "etc/default/grub"
 GRUB_D = "etc/default/grub.d"
@@ -45,16 +45,23 @@ class BootConfigError(GpulibError):
         self.path = path
 
 
-@dataclass
-class Assignment:
-    """`KEY=value` on one line: where the value sits and how it is quoted."""
+class Assignment(Slotted):
+    """`KEY=value` on one line: where the value sits and how it is quoted.
 
-    line: int
-    key: str
-    quote: str  # '"', "'" or "" (unquoted)
-    start: int  # offset of the value (inside the quotes) in the line
-    end: int
-    value: str
+    A hand-written record (gpulib.slotted), as the boot configuration's others:
+    the doctor imports this module on every `gpulib metrics`."""
+
+    __slots__ = ("end", "key", "line", "quote", "start", "value")
+    _fields = ("line", "key", "quote", "start", "end", "value")
+
+    def __init__(self, line: int, key: str, quote: str, start: int, end: int, value: str
+                 ) -> None:
+        self.line = line
+        self.key = key
+        self.quote = quote  # '"', "'" or "" (unquoted)
+        self.start = start  # offset of the value (inside the quotes) in the line
+        self.end = end
+        self.value = value
 
 
 def check_arg(arg: str) -> str:
@@ -209,12 +216,15 @@ def drop_in_names(names: Iterable[str]) -> list[str]:
     return sorted(n for n in names if n.endswith(".cfg") and not n.startswith("."))
 
 
-@dataclass
-class Source:
+class Source(Slotted):
     """One file grub-mkconfig sources: root-relative path and its text."""
 
-    rel: str
-    text: str
+    __slots__ = ("rel", "text")
+    _fields = ("rel", "text")
+
+    def __init__(self, rel: str, text: str) -> None:
+        self.rel = rel
+        self.text = text
 
     @property
     def shown(self) -> str:
