@@ -26,14 +26,17 @@ from collections.abc import Iterable
 from typing import Callable, Optional
 
 from gpulib.errors import GpulibError
+from gpulib.lazyre import lazy
 from gpulib.slotted import Slotted
 
 DEFAULT_GRUB = "etc/default/grub"
 GRUB_D = "etc/default/grub.d"
 CMDLINE_KEYS = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")
+# Compiled on first use: the doctor (and with it every `gpulib metrics`)
+# imports this module, and only a host with a boot configuration to read uses them.
 # The arguments gpulib adds: nothing a shell would expand or split.
-_SAFE_ARG = re.compile(r"[A-Za-z0-9_.,:=+/@-]+\Z")
-_ASSIGN = re.compile(r"(?P<lead>[ \t]*(?:export[ \t]+)?)(?P<key>[A-Za-z_][A-Za-z0-9_]*)=")
+_SAFE_ARG = lazy(r"[A-Za-z0-9_.,:=+/@-]+\Z")
+_ASSIGN = lazy(r"(?P<lead>[ \t]*(?:export[ \t]+)?)(?P<key>[A-Za-z_][A-Za-z0-9_]*)=")
 
 
 class BootConfigError(GpulibError):
@@ -194,15 +197,15 @@ def _replace(line: str, a: Assignment, value: str) -> str:
 
 # -- the effective value, as grub-mkconfig sources the files ------------------------------
 
-_KEY_WORD = re.compile(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\b")
-_KEY_TARGET = re.compile(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\+?=")
+_KEY_WORD = lazy(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\b")
+_KEY_TARGET = lazy(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\+?=")
 # A command's first word: at the line's start or after ; & | ( { or then/do/else.
 _COMMAND_START = r"(?:^|[;&|({]|\b(?:then|do|else|elif)\b)\s*"
-_OPENS = re.compile(_COMMAND_START + r"(if|case|while|until|for|select)\b")
-_CLOSES = re.compile(_COMMAND_START + r"(fi|esac|done)\b")
-_FUNCTION = re.compile(r"^\s*(?:function\s+)?[A-Za-z_][A-Za-z0-9_]*\s*\(\s*\)")
-_SOURCES = re.compile(_COMMAND_START + r"(\.|source|eval)\s")
-_REFERENCE = re.compile(
+_OPENS = lazy(_COMMAND_START + r"(if|case|while|until|for|select)\b")
+_CLOSES = lazy(_COMMAND_START + r"(fi|esac|done)\b")
+_FUNCTION = lazy(r"^\s*(?:function\s+)?[A-Za-z_][A-Za-z0-9_]*\s*\(\s*\)")
+_SOURCES = lazy(_COMMAND_START + r"(\.|source|eval)\s")
+_REFERENCE = lazy(
     r"\$(?:\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*)|(?P<other>.))")
 
 
