@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional, Union
 
 from gpulib import counters
+from gpulib.mdev import available_all
 
 if TYPE_CHECKING:
     from gpulib.config import Config
@@ -197,7 +198,11 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
         parents: dict[object, tuple[str, str]] = {}
         type_parts: dict[tuple[str, str], str] = {}
         gpu_part = label_set(("gpu",), (address,))[:-1]
-        for t in _all_types(gpu):
+        types = _all_types(gpu)
+        # Read a parent's types at a time; kept for the doctor's `mdev`
+        # check, which asks every type again.
+        available_all(types)
+        for t in types:
             known = parents.get(t.parent)
             if known is None:
                 name = str(t.parent)
@@ -208,7 +213,6 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
             if type_part is None:
                 type_part = type_parts[(t.type_id, profile)] = \
                     label_set(("type", "profile"), (t.type_id, profile))[1:]
-            # Kept for the doctor's `mdev` check, which asks every type again.
             n = t.available_once()
             values = f"{gpu_part},{parent_part},{type_part}"
             if n is not None:

@@ -35,6 +35,7 @@ import logging
 import os
 import posixpath
 import stat
+from collections.abc import Sequence
 from typing import Callable, Optional, Union
 
 log = logging.getLogger(__name__)
@@ -278,6 +279,11 @@ class Sysfs:
         text = self.read(rel)
         if text is None:
             return None
+        return self._number(rel, text, base, low, high)
+
+    def _number(self, rel: str, text: str, base: int, low: Optional[int],
+                high: Optional[int]) -> Optional[int]:
+        """`read_int`'s reading of the text of `rel`."""
         if len(text) > _NUMBER_MAX_CHARS:
             self.failed(rel, f"not a number ({len(text)} characters)")
             return None
@@ -289,6 +295,46 @@ class Sysfs:
             self.failed(rel, f"{value} is out of range")
             return None
         return value
+
+    def read_counts(self, rel_dir: str, names: Sequence[str], high: int) -> list[Optional[int]]:
+        """`read_int(f"{rel_dir}/{name}", low=0, high=high)` for each of `names`
+        (paths below `rel_dir`), by the same rules and with the same failures
+        noted, for the thousands of small numbers of one parent's vGPU types
+        (`available_instances`): `rel_dir` is looked up once and each file
+        opened from it, not from the root again through the device's link."""
+        if not rel_dir.startswith("sys/"):
+            return [self.read_int(f"{rel_dir}/{n}", low=0, high=high) for n in names]
+        try:
+            dfd = os.open(self.root + rel_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:  # each file then says what is wrong (absent: no note)
+            return [self.read_int(f"{rel_dir}/{n}", low=0, high=high) for n in names]
+        try:
+            return [self._count_at(dfd, rel_dir, n, high) for n in names]
+        finally:
+            os.close(dfd)
+
+    def _count_at(self, dfd: int, rel_dir: str, name: str, high: int) -> Optional[int]:
+        """`read_counts`' read of one file, `name` below the open directory `dfd`."""
+        try:
+            # As read_result below sys/: the last component is never followed.
+            fd = os.open(name, _OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=dfd)
+        except OSError as exc:
+            data: Union[bytes, ReadFailure] = _failure(f"{self.root}{rel_dir}/{name}", exc,
+                                                       follow=False)
+        else:
+            try:
+                data = _content(fd, os.fstat(fd), f"{self.root}{rel_dir}/{name}",
+                                ATTRIBUTE_MAX)
+            except OSError as exc:
+                data = _failure(f"{self.root}{rel_dir}/{name}", exc)
+            finally:
+                os.close(fd)
+        if isinstance(data, ReadFailure):
+            if not data.missing:
+                self.failed(f"{rel_dir}/{name}", data.reason)
+            return None
+        return self._number(f"{rel_dir}/{name}", data.decode("utf-8", "replace").strip(), 10,
+                            0, high)
 
     def read_id(self, rel: str, bits: int = 16) -> Optional[int]:
         """A hexadecimal id attribute (`0x10de`): None unless it fits in `bits`."""
