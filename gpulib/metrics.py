@@ -269,7 +269,7 @@ def _all_types(gpu: Gpu) -> list[MdevType]:
 
 def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Inventory,
                  config: Config) -> None:
-    from gpulib import mdev, pools
+    from gpulib import mdev
     from gpulib.lifecycle import PENDING_GRACE_SECONDS, age_seconds, boot_clock
 
     allocs = exp.family("gpulib_allocations", "gauge",
@@ -317,6 +317,8 @@ def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Invento
         if pool is None:
             target.add(0, name)
             continue
+        from gpulib import pools  # only for a declared pool (and mdevctl with it)
+
         planned = pools.plan(pool, inventory, unmanaged)
         found = {str(t.parent) for _, t in planned.mdev_parents} if planned.mdev_parents \
             else {str(a) for _, a, _, _ in planned.vf_parents}
