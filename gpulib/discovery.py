@@ -117,6 +117,7 @@ class VirtualFunction:
         self._offered: tuple[str, ...] = ()
         self._shared: dict[str, mdev.MdevType] = {}
         self._made: dict[str, mdev.MdevType] = {}
+        self._types_rel = ""
 
     @property
     def address(self) -> PciAddress:
@@ -146,6 +147,8 @@ class VirtualFunction:
         self._types = None
         self._sysfs = sysfs
         self._offered, self._shared, self._made = offered, shared, {}
+        # The types' directory, made once for the VF's thousands of types.
+        self._types_rel = f"{PCI_DEVICES}{self.address}/{mdev.TYPES_DIR}/"
 
     def mdev_type(self, type_id: str) -> Optional[mdev.MdevType]:
         """The offered type `type_id`, None when the VF does not offer it."""
@@ -161,7 +164,8 @@ class VirtualFunction:
                 made = first
             else:
                 assert self._sysfs is not None
-                made = mdev.MdevType(self._sysfs, self.address, type_id, same_as=first)
+                made = mdev.MdevType(self._sysfs, self.address, type_id, same_as=first,
+                                     rel=self._types_rel + type_id)
             self._made[type_id] = made
         return made
 

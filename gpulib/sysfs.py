@@ -118,6 +118,12 @@ def _content(fd: int, st: os.stat_result, path: str, limit: int) -> Union[bytes,
         if size > limit:
             return ReadFailure(path, errno.EFBIG, f"larger than {limit} bytes")
         chunks.append(chunk)
+        # Read whole, without the read that finds the end: st_size is a
+        # regular file's size, and a sysfs attribute's most (a page), so
+        # nothing follows once that much is read. A size of 0 (/proc) says
+        # nothing: read on to the end. A report reads thousands of files.
+        if 0 < st.st_size <= size:
+            return b"".join(chunks)
 
 
 def read_file(path: str, limit: int = TEXT_MAX, follow: bool = True) -> Union[bytes, ReadFailure]:
@@ -331,8 +337,10 @@ class Sysfs:
                 st = os.fstat(fd)
                 data = os.read(fd, 64) if stat.S_ISREG(st.st_mode) and \
                     st.st_size <= ATTRIBUTE_MAX else None
-                # The whole file, and short: anything else is read again below.
-                done = data is not None and len(data) < 64 and not os.read(fd, 64)
+                # The whole file (as `_content` knows it), and short: anything
+                # else is read again below.
+                done = data is not None and len(data) < 64 and (
+                    0 < st.st_size <= len(data) or not os.read(fd, 64))
             except OSError:
                 done = False
             finally:
