@@ -542,7 +542,7 @@ def _offered_types(gpu: Gpu, address: PciAddress, sysfs: Sysfs,
             if failures:
                 gpu.errors.extend(failures)
                 continue
-        elif first.load():
+        elif first.failures:  # read when its VF listed it (load() would answer the same)
             continue
         offered.append(n)
     return tuple(offered)

@@ -227,14 +227,20 @@ class MdevType:
 def available_all(types: Sequence[MdevType]) -> None:
     """`available_once` of every type in `types`, read a parent's types at a
     time (`Sysfs.read_counts`): a large host's report reads thousands."""
-    by_dir: dict[str, list[MdevType]] = {}
+    # type directory's parent -> (its types, their files below it)
+    by_dir: dict[str, tuple[list[MdevType], list[str]]] = {}
     for t in types:
-        if not t._available_kept:
-            by_dir.setdefault(t.rel.rpartition("/")[0], []).append(t)
-    for rel_dir, group in by_dir.items():
-        names = [t.rel.rpartition("/")[2] + "/available_instances" for t in group]
-        counts = group[0]._sysfs.read_counts(rel_dir, names, high=1 << 20)
-        for t, n in zip(group, counts):
+        if t._available_kept:
+            continue
+        rel_dir, _, name = t.rel.rpartition("/")
+        group = by_dir.get(rel_dir)
+        if group is None:
+            group = by_dir[rel_dir] = ([], [])
+        group[0].append(t)
+        group[1].append(name + "/available_instances")
+    for rel_dir, (kept, names) in by_dir.items():
+        counts = kept[0]._sysfs.read_counts(rel_dir, names, high=1 << 20)
+        for t, n in zip(kept, counts):
             t.keep_available(n)
 
 

@@ -195,6 +195,7 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
             c[2] += rec is not None and rec.pool is not None
         # The label set of a parent's type, from parts made once: a large host
         # has 16 VFs x 24 types a GPU, and every VF offers the same types.
+        # parent -> its name and the start of its label sets
         parents: dict[object, tuple[str, str]] = {}
         type_parts: dict[tuple[str, str], str] = {}
         gpu_part = label_set(("gpu",), (address,))[:-1]
@@ -202,26 +203,28 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
         # Read a parent's types at a time; kept for the doctor's `mdev`
         # check, which asks every type again.
         available_all(types)
+        creatable_samples = creatable.samples
         for t in types:
             known = parents.get(t.parent)
             if known is None:
                 name = str(t.parent)
-                known = parents[t.parent] = (name, label_set(("parent",), (name,))[1:-1])
-            parent, parent_part = known
+                known = parents[t.parent] = (
+                    name, f"{gpu_part},{label_set(('parent',), (name,))[1:-1]},")
+            parent, prefix = known
             profile = t.profile_name
             type_part = type_parts.get((t.type_id, profile))
             if type_part is None:
                 type_part = type_parts[(t.type_id, profile)] = \
                     label_set(("type", "profile"), (t.type_id, profile))[1:]
             n = t.available_once()
-            values = f"{gpu_part},{parent_part},{type_part}"
+            values = prefix + type_part
             if n is not None:
-                creatable.add_set(n, values)
-            c = counts.pop((parent, t.type_id), [])
-            if c:
-                live.add_set(c[0], values)
-                held.add_set(c[1], values)
-                pooled.add_set(c[2], values)
+                creatable_samples.append((values, n))
+            found = counts.pop((parent, t.type_id), None) if counts else None
+            if found:
+                live.add_set(found[0], values)
+                held.add_set(found[1], values)
+                pooled.add_set(found[2], values)
         # vGPUs of a type their parent no longer lists (unreadable files).
         for (parent, type_id), c in sorted(counts.items()):
             profile = next(v.mdev_type.profile_name for v in gpu.vgpus

@@ -327,24 +327,25 @@ class Sysfs:
         (`_count_at`), which notes what is wrong as every read does."""
         out: list[Optional[int]] = []
         flags = _OPEN_FLAGS | os.O_NOFOLLOW  # below sys/: the last component never followed
+        open_, fstat, read, close, is_reg = os.open, os.fstat, os.read, os.close, stat.S_ISREG
         for name in names:
             try:
-                fd = os.open(name, flags, dir_fd=dfd)
+                fd = open_(name, flags, dir_fd=dfd)
             except OSError:
                 out.append(self._count_at(dfd, rel_dir, name, high))
                 continue
             try:
-                st = os.fstat(fd)
-                data = os.read(fd, 64) if stat.S_ISREG(st.st_mode) and \
-                    st.st_size <= ATTRIBUTE_MAX else None
+                st = fstat(fd)
+                data = read(fd, 64) if is_reg(st.st_mode) and st.st_size <= ATTRIBUTE_MAX \
+                    else None
                 # The whole file (as `_content` knows it), and short: anything
                 # else is read again below.
                 done = data is not None and len(data) < 64 and (
-                    0 < st.st_size <= len(data) or not os.read(fd, 64))
+                    0 < st.st_size <= len(data) or not read(fd, 64))
             except OSError:
                 done = False
             finally:
-                os.close(fd)
+                close(fd)
             if done:
                 assert data is not None
                 text = data.decode("utf-8", "replace").strip()
