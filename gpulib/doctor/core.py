@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 from gpulib import cloudstack
 
@@ -103,16 +103,20 @@ def agent_hooks_dir(ctx: Context) -> str:
 # -- results ---------------------------------------------------------------------------
 
 
+Details = list[dict[str, Any]]
+
+
 class Result(Slotted):
     """One finding of one check (a hand-written record: see gpulib.slotted)."""
 
-    __slots__ = ("actions", "check", "details", "fix", "message", "pending", "status",
+    __slots__ = ("_details", "actions", "check", "fix", "message", "pending", "status",
                  "subject")
     _fields = ("check", "status", "subject", "message", "fix", "details", "actions",
                "pending")
 
     def __init__(self, check: str, status: str, subject: str, message: str,
-                 fix: Optional[str] = None, details: Optional[list[dict[str, Any]]] = None,
+                 fix: Optional[str] = None,
+                 details: Union[Details, Callable[[], Details], None] = None,
                  actions: Optional[list[Action]] = None, pending: Optional[str] = None
                  ) -> None:
         self.check = check
@@ -120,11 +124,21 @@ class Result(Slotted):
         self.subject = subject
         self.message = message
         self.fix = fix
-        self.details = details
+        # A function is called for the list when it is first asked for: a
+        # large host's check lists thousands of items, which `gpulib
+        # metrics` (every minute, only the status) never asks for.
+        self._details: Union[Details, Callable[[], Details], None] = details
         # What the fix text says, as data (gpulib setup applies these).
         self.actions: list[Action] = [] if actions is None else actions
         # "reboot" when the fix is made and only waits for the next boot.
         self.pending = pending
+
+    @property
+    def details(self) -> Optional[Details]:
+        details = self._details
+        if callable(details):
+            details = self._details = details()
+        return details
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"id": self.check, "status": self.status,

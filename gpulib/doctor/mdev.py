@@ -56,14 +56,17 @@ def check(d: Doctor) -> list[Result]:
     if problems:
         return problems
     per_type: dict[str, int] = {}
-    details: list[dict[str, Any]] = []
-    # One pass, each type's name asked once: a large host has thousands.
     for t, n in left:
         type_name = t.name
         label = f"{t.type_id} ({type_name})" if type_name else t.type_id
         per_type[label] = per_type.get(label, 0) + n
-        details.append({"parent": str(t.parent), "type_id": t.type_id, "name": type_name,
-                        "available_instances": n})
+
+    def details() -> list[dict[str, Any]]:
+        # Made when asked for (doctor --json), not for metrics' status: a
+        # large host has thousands of types with instances left.
+        return [{"parent": str(t.parent), "type_id": t.type_id, "name": t.name,
+                 "available_instances": n} for t, n in left]
+
     shown = ", ".join(f"{label} x{n}" for label, n in list(per_type.items())[:6])
     more = f", +{len(per_type) - 6} more" if len(per_type) > 6 else ""
     return [Result(cid, OK, "/sys/class/mdev_bus",
