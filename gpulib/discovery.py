@@ -132,7 +132,21 @@ class VirtualFunction:
         for: the CloudStack report needs none of a large host's 16 VFs x 24
         types a GPU."""
         if self._types is None:
-            self._types = [self._make(n) for n in self._offered]
+            # `_make` inlined: a large host's report makes thousands at once.
+            address, made, shared = self.address, self._made, self._shared
+            types = []
+            for n in self._offered:
+                t = made.get(n)
+                if t is None:
+                    first = shared[n]
+                    if first.parent == address:
+                        t = first
+                    else:
+                        assert self._sysfs is not None
+                        t = mdev.MdevType(self._sysfs, address, n, same_as=first,
+                                          rel=self._types_rel + n)
+                types.append(t)
+            self._types = types
             self._offered, self._shared, self._made = (), {}, {}
         return self._types
 

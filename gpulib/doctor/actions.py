@@ -8,7 +8,6 @@ the host sees them.
 
 from __future__ import annotations
 
-import shlex
 from typing import TYPE_CHECKING, Any, Union
 
 from gpulib.slotted import FrozenSlotted
@@ -74,6 +73,8 @@ class RunCommand(FrozenSlotted):
 
     @property
     def shown(self) -> str:
+        import shlex  # here: only a fix that runs a command needs it, not a healthy host
+
         return " ".join(shlex.quote(a) for a in self.argv)
 
     def to_json(self) -> dict[str, Any]:
