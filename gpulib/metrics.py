@@ -198,6 +198,10 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
         # parent -> its name and the start of its label sets
         parents: dict[object, tuple[str, str]] = {}
         type_parts: dict[tuple[str, str], str] = {}
+        # The type whose files a type shares (itself, or the same type on the
+        # VF that listed it first) -> its label part: the same id shares the
+        # same name, so the part is found without asking for the name again.
+        shared_parts: dict[MdevType, str] = {}
         gpu_part = label_set(("gpu",), (address,))[:-1]
         types = _all_types(gpu)
         # Read a parent's types at a time; kept for the doctor's `mdev`
@@ -211,11 +215,17 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
                 known = parents[t.parent] = (
                     name, f"{gpu_part},{label_set(('parent',), (name,))[1:-1]},")
             parent, prefix = known
-            profile = t.profile_name
-            type_part = type_parts.get((t.type_id, profile))
+            source = t.same_as or t
+            same_id = source.type_id == t.type_id
+            type_part = shared_parts.get(source) if same_id else None
             if type_part is None:
-                type_part = type_parts[(t.type_id, profile)] = \
-                    label_set(("type", "profile"), (t.type_id, profile))[1:]
+                profile = t.profile_name
+                type_part = type_parts.get((t.type_id, profile))
+                if type_part is None:
+                    type_part = type_parts[(t.type_id, profile)] = \
+                        label_set(("type", "profile"), (t.type_id, profile))[1:]
+                if same_id:
+                    shared_parts[source] = type_part
             n = t.available_once()
             values = prefix + type_part
             if n is not None:
