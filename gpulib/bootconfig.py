@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 from gpulib.errors import GpulibError
+from gpulib.lazyre import lazy
+from gpulib.slotted import Slotted
 
 DEFAULT_GRUB = "etc/default/grub"
 GRUB_D = "etc/default/grub.d"
 CMDLINE_KEYS = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")
+# Compiled on first use: the doctor (and with it every `gpulib metrics`)
+# imports this module, and only a host with a boot configuration to read uses them.
 # The arguments gpulib adds: nothing a shell would expand or split.
-_SAFE_ARG = re.compile(r"[A-Za-z0-9_.,:=+/@-]+\Z")
-_ASSIGN = re.compile(r"(?P<lead>[ \t]*(?:export[ \t]+)?)(?P<key>[A-Za-z_][A-Za-z0-9_]*)=")
+_SAFE_ARG = lazy(r"[A-Za-z0-9_.,:=+/@-]+\Z")
+_ASSIGN = lazy(r"(?P<lead>[ \t]*(?:export[ \t]+)?)(?P<key>[A-Za-z_][A-Za-z0-9_]*)=")
 
 
 class BootConfigError(GpulibError):
@@ -45,16 +48,23 @@ class BootConfigError(GpulibError):
         self.path = path
 
 
-@dataclass
-class Assignment:
-    """`KEY=value` on one line: where the value sits and how it is quoted."""
+class Assignment(Slotted):
+    """`KEY=value` on one line: where the value sits and how it is quoted.
 
-    line: int
-    key: str
-    quote: str  # '"', "'" or "" (unquoted)
-    start: int  # offset of the value (inside the quotes) in the line
-    end: int
-    value: str
+    A hand-written record (gpulib.slotted), as the boot configuration's others:
+    the doctor imports this module on every `gpulib metrics`."""
+
+    __slots__ = ("end", "key", "line", "quote", "start", "value")
+    _fields = ("line", "key", "quote", "start", "end", "value")
+
+    def __init__(self, line: int, key: str, quote: str, start: int, end: int, value: str
+                 ) -> None:
+        self.line = line
+        self.key = key
+        self.quote = quote  # '"', "'" or "" (unquoted)
+        self.start = start  # offset of the value (inside the quotes) in the line
+        self.end = end
+        self.value = value
 
 
 def check_arg(arg: str) -> str:
@@ -187,15 +197,15 @@ def _replace(line: str, a: Assignment, value: str) -> str:
 
 # -- the effective value, as grub-mkconfig sources the files ------------------------------
 
-_KEY_WORD = re.compile(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\b")
-_KEY_TARGET = re.compile(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\+?=")
+_KEY_WORD = lazy(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\b")
+_KEY_TARGET = lazy(r"\bGRUB_CMDLINE_LINUX(?:_DEFAULT)?\+?=")
 # A command's first word: at the line's start or after ; & | ( { or then/do/else.
 _COMMAND_START = r"(?:^|[;&|({]|\b(?:then|do|else|elif)\b)\s*"
-_OPENS = re.compile(_COMMAND_START + r"(if|case|while|until|for|select)\b")
-_CLOSES = re.compile(_COMMAND_START + r"(fi|esac|done)\b")
-_FUNCTION = re.compile(r"^\s*(?:function\s+)?[A-Za-z_][A-Za-z0-9_]*\s*\(\s*\)")
-_SOURCES = re.compile(_COMMAND_START + r"(\.|source|eval)\s")
-_REFERENCE = re.compile(
+_OPENS = lazy(_COMMAND_START + r"(if|case|while|until|for|select)\b")
+_CLOSES = lazy(_COMMAND_START + r"(fi|esac|done)\b")
+_FUNCTION = lazy(r"^\s*(?:function\s+)?[A-Za-z_][A-Za-z0-9_]*\s*\(\s*\)")
+_SOURCES = lazy(_COMMAND_START + r"(\.|source|eval)\s")
+_REFERENCE = lazy(
     r"\$(?:\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*)|(?P<other>.))")
 
 
@@ -209,12 +219,15 @@ def drop_in_names(names: Iterable[str]) -> list[str]:
     return sorted(n for n in names if n.endswith(".cfg") and not n.startswith("."))
 
 
-@dataclass
-class Source:
+class Source(Slotted):
     """One file grub-mkconfig sources: root-relative path and its text."""
 
-    rel: str
-    text: str
+    __slots__ = ("rel", "text")
+    _fields = ("rel", "text")
+
+    def __init__(self, rel: str, text: str) -> None:
+        self.rel = rel
+        self.text = text
 
     @property
     def shown(self) -> str:

@@ -117,6 +117,7 @@ class VirtualFunction:
         self._offered: tuple[str, ...] = ()
         self._shared: dict[str, mdev.MdevType] = {}
         self._made: dict[str, mdev.MdevType] = {}
+        self._types_rel = ""
 
     @property
     def address(self) -> PciAddress:
@@ -131,7 +132,21 @@ class VirtualFunction:
         for: the CloudStack report needs none of a large host's 16 VFs x 24
         types a GPU."""
         if self._types is None:
-            self._types = [self._make(n) for n in self._offered]
+            # `_make` inlined: a large host's report makes thousands at once.
+            address, made, shared = self.address, self._made, self._shared
+            types = []
+            for n in self._offered:
+                t = made.get(n)
+                if t is None:
+                    first = shared[n]
+                    if first.parent == address:
+                        t = first
+                    else:
+                        assert self._sysfs is not None
+                        t = mdev.MdevType(self._sysfs, address, n, same_as=first,
+                                          rel=self._types_rel + n)
+                types.append(t)
+            self._types = types
             self._offered, self._shared, self._made = (), {}, {}
         return self._types
 
@@ -146,6 +161,8 @@ class VirtualFunction:
         self._types = None
         self._sysfs = sysfs
         self._offered, self._shared, self._made = offered, shared, {}
+        # The types' directory, made once for the VF's thousands of types.
+        self._types_rel = f"{PCI_DEVICES}{self.address}/{mdev.TYPES_DIR}/"
 
     def mdev_type(self, type_id: str) -> Optional[mdev.MdevType]:
         """The offered type `type_id`, None when the VF does not offer it."""
@@ -161,7 +178,8 @@ class VirtualFunction:
                 made = first
             else:
                 assert self._sysfs is not None
-                made = mdev.MdevType(self._sysfs, self.address, type_id, same_as=first)
+                made = mdev.MdevType(self._sysfs, self.address, type_id, same_as=first,
+                                     rel=self._types_rel + type_id)
             self._made[type_id] = made
         return made
 
@@ -538,7 +556,7 @@ def _offered_types(gpu: Gpu, address: PciAddress, sysfs: Sysfs,
             if failures:
                 gpu.errors.extend(failures)
                 continue
-        elif first.load():
+        elif first.failures:  # read when its VF listed it (load() would answer the same)
             continue
         offered.append(n)
     return tuple(offered)

@@ -207,6 +207,11 @@ class MdevType:
             self._available_kept = True
         return self._available
 
+    def keep_available(self, value: Optional[int]) -> None:
+        """Keep `value`, read now by `available_all`, as `available_once` would."""
+        self._available = value
+        self._available_kept = True
+
     @property
     def device_api(self) -> Optional[str]:
         if self._same_as is not None:
@@ -217,6 +222,26 @@ class MdevType:
 
     def live_uuids(self) -> list[str]:
         return sorted(self._sysfs.listdir(self.rel + "/devices"))
+
+
+def available_all(types: Sequence[MdevType]) -> None:
+    """`available_once` of every type in `types`, read a parent's types at a
+    time (`Sysfs.read_counts`): a large host's report reads thousands."""
+    # type directory's parent -> (its types, their files below it)
+    by_dir: dict[str, tuple[list[MdevType], list[str]]] = {}
+    for t in types:
+        if t._available_kept:
+            continue
+        rel_dir, _, name = t.rel.rpartition("/")
+        group = by_dir.get(rel_dir)
+        if group is None:
+            group = by_dir[rel_dir] = ([], [])
+        group[0].append(t)
+        group[1].append(name + "/available_instances")
+    for rel_dir, (kept, names) in by_dir.items():
+        counts = kept[0]._sysfs.read_counts(rel_dir, names, high=1 << 20)
+        for t, n in zip(kept, counts):
+            t.keep_available(n)
 
 
 def _one_line(text: str) -> str:

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional, Union
 
 from gpulib import counters
+from gpulib.mdev import available_all
 
 if TYPE_CHECKING:
     from gpulib.config import Config
@@ -194,30 +195,46 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
             c[2] += rec is not None and rec.pool is not None
         # The label set of a parent's type, from parts made once: a large host
         # has 16 VFs x 24 types a GPU, and every VF offers the same types.
+        # parent -> its name and the start of its label sets
         parents: dict[object, tuple[str, str]] = {}
         type_parts: dict[tuple[str, str], str] = {}
+        # The type whose files a type shares (itself, or the same type on the
+        # VF that listed it first) -> its label part: the same id shares the
+        # same name, so the part is found without asking for the name again.
+        shared_parts: dict[MdevType, str] = {}
         gpu_part = label_set(("gpu",), (address,))[:-1]
-        for t in _all_types(gpu):
+        types = _all_types(gpu)
+        # Read a parent's types at a time; kept for the doctor's `mdev`
+        # check, which asks every type again.
+        available_all(types)
+        creatable_samples = creatable.samples
+        for t in types:
             known = parents.get(t.parent)
             if known is None:
                 name = str(t.parent)
-                known = parents[t.parent] = (name, label_set(("parent",), (name,))[1:-1])
-            parent, parent_part = known
-            profile = t.profile_name
-            type_part = type_parts.get((t.type_id, profile))
+                known = parents[t.parent] = (
+                    name, f"{gpu_part},{label_set(('parent',), (name,))[1:-1]},")
+            parent, prefix = known
+            source = t.same_as or t
+            same_id = source.type_id == t.type_id
+            type_part = shared_parts.get(source) if same_id else None
             if type_part is None:
-                type_part = type_parts[(t.type_id, profile)] = \
-                    label_set(("type", "profile"), (t.type_id, profile))[1:]
-            # Kept for the doctor's `mdev` check, which asks every type again.
+                profile = t.profile_name
+                type_part = type_parts.get((t.type_id, profile))
+                if type_part is None:
+                    type_part = type_parts[(t.type_id, profile)] = \
+                        label_set(("type", "profile"), (t.type_id, profile))[1:]
+                if same_id:
+                    shared_parts[source] = type_part
             n = t.available_once()
-            values = f"{gpu_part},{parent_part},{type_part}"
+            values = prefix + type_part
             if n is not None:
-                creatable.add_set(n, values)
-            c = counts.pop((parent, t.type_id), [])
-            if c:
-                live.add_set(c[0], values)
-                held.add_set(c[1], values)
-                pooled.add_set(c[2], values)
+                creatable_samples.append((values, n))
+            found = counts.pop((parent, t.type_id), None) if counts else None
+            if found:
+                live.add_set(found[0], values)
+                held.add_set(found[1], values)
+                pooled.add_set(found[2], values)
         # vGPUs of a type their parent no longer lists (unreadable files).
         for (parent, type_id), c in sorted(counts.items()):
             profile = next(v.mdev_type.profile_name for v in gpu.vgpus
@@ -265,7 +282,7 @@ def _all_types(gpu: Gpu) -> list[MdevType]:
 
 def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Inventory,
                  config: Config) -> None:
-    from gpulib import mdev, pools
+    from gpulib import mdev
     from gpulib.lifecycle import PENDING_GRACE_SECONDS, age_seconds, boot_clock
 
     allocs = exp.family("gpulib_allocations", "gauge",
@@ -313,6 +330,8 @@ def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Invento
         if pool is None:
             target.add(0, name)
             continue
+        from gpulib import pools  # only for a declared pool (and mdevctl with it)
+
         planned = pools.plan(pool, inventory, unmanaged)
         found = {str(t.parent) for _, t in planned.mdev_parents} if planned.mdev_parents \
             else {str(a) for _, a, _, _ in planned.vf_parents}
@@ -395,7 +414,7 @@ def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
 
     exp = Exposition()
     state = _state(exp, ctx, config)
-    inventory = discover_host(ctx, config, state=state, learn=False)
+    inventory = discover_host(ctx, config, state=state, learn=False, keep_domains=True)
     _gpus(exp, inventory, state)
     _allocations(exp, ctx, state, inventory, config)
     _readiness(exp, ctx, config, inventory)

@@ -70,14 +70,19 @@ OUTPUT_MAX = 8 * 1024 * 1024
 NUMBER_MAX = 10 ** 9
 
 
-class TypeNumbers(NamedTuple):
+# The functional form, with real types (as gpulib.pci.PciAddress): the class
+# form's postponed annotations cost a compile() per field when the class is
+# made, on every `gpulib discover` of a host with NVIDIA vendor VFs.
+_TypeNumbersFields = NamedTuple("_TypeNumbersFields", [  # noqa: UP014
+    ("name", Optional[str]), ("max_instances", Optional[int]),
+    ("framebuffer_mb", Optional[int]), ("num_heads", Optional[int]),
+    ("max_resolution", Optional[tuple[int, int]])])
+
+
+class TypeNumbers(_TypeNumbersFields):
     """What the management server stores of a vGPU profile."""
 
-    name: Optional[str]
-    max_instances: Optional[int]
-    framebuffer_mb: Optional[int]
-    num_heads: Optional[int]
-    max_resolution: Optional[tuple[int, int]]
+    __slots__ = ()
 
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "max_instances": self.max_instances,

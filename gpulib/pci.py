@@ -60,6 +60,12 @@ _PciAddressFields = NamedTuple("_PciAddressFields", [("domain", int), ("bus", in
                                                      ("slot", int), ("function", int)])
 
 
+# str() of the addresses met so far, bounded (a host has at most a few
+# thousand functions; a long test run may make many more).
+_TEXT: dict[tuple[int, int, int, int], str] = {}
+_TEXT_MAX = 1 << 14
+
+
 class PciAddress(_PciAddressFields):
     __slots__ = ()
 
@@ -88,7 +94,15 @@ class PciAddress(_PciAddressFields):
         return cls(d, b, s, f)
 
     def __str__(self) -> str:
-        return f"{self.domain:04x}:{self.bus:02x}:{self.slot:02x}.{self.function:x}"
+        # Remembered: a report turns the same few hundred addresses into text
+        # thousands of times (every vGPU type of every VF names its parent),
+        # and formatting costs twenty times a dictionary look-up.
+        text = _TEXT.get(self)
+        if text is None:
+            text = f"{self.domain:04x}:{self.bus:02x}:{self.slot:02x}.{self.function:x}"
+            if len(_TEXT) < _TEXT_MAX:
+                _TEXT[self] = text
+        return text
 
     @property
     def lspci(self) -> str:

@@ -40,9 +40,16 @@ def known_from_state(state: State, occupancy: Optional[Occupancy] = None) -> Kno
 
 def discover_host(ctx: Context, config: Optional[Config] = None,
                   state: Optional[State] = None, learn: bool = True,
-                  occupancy: Optional[Occupancy] = None) -> Inventory:
+                  occupancy: Optional[Occupancy] = None,
+                  keep_domains: bool = False) -> Inventory:
     """The host's GPUs; `occupancy` (who holds what) is built from `state` and the
-    running domains when not given, so every caller asks the same model."""
+    running domains when not given, so every caller asks the same model.
+
+    `keep_domains`: leave what was parsed of the running domains' status files
+    in their cross-process cache (`gpulib.usage`), for the reports run again
+    and again (the agent's discovery, the metrics timer): on a host where no
+    hook has run since boot, each would otherwise parse every status file
+    again, importing lxml to do it."""
     if state is None:
         try:
             state = open_store(ctx, config).load()
@@ -51,7 +58,8 @@ def discover_host(ctx: Context, config: Optional[Config] = None,
             log.error("discovery without gpulib state: %s", exc)
             state = State()
     if occupancy is None:
-        occupancy = Occupancy.build(ctx.sysfs, state, running_domains(ctx.sysfs))
+        occupancy = Occupancy.build(ctx.sysfs, state,
+                                    running_domains(ctx.sysfs, save_cache=keep_domains))
     disc = Discovery(ctx.sysfs, config, known_from_state(state, occupancy))
     inventory = disc.run()
     if learn and disc.new_names:

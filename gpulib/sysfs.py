@@ -35,6 +35,7 @@ import logging
 import os
 import posixpath
 import stat
+from collections.abc import Sequence
 from typing import Callable, Optional, Union
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,12 @@ def _content(fd: int, st: os.stat_result, path: str, limit: int) -> Union[bytes,
         if size > limit:
             return ReadFailure(path, errno.EFBIG, f"larger than {limit} bytes")
         chunks.append(chunk)
+        # Read whole, without the read that finds the end: st_size is a
+        # regular file's size, and a sysfs attribute's most (a page), so
+        # nothing follows once that much is read. A size of 0 (/proc) says
+        # nothing: read on to the end. A report reads thousands of files.
+        if 0 < st.st_size <= size:
+            return b"".join(chunks)
 
 
 def read_file(path: str, limit: int = TEXT_MAX, follow: bool = True) -> Union[bytes, ReadFailure]:
@@ -278,6 +285,11 @@ class Sysfs:
         text = self.read(rel)
         if text is None:
             return None
+        return self._number(rel, text, base, low, high)
+
+    def _number(self, rel: str, text: str, base: int, low: Optional[int],
+                high: Optional[int]) -> Optional[int]:
+        """`read_int`'s reading of the text of `rel`."""
         if len(text) > _NUMBER_MAX_CHARS:
             self.failed(rel, f"not a number ({len(text)} characters)")
             return None
@@ -289,6 +301,87 @@ class Sysfs:
             self.failed(rel, f"{value} is out of range")
             return None
         return value
+
+    def read_counts(self, rel_dir: str, names: Sequence[str], high: int) -> list[Optional[int]]:
+        """`read_int(f"{rel_dir}/{name}", low=0, high=high)` for each of `names`
+        (paths below `rel_dir`), by the same rules and with the same failures
+        noted, for the thousands of small numbers of one parent's vGPU types
+        (`available_instances`): `rel_dir` is looked up once and each file
+        opened from it, not from the root again through the device's link."""
+        if not rel_dir.startswith("sys/"):
+            return [self.read_int(f"{rel_dir}/{n}", low=0, high=high) for n in names]
+        try:
+            dfd = os.open(self.root + rel_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:  # each file then says what is wrong (absent: no note)
+            return [self.read_int(f"{rel_dir}/{n}", low=0, high=high) for n in names]
+        try:
+            return self._counts_at(dfd, rel_dir, names, high)
+        finally:
+            os.close(dfd)
+
+    def _counts_at(self, dfd: int, rel_dir: str, names: Sequence[str], high: int
+                   ) -> list[Optional[int]]:
+        """`read_counts`' reads, `names` below the open directory `dfd`: one
+        loop without a call per file, as thousands of files are its point;
+        anything but a plain number in a plain file goes the ordinary way
+        (`_count_at`), which notes what is wrong as every read does."""
+        out: list[Optional[int]] = []
+        flags = _OPEN_FLAGS | os.O_NOFOLLOW  # below sys/: the last component never followed
+        open_, fstat, read, close, is_reg = os.open, os.fstat, os.read, os.close, stat.S_ISREG
+        for name in names:
+            try:
+                fd = open_(name, flags, dir_fd=dfd)
+            except OSError:
+                out.append(self._count_at(dfd, rel_dir, name, high))
+                continue
+            try:
+                st = fstat(fd)
+                data = read(fd, 64) if is_reg(st.st_mode) and st.st_size <= ATTRIBUTE_MAX \
+                    else None
+                # The whole file (as `_content` knows it), and short: anything
+                # else is read again below.
+                done = data is not None and len(data) < 64 and (
+                    0 < st.st_size <= len(data) or not read(fd, 64))
+            except OSError:
+                done = False
+            finally:
+                close(fd)
+            if done:
+                assert data is not None
+                text = data.decode("utf-8", "replace").strip()
+                if len(text) <= _NUMBER_MAX_CHARS:
+                    try:
+                        value = int(text)
+                    except ValueError:
+                        out.append(None)  # as read_int: not a number, nothing noted
+                        continue
+                    if 0 <= value <= high:
+                        out.append(value)
+                        continue
+            out.append(self._count_at(dfd, rel_dir, name, high))
+        return out
+
+    def _count_at(self, dfd: int, rel_dir: str, name: str, high: int) -> Optional[int]:
+        """`read_int` of `name` below the open directory `dfd`, by the module's rules."""
+        try:
+            fd = os.open(name, _OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=dfd)
+        except OSError as exc:
+            data: Union[bytes, ReadFailure] = _failure(f"{self.root}{rel_dir}/{name}", exc,
+                                                       follow=False)
+        else:
+            try:
+                data = _content(fd, os.fstat(fd), f"{self.root}{rel_dir}/{name}",
+                                ATTRIBUTE_MAX)
+            except OSError as exc:
+                data = _failure(f"{self.root}{rel_dir}/{name}", exc)
+            finally:
+                os.close(fd)
+        if isinstance(data, ReadFailure):
+            if not data.missing:
+                self.failed(f"{rel_dir}/{name}", data.reason)
+            return None
+        return self._number(f"{rel_dir}/{name}", data.decode("utf-8", "replace").strip(), 10,
+                            0, high)
 
     def read_id(self, rel: str, bits: int = 16) -> Optional[int]:
         """A hexadecimal id attribute (`0x10de`): None unless it fits in `bits`."""

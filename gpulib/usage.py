@@ -18,7 +18,8 @@ file's identity (device, inode), size and mtime: in the process (a hook reads
 the directory before taking the state lock and again under it) and across
 processes in `run/gpulib/domains.json` (libvirt replaces a status file by
 rename, so a changed file never matches its old key), so a start on a host
-with many running VMs parses only the files that changed since the last one.
+with many running VMs parses only the files that changed since the last one,
+and so does the agent's periodic discovery (which keeps the file too).
 """
 
 from __future__ import annotations
@@ -198,8 +199,9 @@ def running_domains(sysfs: Sysfs, save_cache: bool = False) -> list[DomainDevice
     read as holding nothing, like one cut short: never a wait, never the end
     of the scan.
 
-    `save_cache`: write what was parsed to the cross-process cache (the hooks;
-    read-only commands such as discover, doctor and snapshot write nothing)."""
+    `save_cache`: write what was parsed to the cross-process cache (the hooks,
+    and the reports run on a schedule: `gpulib discover` and `gpulib metrics`;
+    the other read-only commands, such as doctor and snapshot, write nothing)."""
     _load_cache(sysfs)
     out = []
     keyed: list[tuple[tuple[int, int, int, int], DomainDevices]] = []

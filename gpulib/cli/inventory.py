@@ -31,7 +31,7 @@ def render(env: Env, fmt: str) -> str:
     # A problem in gpulib.conf must not empty the agent's report (it would
     # mark every GPU failed): what is bad is left at its defaults and logged.
     config = env.readable_config
-    inventory = discover_host(env.ctx, config)
+    inventory = discover_host(env.ctx, config, keep_domains=True)
     if fmt != "table":
         # The numbers of NVIDIA vendor-specific VF types, from NVIDIA's tool
         # (cached; asked only on hosts with such VFs).

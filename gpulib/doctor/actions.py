@@ -8,79 +8,113 @@ the host sees them.
 
 from __future__ import annotations
 
-import shlex
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
+
+from gpulib.slotted import FrozenSlotted
 
 if TYPE_CHECKING:
     from gpulib.doctor.core import Distro
 
 
-@dataclass(frozen=True)
-class KernelArgs:
+# Hand-written records (gpulib.slotted), not dataclasses: `gpulib metrics` runs
+# the doctor every minute within a budget that dataclasses' import would eat into.
+
+
+class KernelArgs(FrozenSlotted):
     """Change the kernel command line for good (boot loader config), then reboot."""
 
-    add: tuple[str, ...] = ()
-    remove: tuple[str, ...] = ()
-    # the file the effective value comes from (shown), "" = /etc/default/grub: where
-    # the text says to edit, not what the action is
-    where: str = field(default="", compare=False)
+    __slots__ = ("add", "remove", "where")
+    _fields = ("add", "remove", "where")
+    # `where` is where the text says to edit, not what the action is.
+    _compared = ("add", "remove")
+    add: tuple[str, ...]
+    remove: tuple[str, ...]
+    # the file the effective value comes from (shown), "" = /etc/default/grub
+    where: str
+
+    def __init__(self, add: tuple[str, ...] = (), remove: tuple[str, ...] = (),
+                 where: str = "") -> None:
+        self._set("add", add)
+        self._set("remove", remove)
+        self._set("where", where)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "kernel-args", "add": list(self.add), "remove": list(self.remove)}
 
 
-@dataclass(frozen=True)
-class WriteFile:
+class WriteFile(FrozenSlotted):
     """Give a file exactly this content (created when missing)."""
 
+    __slots__ = ("content", "mode", "path")
+    _fields = ("path", "content", "mode")
     path: str
     content: str
-    mode: int = 0o644
+    mode: int
+
+    def __init__(self, path: str, content: str, mode: int = 0o644) -> None:
+        self._set("path", path)
+        self._set("content", content)
+        self._set("mode", mode)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "write-file", "path": "/" + self.path, "content": self.content,
                 "mode": f"{self.mode:04o}"}
 
 
-@dataclass(frozen=True)
-class RunCommand:
+class RunCommand(FrozenSlotted):
     """Run a command (argv, no shell)."""
 
+    __slots__ = ("argv",)
+    _fields = ("argv",)
     argv: tuple[str, ...]
+
+    def __init__(self, argv: tuple[str, ...]) -> None:
+        self._set("argv", argv)
 
     @property
     def shown(self) -> str:
+        import shlex  # here: only a fix that runs a command needs it, not a healthy host
+
         return " ".join(shlex.quote(a) for a in self.argv)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "command", "argv": list(self.argv)}
 
 
-@dataclass(frozen=True)
-class Reboot:
+class Reboot(FrozenSlotted):
     """What the other actions change takes effect at the next boot."""
+
+    __slots__ = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "reboot"}
 
 
-@dataclass(frozen=True)
-class RestartService:
+class RestartService(FrozenSlotted):
     """A daemon must be restarted to see the change."""
 
+    __slots__ = ("name", "note")
+    _fields = ("name", "note")
     name: str
-    note: str = ""
+    note: str
+
+    def __init__(self, name: str, note: str = "") -> None:
+        self._set("name", name)
+        self._set("note", note)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "restart", "service": self.name}
 
 
-@dataclass(frozen=True)
-class Manual:
+class Manual(FrozenSlotted):
     """Something only the operator can do (firmware setup, a driver install)."""
 
+    __slots__ = ("text",)
+    _fields = ("text",)
     text: str
+
+    def __init__(self, text: str) -> None:
+        self._set("text", text)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "manual", "text": self.text}

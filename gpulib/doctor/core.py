@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 from gpulib import cloudstack
 
@@ -48,6 +47,7 @@ from gpulib.context import (
     Context,
 )
 from gpulib.doctor.actions import Action
+from gpulib.slotted import Slotted
 
 log = logging.getLogger(__name__)
 
@@ -103,20 +103,42 @@ def agent_hooks_dir(ctx: Context) -> str:
 # -- results ---------------------------------------------------------------------------
 
 
-@dataclass
-class Result:
-    """One finding of one check."""
+Details = list[dict[str, Any]]
 
-    check: str
-    status: str
-    subject: str
-    message: str
-    fix: Optional[str] = None
-    details: Optional[list[dict[str, Any]]] = None
-    # What the fix text says, as data (gpulib setup applies these).
-    actions: list[Action] = field(default_factory=list)
-    # "reboot" when the fix is made and only waits for the next boot.
-    pending: Optional[str] = None
+
+class Result(Slotted):
+    """One finding of one check (a hand-written record: see gpulib.slotted)."""
+
+    __slots__ = ("_details", "actions", "check", "fix", "message", "pending", "status",
+                 "subject")
+    _fields = ("check", "status", "subject", "message", "fix", "details", "actions",
+               "pending")
+
+    def __init__(self, check: str, status: str, subject: str, message: str,
+                 fix: Optional[str] = None,
+                 details: Union[Details, Callable[[], Details], None] = None,
+                 actions: Optional[list[Action]] = None, pending: Optional[str] = None
+                 ) -> None:
+        self.check = check
+        self.status = status
+        self.subject = subject
+        self.message = message
+        self.fix = fix
+        # A function is called for the list when it is first asked for: a
+        # large host's check lists thousands of items, which `gpulib
+        # metrics` (every minute, only the status) never asks for.
+        self._details: Union[Details, Callable[[], Details], None] = details
+        # What the fix text says, as data (gpulib setup applies these).
+        self.actions: list[Action] = [] if actions is None else actions
+        # "reboot" when the fix is made and only waits for the next boot.
+        self.pending = pending
+
+    @property
+    def details(self) -> Optional[Details]:
+        details = self._details
+        if callable(details):
+            details = self._details = details()
+        return details
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"id": self.check, "status": self.status,
@@ -135,13 +157,17 @@ def worst(statuses: list[str]) -> str:
     return max(statuses, key=lambda s: _RANK[s], default=OK)
 
 
-@dataclass
-class Distro:
+class Distro(Slotted):
     """The distribution from `etc/os-release`, for the commands in fixes."""
 
-    id: str = ""
-    id_like: list[str] = field(default_factory=list)
-    name: str = ""
+    __slots__ = ("id", "id_like", "name")
+    _fields = ("id", "id_like", "name")
+
+    def __init__(self, id: str = "", id_like: Optional[list[str]] = None,
+                 name: str = "") -> None:
+        self.id = id
+        self.id_like: list[str] = [] if id_like is None else id_like
+        self.name = name
 
     @classmethod
     def read(cls, ctx: Context) -> Distro:

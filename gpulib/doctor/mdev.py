@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpulib import mdev
 from gpulib.context import CONFIG_FILE
@@ -57,12 +57,18 @@ def check(d: Doctor) -> list[Result]:
         return problems
     per_type: dict[str, int] = {}
     for t, n in left:
-        label = f"{t.type_id} ({t.name})" if t.name else t.type_id
+        type_name = t.name
+        label = f"{t.type_id} ({type_name})" if type_name else t.type_id
         per_type[label] = per_type.get(label, 0) + n
+
+    def details() -> list[dict[str, Any]]:
+        # Made when asked for (doctor --json), not for metrics' status: a
+        # large host has thousands of types with instances left.
+        return [{"parent": str(t.parent), "type_id": t.type_id, "name": t.name,
+                 "available_instances": n} for t, n in left]
+
     shown = ", ".join(f"{label} x{n}" for label, n in list(per_type.items())[:6])
     more = f", +{len(per_type) - 6} more" if len(per_type) > 6 else ""
-    details = [{"parent": str(t.parent), "type_id": t.type_id, "name": t.name,
-                "available_instances": n} for t, n in left]
     return [Result(cid, OK, "/sys/class/mdev_bus",
                    f"{len(types)} mdev parent(s) offer {len(all_types)} type(s); "
                    f"{len(left)} with instances left: {shown}{more}", details=details)]

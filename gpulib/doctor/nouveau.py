@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING
 from gpulib.context import MODPROBE_DIR
 from gpulib.doctor.actions import Action, Manual, Reboot, RunCommand, WriteFile
 from gpulib.doctor.core import FAIL, MODPROBE_DIRS, OK, WARN, Result, host_path
+from gpulib.lazyre import lazy
 from gpulib.nvidia import NVIDIA_VENDOR
 
 if TYPE_CHECKING:
     from gpulib.doctor.facts import Doctor
 
-_BLACKLIST_NOUVEAU = re.compile(r"^\s*blacklist\s+nouveau\s*(#.*)?$", re.M)
+# Compiled on first use: only a host with modprobe files needs it.
+_BLACKLIST_NOUVEAU = lazy(r"^\s*blacklist\s+nouveau\s*(#.*)?$", re.M)
 
 
 def _nouveau_blacklist(d: Doctor) -> list[str]:

@@ -14,7 +14,6 @@ leaves the device where it is now.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from gpulib.context import MODPROBE_DIR
@@ -22,6 +21,7 @@ from gpulib.discovery import Gpu
 from gpulib.doctor.actions import Action, KernelArgs, Manual, Reboot, RunCommand, WriteFile
 from gpulib.doctor.core import is_free_for_vfio, is_vfio_driver
 from gpulib.pci import BRIDGE_BASE_CLASS, PCI_DEVICES, PciAddress, PciFunction
+from gpulib.slotted import Slotted
 
 if TYPE_CHECKING:
     from gpulib.doctor.facts import Doctor
@@ -112,11 +112,14 @@ def kept_for_passthrough(d: Doctor, gpu: Gpu) -> bool:
     return ids_of(gpu.fn) in configured_ids(d) or overridden(d, gpu.address)
 
 
-@dataclass
-class PassthroughPlan:
-    actions: list[Action] = field(default_factory=list)
-    refusals: list[tuple[str, str]] = field(default_factory=list)  # (address, why)
-    taken: list[PciAddress] = field(default_factory=list)  # every function kept from the host
+class PassthroughPlan(Slotted):
+    __slots__ = ("actions", "refusals", "taken")
+    _fields = ("actions", "refusals", "taken")
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.refusals: list[tuple[str, str]] = []  # (address, why)
+        self.taken: list[PciAddress] = []  # every function kept from the host
 
 
 def _group(d: Doctor, gpu: Gpu) -> list[PciFunction]:

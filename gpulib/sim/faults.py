@@ -30,6 +30,7 @@ import errno
 import json
 import os
 import posixpath
+from collections.abc import Sequence
 from typing import Optional, Union
 
 from gpulib.sysfs import DOCUMENT_MAX, AlreadyRead, KernelWrite, ReadFailure, Sysfs
@@ -143,6 +144,10 @@ class FaultySysfs(Sysfs):
         if kind is not None:
             return self._failure(rel, kind)
         return super().read_result(rel, limit)
+
+    def read_counts(self, rel_dir: str, names: Sequence[str], high: int) -> list[Optional[int]]:
+        # Each file through read_result, which consults the table.
+        return [self.read_int(f"{rel_dir}/{n}", low=0, high=high) for n in names]
 
     def read_unless(self, rel: str, known: AlreadyRead, limit: int = DOCUMENT_MAX
                     ) -> Union[tuple[os.stat_result, Optional[bytes]], ReadFailure]:
