@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+
+# typing costs the no-GPU transformer 10 ms: names for type checkers only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 
 def exit_now(code: int) -> NoReturn:

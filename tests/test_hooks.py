@@ -17,7 +17,7 @@ from gpulib.domain import derive_uuid
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, build_demo
 from gpulib.xmlns import GPULIB_NS
 from tests.conftest import DATA, GOLDEN
-from tests.hookrun import QEMU_HOOK, STATE_CHANGE, TRANSFORMER, as_agent, run
+from tests.hookrun import QEMU_HOOK, STATE_CHANGE, TRANSFORMER, as_agent, hook_env, run
 from tests.hosts import tree_contents
 
 FIXTURES = sorted((DATA / "cloudstack-xml").glob("*.xml"))
@@ -488,3 +488,27 @@ def test_exit_now_flushes_stdout_or_says_it_could_not(reader_gone: bool, code: i
     if not reader_gone:
         assert os.read(read, 100) == b"answer"
         os.close(read)
+
+
+def test_a_domain_without_gpus_loads_nothing_from_outside_gpulib(demo: str) -> None:
+    # Its budget is the interpreter's own start (`python3 -c pass`): the run,
+    # from the executable's first line to its end, adds no module but
+    # gpulib's own (typing alone would cost it 10 ms) and fcntl, the small C
+    # module of the installation's lock (gpulib.installation.hold).
+    program = (
+        "import os, sys\n"
+        "before = set(sys.modules)\n"
+        "from gpulib.installation import hold\n"
+        "hold('libvirt-vm-xml-transformer')\n"
+        "from gpulib.process import exit_now\n"
+        "from gpulib.hooks.transformer import main\n"
+        "xml = open(sys.argv[1]).read()\n"
+        "code = main(['libvirt-vm-xml-transformer', 'transform', xml])\n"
+        "added = sorted(m for m in set(sys.modules) - before if m.split('.')[0] != 'gpulib')\n"
+        "sys.stderr.write(' '.join(added))\n"
+        "exit_now(code)\n")
+    res = subprocess.run([sys.executable, "-c", program,
+                          str(DATA / "cloudstack-xml" / "no-gpu.xml")],
+                         capture_output=True, env=hook_env(demo), timeout=30)
+    assert res.returncode == 0 and b"<domain" in res.stdout
+    assert res.stderr.decode() in ("", "fcntl")
