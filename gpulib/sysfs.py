@@ -327,7 +327,7 @@ class Sysfs:
         (`_count_at`), which notes what is wrong as every read does."""
         out: list[Optional[int]] = []
         flags = _OPEN_FLAGS | os.O_NOFOLLOW  # below sys/: the last component never followed
-        open_, fstat, read, close, is_reg = os.open, os.fstat, os.read, os.close, stat.S_ISREG
+        open_, read, close = os.open, os.read, os.close
         for name in names:
             try:
                 fd = open_(name, flags, dir_fd=dfd)
@@ -335,19 +335,18 @@ class Sysfs:
                 out.append(self._count_at(dfd, rel_dir, name, high))
                 continue
             try:
-                st = fstat(fd)
-                data = read(fd, 64) if is_reg(st.st_mode) and st.st_size <= ATTRIBUTE_MAX \
-                    else None
-                # The whole file (as `_content` knows it), and short: anything
-                # else is read again below.
-                done = data is not None and len(data) < 64 and (
-                    0 < st.st_size <= len(data) or not read(fd, 64))
+                # A first read shorter than asked is the whole file: sysfs
+                # hands an attribute over in one read, and a regular file
+                # ends there. Without an fstat (a real attribute's size is
+                # 4096, which would ask for a read more to find its end):
+                # three system calls a file, not five.
+                data = read(fd, 64)
+                done = 0 < len(data) < 64
             except OSError:
                 done = False
             finally:
                 close(fd)
             if done:
-                assert data is not None
                 text = data.decode("utf-8", "replace").strip()
                 if len(text) <= _NUMBER_MAX_CHARS:
                     try:
