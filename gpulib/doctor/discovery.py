@@ -109,7 +109,10 @@ def agent_document_problems(doc: Any) -> list[tuple[str, str]]:
 def check(d: Doctor) -> list[Result]:
     cid = "discovery"
     inventory = d.inventory
-    doc = json.loads(cloudstack.dumps(inventory))
+    # The document as the agent reads it: through JSON (the same data model as
+    # `cloudstack.dumps`' indented text, with json's C encoder: every `gpulib
+    # metrics` runs this check).
+    doc = json.loads(json.dumps(cloudstack.render(inventory)))
     problems = [Result(cid, FAIL, subject,
                        f"the CloudStack discovery JSON breaks the agent's rules: {problem}",
                        "report this as a gpulib bug, with the tarball of `gpulib snapshot` "
