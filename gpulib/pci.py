@@ -64,6 +64,8 @@ _PciAddressFields = NamedTuple("_PciAddressFields", [("domain", int), ("bus", in
 # thousand functions; a long test run may make many more).
 _TEXT: dict[tuple[int, int, int, int], str] = {}
 _TEXT_MAX = 1 << 14
+# The addresses parsed so far, by their text (same bound).
+_PARSED: dict[str, PciAddress] = {}
 
 
 class PciAddress(_PciAddressFields):
@@ -72,7 +74,15 @@ class PciAddress(_PciAddressFields):
     @classmethod
     def parse(cls, text: str) -> PciAddress:
         """Accept `dddd:bb:ss.f` or lspci's `bb:ss.f` (domain 0)."""
-        return cls(*pci_address_parts(text))
+        # Remembered too: discovery parses every VF's address from its links
+        # several times (virtfnN, physfn, the mdev parents' links).
+        cached = cls is PciAddress and type(text) is str
+        found = _PARSED.get(text) if cached else None
+        if found is None:
+            found = cls(*pci_address_parts(text))
+            if cached and len(_PARSED) < _TEXT_MAX:
+                _PARSED[text] = found
+        return found
 
     @classmethod
     def from_libvirt(cls, domain: Optional[str], bus: Optional[str], slot: Optional[str],
