@@ -12,15 +12,18 @@ buffer a profile's name tells.
 
 from __future__ import annotations
 
+import posixpath
 from typing import TYPE_CHECKING, Any, Optional
 
 from gpulib import jsontext
+from gpulib.context import AGENT_PROPERTIES
 from gpulib.discovery import Gpu, Inventory, VirtualFunction
 from gpulib.mdev import Description, MdevType
 from gpulib.nvidia import framebuffer_mb_from_name
 from gpulib.pci import PciAddress
 
 if TYPE_CHECKING:
+    from gpulib.context import Context
     from gpulib.nvidiasmi import TypeNumbers
 
 # The agent's default hook names (agent.hooks.basedir).
@@ -28,6 +31,19 @@ AGENT_HOOKS_DIR = "etc/cloudstack/agent/hooks"
 TRANSFORMER_HOOK = "libvirt-vm-xml-transformer.sh"
 STATE_CHANGE_HOOK = "libvirt-vm-state-change.sh"
 STOCK_DISCOVERY_SCRIPT = "usr/share/cloudstack-common/scripts/vm/hypervisor/kvm/gpudiscovery.sh"
+
+
+def agent_hooks_dir(ctx: Context) -> str:
+    """The agent's hook directory, root-relative: `agent.hooks.basedir` of its
+    agent.properties when set (and inside the root), else the default."""
+    text = ctx.sysfs.read(AGENT_PROPERTIES) or ""
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "agent.hooks.basedir" and value.strip():
+            rel = posixpath.normpath(value.strip().lstrip("/"))
+            if rel != ".." and not rel.startswith("../"):
+                return rel
+    return AGENT_HOOKS_DIR
 
 
 def _type_numbers(t: Optional[MdevType]) -> dict[str, Optional[int]]:

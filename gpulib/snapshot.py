@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import IO, Callable, Optional
 
 from gpulib import atomicfile, mdev
-from gpulib.cloudstack import STATE_CHANGE_HOOK, TRANSFORMER_HOOK
+from gpulib.cloudstack import STATE_CHANGE_HOOK, TRANSFORMER_HOOK, agent_hooks_dir
 from gpulib.config import Config
 from gpulib.context import (
     AGENT_PROPERTIES,
@@ -65,7 +65,6 @@ from gpulib.context import (
     STATE_FILE,
     Context,
 )
-from gpulib.doctor import agent_hooks_dir
 from gpulib.errors import GpulibError, InputError
 from gpulib.pci import (
     PCI_DEVICES,

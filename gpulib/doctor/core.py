@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import posixpath
 from typing import Any, Callable, Optional, Union
 
 from gpulib import cloudstack
+from gpulib.cloudstack import agent_hooks_dir as agent_hooks_dir
 
 # The locations the checks read, defined once in gpulib.context; the doctor
 # package still exports them for its checks.
@@ -86,18 +86,6 @@ def is_vfio_driver(driver: Optional[str]) -> bool:
 def is_free_for_vfio(driver: Optional[str]) -> bool:
     """No driver, vfio-pci, or pci-stub (held away from the host)."""
     return driver is None or driver == "pci-stub" or is_vfio_driver(driver)
-
-
-def agent_hooks_dir(ctx: Context) -> str:
-    """`agent.hooks.basedir` from agent.properties (root-relative), else the default."""
-    text = ctx.sysfs.read(AGENT_PROPERTIES) or ""
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key.strip() == "agent.hooks.basedir" and value.strip():
-            rel = posixpath.normpath(value.strip().lstrip("/"))
-            if rel != ".." and not rel.startswith("../"):
-                return rel
-    return cloudstack.AGENT_HOOKS_DIR
 
 
 # -- results ---------------------------------------------------------------------------
