@@ -297,13 +297,11 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
     """Start the vGPUs that should exist and set recorded VF types.
 
     First, before anything is made: what interrupted runs left is settled and
-    the allocations of VMs that are not running are released once proven dead
-    (`pending_is_dead`: made in an earlier boot, pending past its grace, or
-    active in this boot with its VM gone), so a vGPU made on demand for a VM
+    the allocations of VMs that are not running and were made in an earlier
+    boot (or pending and dead) are released, so a vGPU made on demand for a VM
     of the last boot is not made again, and a GPU a VM of the last boot held
-    is free. At boot every allocation is of an earlier boot; the unit run
-    again later in the same boot cleans up as `reconcile` does. Allocations
-    of running VMs and pending starts within their grace stay.
+    is free. Allocations of running VMs and pending starts within their grace
+    stay.
 
     Every `auto` mdevctl definition (only those gpulib keeps a record of when
     `adopt_mdevctl` is False) and every transient vGPU record is created if not
@@ -317,7 +315,8 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
     sysfs = ctx.sysfs
     liveness = Liveness(sysfs)
     out = settle_intents(ctx, state, liveness)
-    out += release_not_running(ctx, state, liveness, destroy_on_demand, checkpoint=checkpoint)
+    out += release_not_running(ctx, state, liveness, destroy_on_demand, pending_only=True,
+                               checkpoint=checkpoint)
     defs = mdevctl.read_definitions(ctx)
     out += follow_definitions(ctx, state, defs)
     wanted: list[tuple[str, str, str, list[tuple[str, str]], str]] = []

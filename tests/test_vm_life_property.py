@@ -212,7 +212,9 @@ class Lives(RuleBasedStateMachine):
         store = open_store(self.ctx, self.config)
         with store.transaction() as state:
             restore(self.ctx, state, autostart_wait=0, checkpoint=store.checkpoint)
-        self.after_cleanup_only_live_owners()
+        # Run again in the same boot, the unit leaves an active allocation of
+        # this boot whose VM is gone to that VM's stop and to reconcile.
+        self.after_cleanup_only_live_owners(this_boot_active=True)
 
     @rule()
     def reconcile(self) -> None:
@@ -297,13 +299,20 @@ class Lives(RuleBasedStateMachine):
                 assert nvidia.current_type(self.ctx.sysfs, a) != 0, \
                     f"{d.name}'s VF {a} lost its type"
 
-    def after_cleanup_only_live_owners(self) -> None:
-        """Checked right after the boot unit and reconcile (the rules call it)."""
+    def after_cleanup_only_live_owners(self, this_boot_active: bool = False) -> None:
+        """Checked right after the boot unit and reconcile (the rules call it).
+        `this_boot_active`: active allocations of this boot may stay (the boot
+        unit's cleanup); none of an earlier boot may, whatever their status."""
         doc = self._snapshot()
         allocs = doc.get("allocations", {})
         names = {d.name for d in running_domains(self.ctx.sysfs)}
+        boot = f"boot-{self.boot}"
         for vm, alloc in allocs.items():
-            assert vm in names or alloc["status"] == "pending", (vm, alloc)
+            if vm in names:
+                continue
+            assert alloc.get("boot_id") == boot, (vm, alloc)
+            assert alloc["status"] == "pending" or (this_boot_active
+                                                    and alloc["status"] == "active"), (vm, alloc)
         owned = {d["id"] for a in allocs.values() for d in a["devices"]}
         removing = {i["id"] for i in doc.get("intents", [])}
         for uuid, rec in doc.get("vgpus", {}).items():
@@ -340,16 +349,22 @@ def test_the_machine_sees_a_running_vm_keep_its_vgpu(tmp_path: Path) -> None:
         machine.teardown()
 
 
-def test_the_boot_unit_run_again_releases_an_active_vm_that_is_gone(tmp_path: Path) -> None:
+def test_an_active_vm_that_is_gone_is_left_to_reconcile_then_released(tmp_path: Path) -> None:
     """The agent said onStart, but the VM is not running (it never started, or
     stopped without a stop hook): the boot unit run again in the same boot
-    releases it, as reconcile does."""
+    leaves it, reconcile releases it, and a reboot's boot unit would too."""
     machine = Lives()
     try:
         machine.start("vm-a", "vgpus", "transformer")
         machine.on_start("vm-a")
         assert machine._snapshot()["allocations"]["vm-a"]["status"] == "active"
         machine.boot_unit()
+        assert machine._snapshot()["allocations"]["vm-a"]["status"] == "active"
+        machine.reconcile()
+        assert machine._snapshot()["allocations"] == {}
+        machine.start("vm-a", "vgpus", "transformer")
+        machine.on_start("vm-a")
+        machine.host_reboots()
         assert machine._snapshot()["allocations"] == {}
     finally:
         machine.teardown()
