@@ -16,6 +16,11 @@ from typing import Any
 
 import pytest
 
+from gpulib.config import Config
+from gpulib.context import Context
+from gpulib.sim.fakehost import FakeHost
+from gpulib.sim.hosts import build_demo
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
 GOLDEN = REPO / "tests" / "golden"
@@ -73,3 +78,20 @@ def _no_real_sys(monkeypatch: pytest.MonkeyPatch,
     # Also when the test swallowed the AssertionError (the guard's own test may).
     if request.node.get_closest_marker("guard_selftest") is None:
         assert not touched, f"real host touched: {touched}"
+
+
+# The demo host, its context and configuration: the fixtures of the test
+# modules that start VMs on it in-process (a module may define its own `host`).
+@pytest.fixture
+def host(tmp_path: Path) -> FakeHost:
+    return build_demo(str(tmp_path / "demo"))
+
+
+@pytest.fixture
+def ctx(host: FakeHost) -> Context:
+    return Context.for_root(host.root, simulate=True)
+
+
+@pytest.fixture
+def config(ctx: Context) -> Config:
+    return Config.load(ctx.config_path)

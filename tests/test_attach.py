@@ -33,7 +33,7 @@ from gpulib.domain import (
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.hooks.prepare import Preparer, StartMode
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import DEMO_T4, add_model, build_demo, models
+from gpulib.sim.hosts import DEMO_T4, add_model, models
 from gpulib.virsh import DomainInfo, Virsh
 from tests.hookrun import QEMU_HOOK, TRANSFORMER, run
 
@@ -91,21 +91,6 @@ class FakeLibvirt:
         parse_domain(xml)
         self.defined.append(xml)
         self.xml = xml
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> FakeHost:
-    return build_demo(str(tmp_path / "demo"))
-
-
-@pytest.fixture
-def ctx(host: FakeHost) -> Context:
-    return Context.for_root(host.root, simulate=True)
-
-
-@pytest.fixture
-def config(ctx: Context) -> Config:
-    return Config.load(ctx.config_path)
 
 
 def fingerprint(root: str) -> str:

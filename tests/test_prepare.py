@@ -15,7 +15,7 @@ from gpulib.hooks.prepare import Preparer, StartMode
 from gpulib.pci import PciAddress
 from gpulib.placement import FixedXml, Placement
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import DEMO_A10_VF_TYPE, build_demo
+from gpulib.sim.hosts import DEMO_A10_VF_TYPE
 
 VM = "web1"
 VM_UUID = "6f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f9"
@@ -30,21 +30,6 @@ VF_DOMAIN = (f"<domain type='kvm'>\n  <name>{VM}</name>\n  <uuid>{VM_UUID}</uuid
              "      </source>\n"
              "    </hostdev>\n"
              "  </devices>\n</domain>\n")
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> FakeHost:
-    return build_demo(str(tmp_path / "demo"))
-
-
-@pytest.fixture
-def ctx(host: FakeHost) -> Context:
-    return Context.for_root(host.root, simulate=True)
-
-
-@pytest.fixture
-def config(ctx: Context) -> Config:
-    return Config.load(ctx.config_path)
 
 
 def allocation(host: FakeHost) -> dict[str, object]:
