@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lxml import etree
 
 from gpulib.domain import DeviceType, derive_uuid, parse_domain
@@ -616,6 +619,59 @@ def test_doctor_without_the_cache_reads_the_library_and_dpkg(dst: FakeHost) -> N
                    "Version: 1:8.1.2+ds-1\n\nPackage: other\nVersion: 1.0\n")
     r = _migration_result(dst.root)
     assert r.status == "ok" and "libvirt 8.6.0, QEMU 8.1.2" in r.message, r.message
+
+
+def _qemu_from_every_stanza(text: str) -> Optional[tuple[int, int, int]]:
+    """The database read the plain way: every stanza parsed, the first
+    installed QEMU package with a version wins."""
+    from gpulib.doctor.migration import QEMU_PACKAGES
+
+    for stanza in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in stanza.splitlines()
+                      if ": " in line and not line.startswith(" "))
+        if fields.get("Package") in QEMU_PACKAGES and \
+                "installed" in fields.get("Status", "").split():
+            m = re.match(r"^(?:\d+:)?(\d+)\.(\d+)(?:\.(\d+))?", fields.get("Version", ""))
+            if m:
+                return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+    return None
+
+
+_DPKG_LINES = st.sampled_from([
+    "Package: qemu-system-x86", "Package: qemu-kvm", "Package: qemu-system-x86-xen",
+    "Package: libvirt0", "Status: install ok installed", "Status: deinstall ok config-files",
+    "Version: 1:8.2.2+ds-0ubuntu1", "Version: 7.2+dfsg-7", "Version: 9.0.0", "Version: x",
+    " Package: qemu-kvm", "Description: Package: qemu-kvm", "", "\r", "Package: qemu-kvm\r"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_DPKG_LINES, max_size=24), st.booleans())
+def test_reading_only_qemu_stanzas_answers_as_parsing_every_stanza(
+        lines: list[str], trailing_blank: bool) -> None:
+    from gpulib.doctor.migration import qemu_from_dpkg
+    from gpulib.sysfs import Sysfs
+
+    text = "\n".join(lines) + ("\n\n" if trailing_blank else "\n")
+
+    class Database(Sysfs):
+        def read(self, rel: str, limit: Optional[int] = None) -> Optional[str]:
+            assert rel == "var/lib/dpkg/status"
+            return text
+
+    assert qemu_from_dpkg(Database("/nonexistent")) == _qemu_from_every_stanza(text)
+
+
+def test_the_qemu_package_is_found_among_thousands_of_stanzas(dst: FakeHost) -> None:
+    others = "".join(f"Package: lib{i}\nStatus: install ok installed\nVersion: 1.{i}\n"
+                     f"Description: not qemu-kvm\n\n" for i in range(3000))
+    dst.write_file("usr/lib/x86_64-linux-gnu/libvirt.so.0.8006.0", "")
+    dst.write_file("var/lib/dpkg/status",
+                   others + "Package: qemu-kvm\nStatus: deinstall ok config-files\n"
+                   "Version: 1:6.2.0\n\n" + others +
+                   "Package: qemu-system-x86\nStatus: install ok installed\n"
+                   "Version: 1:9.2.1+ds-1\n\n" + others)
+    r = _migration_result(dst.root)
+    assert r.status == "ok" and "libvirt 8.6.0, QEMU 9.2.1" in r.message, r.message
 
 
 def test_doctor_on_this_machines_libvirt_and_qemu() -> None:
