@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -621,22 +620,6 @@ def test_doctor_without_the_cache_reads_the_library_and_dpkg(dst: FakeHost) -> N
     assert r.status == "ok" and "libvirt 8.6.0, QEMU 8.1.2" in r.message, r.message
 
 
-def _qemu_from_every_stanza(text: str) -> Optional[tuple[int, int, int]]:
-    """The database read the plain way: every stanza parsed, the first
-    installed QEMU package with a version wins."""
-    from gpulib.doctor.migration import QEMU_PACKAGES
-
-    for stanza in text.split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in stanza.splitlines()
-                      if ": " in line and not line.startswith(" "))
-        if fields.get("Package") in QEMU_PACKAGES and \
-                "installed" in fields.get("Status", "").split():
-            m = re.match(r"^(?:\d+:)?(\d+)\.(\d+)(?:\.(\d+))?", fields.get("Version", ""))
-            if m:
-                return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
-    return None
-
-
 _DPKG_LINES = st.sampled_from([
     "Package: qemu-system-x86", "Package: qemu-kvm", "Package: qemu-system-x86-xen",
     "Package: libvirt0", "Status: install ok installed", "Status: deinstall ok config-files",
@@ -648,7 +631,7 @@ _DPKG_LINES = st.sampled_from([
 @given(st.lists(_DPKG_LINES, max_size=24), st.booleans())
 def test_reading_only_qemu_stanzas_answers_as_parsing_every_stanza(
         lines: list[str], trailing_blank: bool) -> None:
-    from gpulib.doctor.migration import qemu_from_dpkg
+    from gpulib.doctor.migration import qemu_from_dpkg, qemu_version
     from gpulib.sysfs import Sysfs
 
     text = "\n".join(lines) + ("\n\n" if trailing_blank else "\n")
@@ -658,7 +641,9 @@ def test_reading_only_qemu_stanzas_answers_as_parsing_every_stanza(
             assert rel == "var/lib/dpkg/status"
             return text
 
-    assert qemu_from_dpkg(Database("/nonexistent")) == _qemu_from_every_stanza(text)
+    # Every stanza read, the first that names an installed QEMU wins.
+    every = next((v for s in text.split("\n\n") if (v := qemu_version(s)) is not None), None)
+    assert qemu_from_dpkg(Database("/nonexistent")) == every
 
 
 def test_the_qemu_package_is_found_among_thousands_of_stanzas(dst: FakeHost) -> None:

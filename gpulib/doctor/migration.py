@@ -82,13 +82,22 @@ def libvirt_from_library(sysfs: Sysfs) -> Optional[Version]:
 def qemu_from_dpkg(sysfs: Sysfs) -> Optional[Version]:
     text = sysfs.read(DPKG_STATUS) or ""
     for stanza in _qemu_stanzas(text):
-        fields = dict(line.split(": ", 1) for line in stanza.splitlines()
-                      if ": " in line and not line.startswith(" "))
-        if fields.get("Package") in QEMU_PACKAGES and \
-                "installed" in fields.get("Status", "").split():
-            m = _DEB_VERSION_RE.match(fields.get("Version", ""))
-            if m:
-                return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+        found = qemu_version(stanza)
+        if found is not None:
+            return found
+    return None
+
+
+def qemu_version(stanza: str) -> Optional[Version]:
+    """The version of the installed QEMU package one dpkg stanza describes, or
+    None when it describes anything else."""
+    fields = dict(line.split(": ", 1) for line in stanza.splitlines()
+                  if ": " in line and not line.startswith(" "))
+    if fields.get("Package") in QEMU_PACKAGES and \
+            "installed" in fields.get("Status", "").split():
+        m = _DEB_VERSION_RE.match(fields.get("Version", ""))
+        if m:
+            return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
     return None
 
 
