@@ -21,10 +21,9 @@ start's Journal (write-ahead intents, rollback) when one is given.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
-from gpulib import mdev, nvidia
+from gpulib import logger, mdev, nvidia
 from gpulib.errors import InputError, NotAvailableError
 from gpulib.pci import PciAddress
 from gpulib.state import Allocation, Device, State, VfRecord, VgpuRecord, utc_now
@@ -37,7 +36,7 @@ if TYPE_CHECKING:  # the hooks' start/stop path imports this module: keep it lig
     from gpulib.liveness import Liveness
     from gpulib.occupancy import Occupancy
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 
 def gpu_matches(req: PassthroughRequest, gpu: Gpu) -> bool:

@@ -11,9 +11,9 @@ devices look like in the domain is `gpulib.placement`'s.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
+from gpulib import logger
 from gpulib.journal import Journal
 from gpulib.occupancy import PENDING, Hold, Occupancy
 from gpulib.pci import PciAddress
@@ -29,7 +29,7 @@ from gpulib.plan import (
 )
 from gpulib.state import Device, State, VgpuRecord, utc_now
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 
 def apply_named(journal: Journal, vm: str, actions: list[Action],

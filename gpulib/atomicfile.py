@@ -13,12 +13,16 @@ can be recognised and its leftover removed (`remove_stale_temp_files`).
 
 from __future__ import annotations
 
-import logging
 import os
 import time
-from typing import Optional
 
-log = logging.getLogger(__name__)
+from gpulib import logger
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
+
+log = logger.get(__name__)
 
 # A temp file older than this is a dead writer's leftover, whatever its pid.
 STALE_TEMP_AGE = 60.0

@@ -29,12 +29,12 @@ forced.
 from __future__ import annotations
 
 import difflib
-import logging
 import os
 from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
 
 from lxml import etree
 
+from gpulib import logger
 from gpulib.allocator import gpu_matches
 from gpulib.config import Config, metadata_allowed
 from gpulib.context import AGENT_PROPERTIES, DEFINED_DOMAINS, Context
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from gpulib.discovery import Gpu, Inventory
     from gpulib.virsh import DomainInfo
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 _VENDOR_DEVICE_RE = lazy(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}$")
 

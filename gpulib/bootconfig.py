@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Callable, Optional
 
 from gpulib.errors import GpulibError
 from gpulib.lazyre import lazy
 from gpulib.slotted import Slotted
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable, Optional
 
 DEFAULT_GRUB = "etc/default/grub"
 GRUB_D = "etc/default/grub.d"

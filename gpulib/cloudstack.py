@@ -13,7 +13,6 @@ buffer a profile's name tells.
 from __future__ import annotations
 
 import posixpath
-from typing import TYPE_CHECKING, Any, Optional
 
 from gpulib import jsontext
 from gpulib.context import AGENT_PROPERTIES
@@ -22,7 +21,10 @@ from gpulib.mdev import Description, MdevType
 from gpulib.nvidia import framebuffer_mb_from_name
 from gpulib.pci import PciAddress
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, Optional
+
     from gpulib.context import Context
     from gpulib.nvidiasmi import TypeNumbers
 

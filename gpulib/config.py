@@ -11,12 +11,11 @@ defaults for what is bad and lists the problems instead of raising.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Optional
 
+from gpulib import logger
 from gpulib.context import AGENT_PROPERTIES
 from gpulib.errors import ConfigError
 from gpulib.lazyre import lazy
@@ -24,10 +23,13 @@ from gpulib.pci import PciAddress
 from gpulib.sysfs import ReadFailure, read_file
 from gpulib.validate import is_type_id
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
     from gpulib.context import Context
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 # gpulib.conf and each drop-in: a hand-edited INI file is a few KB.
 CONFIG_MAX = 1024 * 1024

@@ -7,14 +7,17 @@ sysfs also do what the kernel would, through `gpulib.sim.kernel`.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
 
+from gpulib import logger
 from gpulib.sysfs import Sysfs
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Optional
+
+log = logger.get(__name__)
 
 # Root-relative locations, the one definition of each (ARCHITECTURE.md, "Paths").
 CONFIG_FILE = "etc/gpulib/gpulib.conf"
@@ -25,6 +28,8 @@ STATE_DIR = "var/lib/gpulib"
 STATE_FILE = STATE_DIR + "/state.json"
 LOCK_FILE = STATE_DIR + "/state.lock"
 LOG_DIR = "var/log/gpulib"
+# A line per process that lost a log record (gpulib.logs writes it, the doctor reads it).
+LOG_FAILURES_FILE = "run/gpulib/log-failures"
 RUNNING_DOMAINS = "run/libvirt/qemu"
 DEFINED_DOMAINS = "etc/libvirt/qemu"
 MODPROBE_DIR = "etc/modprobe.d"

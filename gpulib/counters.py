@@ -105,9 +105,9 @@ def note(root: str, name: str, times: int = 1, **labels: str) -> None:
         finally:
             os.close(fd)
     except OSError as exc:
-        import logging
+        from gpulib import logger
 
-        logging.getLogger(__name__).debug("counter %s not counted: %s", name, exc)
+        logger.get(__name__).debug("counter %s not counted: %s", name, exc)
 
 
 def refusal_reason(exc: BaseException) -> str:

@@ -18,10 +18,7 @@ listed under their physical function.
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Callable, Optional
-
-from gpulib import mdev, nvidia
+from gpulib import logger, mdev, nvidia
 from gpulib.config import Config, Match
 from gpulib.errors import DeviceError, GpulibError
 from gpulib.occupancy import (
@@ -48,10 +45,13 @@ from gpulib.pciids import PciNames
 from gpulib.sysfs import ReadFailure, Sysfs
 from gpulib.usage import running_domains
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Callable, Optional
+
     from gpulib.nvidiasmi import TypeNumbers
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 # Display adapters that are not GPUs: server BMCs and emulated/paravirtual
 # devices (ASPEED, Matrox G200 BMC parts, QEMU/Bochs stdvga, Red Hat virtio/QXL,

@@ -14,11 +14,11 @@ vendor-specific VFs. A domain nobody edited comes back byte-identical.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, NamedTuple, Optional, Union, overload
 
 from lxml import etree
 
+from gpulib import logger
 from gpulib.errors import InputError
 from gpulib.lazyre import lazy
 from gpulib.pci import MAX_DOMAIN, PciAddress, libvirt_uint
@@ -31,7 +31,7 @@ from gpulib.validate import (
 )
 from gpulib.xmlns import GPULIB_NS  # defined without lxml, for the hooks' fast path
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 # The agent passes the whole XML in argv; libvirt caps a domain XML at 10 MB
 # of its own, and real domains are a few kB. 8 MiB leaves room for anything

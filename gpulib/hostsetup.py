@@ -33,16 +33,15 @@ from __future__ import annotations
 import difflib
 import errno
 import json
-import logging
 import os
 import re
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from gpulib import bootconfig
+from gpulib import bootconfig, logger
 from gpulib.atomicfile import write_atomic
 from gpulib.config import Config
 from gpulib.context import SETUP_JOURNAL, Context
@@ -55,7 +54,6 @@ from gpulib.doctor import (
 )
 from gpulib.doctor import passthrough as pt
 from gpulib.doctor.actions import (
-    Action,
     KernelArgs,
     Manual,
     Reboot,
@@ -67,7 +65,10 @@ from gpulib.errors import GpulibError, InputError, LockTimeout
 from gpulib.pci import PciAddress
 from gpulib.sysfs import ReadFailure, Sysfs
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from gpulib.doctor.actions import Action
+
+log = logger.get(__name__)
 
 SCHEMA = 1
 JOURNAL_VERSION = 2

@@ -41,11 +41,10 @@ its rollback); its intents it did not adopt are settled when it commits.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable, Optional
 
-from gpulib import mdev, nvidia
+from gpulib import logger, mdev, nvidia
 from gpulib.errors import DeviceError, GpulibError
 from gpulib.pci import PciAddress
 from gpulib.state import REMOVALS, Device, Intent, State, VgpuRecord, utc_now
@@ -54,7 +53,7 @@ if TYPE_CHECKING:
     from gpulib.liveness import Liveness
     from gpulib.sysfs import Sysfs
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 
 class Journal:

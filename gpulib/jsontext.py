@@ -13,7 +13,10 @@ above them are walked in Python. The text is byte for byte what
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 

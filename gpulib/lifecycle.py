@@ -14,10 +14,9 @@
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import TYPE_CHECKING, Callable, Optional
 
+from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import BOOT_ID, Context
 from gpulib.errors import GpulibError, InputError
@@ -39,10 +38,13 @@ from gpulib.usage import DomainDevices, running_domains
 
 # The vGPU modules and the allocator are imported where a function needs
 # them: onStart comes here for its store and clock, and needs neither.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Callable, Optional
+
     from gpulib import mdevctl
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 _ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
 # A pending allocation younger than this may belong to a VM that is starting:

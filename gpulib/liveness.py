@@ -21,7 +21,6 @@ about to be destroyed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Optional
 
 from gpulib.context import RUNNING_DOMAINS
 from gpulib.sysfs import ReadFailure
@@ -33,7 +32,10 @@ from gpulib.usage import (
     status_uuid,
 )
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
     from gpulib.sysfs import Sysfs
 
 

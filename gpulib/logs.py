@@ -16,10 +16,10 @@ import sys
 import time
 from typing import Optional
 
-from gpulib.context import LOG_DIR, Context
-from gpulib.sysfs import ReadFailure, file_kind
+from gpulib.context import LOG_DIR, LOG_FAILURES_FILE, Context
+from gpulib.logger import level_number
+from gpulib.sysfs import file_kind
 
-LOG_FAILURES_FILE = "run/gpulib/log-failures"
 # The note file stays small whatever happens: a line per failing process.
 _FAILURES_MAX_BYTES = 64 * 1024
 _FORMAT = "%(name)s: %(levelname)s %(message)s"
@@ -40,7 +40,8 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
     logging.captureWarnings(True)
     failures = FailureNote(ctx.path(LOG_FAILURES_FILE), program)
     root = logging.getLogger()
-    root.setLevel(min(_level(level), _level(stderr_level) if stderr_level else logging.CRITICAL))
+    root.setLevel(min(level_number(level),
+                      level_number(stderr_level) if stderr_level else logging.CRITICAL))
     handler: Optional[logging.Handler] = None
     if use_syslog and ctx.root == "/" and os.path.exists("/dev/log"):
         handler = SyslogHandler(program, failures)
@@ -49,11 +50,11 @@ def setup(ctx: Context, program: str, level: str = "info", use_syslog: bool = Tr
         handler = LazyFileHandler(ctx.path(LOG_DIR + "/gpulib.log"), failures)
         handler.setFormatter(logging.Formatter(f"%(asctime)s {program}[%(process)d]: "
                                                + _FORMAT))
-    handler.setLevel(_level(level))
+    handler.setLevel(level_number(level))
     root.addHandler(handler)
     if stderr_level:
         err = logging.StreamHandler(sys.stderr)
-        err.setLevel(_level(stderr_level))
+        err.setLevel(level_number(stderr_level))
         err.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         root.addHandler(err)
 
@@ -87,14 +88,6 @@ class FailureNote:
                 os.close(fd)
         except OSError:
             pass  # nowhere left to say it: the record is lost, quietly
-
-
-def read_failures(ctx: Context) -> list[str]:
-    """The lines of the failure note (one per process that lost a record)."""
-    text = ctx.sysfs.read_result(LOG_FAILURES_FILE)
-    if isinstance(text, ReadFailure):
-        return []
-    return [line for line in text.decode("utf-8", "replace").splitlines() if line.strip()]
 
 
 class LazyFileHandler(logging.FileHandler):
@@ -168,8 +161,3 @@ class SyslogHandler(logging.Handler):
     def handleError(self, record: logging.LogRecord) -> None:
         if self._failures is not None:
             self._failures(sys.exc_info()[1])
-
-
-def _level(name: Optional[str]) -> int:
-    return {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-            "error": logging.ERROR}.get((name or "info").lower(), logging.INFO)

@@ -15,13 +15,12 @@ lists the type first (the same type on the other VFs shares them, `same_as`).
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import re
 import time
 from collections.abc import Sequence
-from typing import Optional
 
+from gpulib import logger
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.lazyre import lazy
 from gpulib.pci import PCI_DEVICES, PciAddress
@@ -30,7 +29,11 @@ from gpulib.sysfs import ReadFailure, Sysfs
 # The one rule each (gpulib.validate); check_* stay importable from here.
 from gpulib.validate import check_type_id, check_uuid, is_type_id, is_uuid
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
+
+log = logger.get(__name__)
 
 MDEV_DEVICES = "sys/bus/mdev/devices"
 MDEV_BUS = "sys/class/mdev_bus"

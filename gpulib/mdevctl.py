@@ -27,11 +27,9 @@ devices (gpulib manages GPUs only), and files whose JSON is not a definition.
 from __future__ import annotations
 
 import json
-import logging
 import os
-from typing import Any, Optional
 
-from gpulib import atomicfile
+from gpulib import atomicfile, logger
 from gpulib.context import Context
 from gpulib.errors import InputError
 from gpulib.lazyre import lazy
@@ -39,7 +37,11 @@ from gpulib.pci import PciAddress
 from gpulib.sysfs import ReadFailure, read_file
 from gpulib.validate import check_pci_address, check_type_id, check_uuid
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Optional
+
+log = logger.get(__name__)
 
 MDEVCTL_DIR = "etc/mdevctl.d"
 START_POLICIES = ("auto", "manual")

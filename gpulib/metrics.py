@@ -40,19 +40,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Optional, Union
 
 from gpulib import counters
 from gpulib.mdev import available_all
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional, Union
+
     from gpulib.config import Config
     from gpulib.context import Context
     from gpulib.discovery import Gpu, Inventory
     from gpulib.mdev import MdevType
     from gpulib.state import State
 
-Number = Union[int, float]
+    Number = Union[int, float]
+
 STATUS_VALUES = {"ok": 0, "warn": 1, "fail": 2}
 
 

@@ -35,10 +35,9 @@ migrate check`): the choice is made on the state as read, nothing applied.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
-from gpulib import mdev, nvidia
+from gpulib import logger, mdev, nvidia
 from gpulib.allocator import (
     AllocateVf,
     AllocateVgpu,
@@ -67,7 +66,7 @@ if TYPE_CHECKING:
     from gpulib.discovery import Inventory
     from gpulib.sysfs import Sysfs
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 # How far the UUIDs derived for an arriving VM's new vGPUs are searched for
 # one this host does not use (each VM has at most a few vGPUs).

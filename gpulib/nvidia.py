@@ -10,16 +10,19 @@ writing 0 destroys it). Such VFs go to guests as PCI hostdevs with
 from __future__ import annotations
 
 import errno
-import logging
 import time
-from typing import Optional
 
+from gpulib import logger
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.lazyre import lazy
 from gpulib.pci import PCI_DEVICES, PciAddress
 from gpulib.sysfs import Sysfs
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
+
+log = logger.get(__name__)
 
 NVIDIA_VENDOR = 0x10DE
 # Type ids are small numbers (the driver's are below 10**4); 9 digits is the bound.

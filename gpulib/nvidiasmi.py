@@ -40,18 +40,21 @@ every supported type as a block of `key : value` lines:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from collections import namedtuple
 
+from gpulib import logger
 from gpulib.errors import InputError
 from gpulib.pci import PciAddress
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, NamedTuple, Optional
+
     from gpulib.discovery import Inventory
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 # Where the NVIDIA vGPU manager installs its tool, below the root.
 TOOL_PATHS = ("usr/bin/nvidia-smi", "usr/sbin/nvidia-smi")
@@ -70,13 +73,16 @@ OUTPUT_MAX = 8 * 1024 * 1024
 NUMBER_MAX = 10 ** 9
 
 
-# The functional form, with real types (as gpulib.pci.PciAddress): the class
-# form's postponed annotations cost a compile() per field when the class is
-# made, on every `gpulib discover` of a host with NVIDIA vendor VFs.
-_TypeNumbersFields = NamedTuple("_TypeNumbersFields", [  # noqa: UP014
-    ("name", Optional[str]), ("max_instances", Optional[int]),
-    ("framebuffer_mb", Optional[int]), ("num_heads", Optional[int]),
-    ("max_resolution", Optional[tuple[int, int]])])
+if TYPE_CHECKING:
+    class _TypeNumbersFields(NamedTuple):
+        name: Optional[str]
+        max_instances: Optional[int]
+        framebuffer_mb: Optional[int]
+        num_heads: Optional[int]
+        max_resolution: Optional[tuple[int, int]]
+else:  # without typing (see gpulib.pci.PciAddress)
+    _TypeNumbersFields = namedtuple("_TypeNumbersFields", (
+        "name", "max_instances", "framebuffer_mb", "num_heads", "max_resolution"))
 
 
 class TypeNumbers(_TypeNumbersFields):

@@ -33,23 +33,25 @@ idle pool member keeps it) it is `unavailable`: not offered, and refused.
 
 from __future__ import annotations
 
-import logging
 import os
+from collections import namedtuple
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, NamedTuple, Optional
 
-from gpulib import mdev, nvidia
+from gpulib import logger, mdev, nvidia
 from gpulib.errors import GpulibError, InputError
 from gpulib.pci import PciAddress, physical_function
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import NamedTuple, Optional
+
     from gpulib.config import Config
     from gpulib.state import State
     from gpulib.sysfs import Sysfs
     from gpulib.usage import DomainDevices
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 ACTIVE = "active"
 PENDING = "pending"
@@ -92,8 +94,12 @@ def _is_mdev(node: str) -> bool:
 
 # `scopes`: the nodes whose holds (other VMs' vGPUs or VFs below them) keep
 # the device: the first with any names them. Empty: nothing a VM holds does.
-# The functional form, with real types (see pci.PciAddress).
-Blocked = NamedTuple("Blocked", [("scopes", tuple[str, ...]), ("reason", str)])  # noqa: UP014
+if TYPE_CHECKING:
+    class Blocked(NamedTuple):
+        scopes: tuple[str, ...]
+        reason: str
+else:  # without typing (see pci.PciAddress)
+    Blocked = namedtuple("Blocked", ("scopes", "reason"))
 Blocked.__doc__ = "Why a device cannot be made ready now (`Tree.blocked`)."
 
 

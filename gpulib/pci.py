@@ -8,11 +8,15 @@ renderings of the same value.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional
+from collections import namedtuple
 
 from gpulib.errors import DeviceError, InputError
 from gpulib.sysfs import ReadFailure, Sysfs
 from gpulib.validate import pci_address_parts
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NamedTuple, Optional
 
 PCI_DEVICES = "sys/bus/pci/devices/"
 
@@ -53,11 +57,17 @@ def libvirt_uint(text: str) -> Optional[int]:
     return value if value <= 0xFFFFFFFF else None
 
 
-# The functional form, with real types: the class form's annotations are
-# strings here (postponed evaluation), and typing compiles each one when it
-# makes the class, about half a millisecond per field on every hook run.
-_PciAddressFields = NamedTuple("_PciAddressFields", [("domain", int), ("bus", int),  # noqa: UP014
-                                                     ("slot", int), ("function", int)])
+if TYPE_CHECKING:
+    class _PciAddressFields(NamedTuple):
+        domain: int
+        bus: int
+        slot: int
+        function: int
+else:
+    # The same tuple without typing, whose import costs every run milliseconds
+    # (and whose class form compiles each postponed annotation when it makes
+    # the class, about half a millisecond per field on every hook run).
+    _PciAddressFields = namedtuple("_PciAddressFields", ("domain", "bus", "slot", "function"))
 
 
 # str() of the addresses met so far, bounded (a host has at most a few

@@ -15,10 +15,12 @@ millisecond.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from gpulib.pci import PciAddress
 from gpulib.sysfs import ATTRIBUTE_MAX, DOCUMENT_MAX, Sysfs
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
 
 PCI_IDS_PATHS = ("usr/share/misc/pci.ids", "usr/share/hwdata/pci.ids", "usr/share/pci.ids")
 # pci.ids names are below 100 characters; a longer one is garbage, cut.

@@ -15,9 +15,9 @@ where the transformer would repair.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
+from gpulib import logger
 from gpulib.config import Config
 from gpulib.domain import Domain, DomainXmlError, PciHostdev
 from gpulib.errors import DeviceError
@@ -28,7 +28,7 @@ from gpulib.plan import Action, AddGroupPeer, Refusals, UsePci, UseVf, plan_grou
 from gpulib.state import Device, State
 from gpulib.sysfs import Sysfs
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 AGENT_421_BUG = ("CloudStack 4.21 agent bug: a PCI domain other than 0000 rendered as "
                  "bus and slot (apache/cloudstack issue 12960)")

@@ -35,9 +35,9 @@ reads the capacity the last one used).
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
+from gpulib import logger
 from gpulib.domain import GpuRequest, VgpuRequest
 from gpulib.errors import DeviceError
 from gpulib.occupancy import Occupancy, refusal
@@ -46,7 +46,7 @@ from gpulib.pci import BRIDGE_BASE_CLASS
 if TYPE_CHECKING:
     from gpulib.state import Device, State
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 
 class MdevFacts(NamedTuple):

@@ -10,10 +10,7 @@ run changes nothing. Pool members survive VM stops and reboots (`restore`).
 
 from __future__ import annotations
 
-import logging
-from typing import Callable, Optional
-
-from gpulib import mdev, mdevctl, nvidia
+from gpulib import logger, mdev, mdevctl, nvidia
 from gpulib.config import Config, PoolConfig
 from gpulib.context import Context
 from gpulib.discovery import Gpu, Inventory
@@ -23,7 +20,11 @@ from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress
 from gpulib.state import State, VfRecord, VgpuRecord
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable, Optional
+
+log = logger.get(__name__)
 
 
 def _gpu_matches(pool: PoolConfig, gpu: Gpu) -> bool:

@@ -14,10 +14,9 @@ The file itself, its lock and its writers are `gpulib.state`.
 from __future__ import annotations
 
 import json
-import logging
 import time
-from typing import Any, Callable, Optional
 
+from gpulib import logger
 from gpulib.errors import InputError, StateError
 from gpulib.statetext import render_json
 from gpulib.validate import (
@@ -32,7 +31,11 @@ from gpulib.validate import (
     show,
 )
 
-log = logging.getLogger("gpulib.state")
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Optional
+
+log = logger.get("gpulib.state")
 
 SCHEMA_VERSION = 3
 """3: intents may also announce removals (`remove-mdev`, `clear-vf-type`: a

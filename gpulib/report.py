@@ -31,10 +31,13 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
 
 from gpulib.discovery import Gpu, Inventory
 from gpulib.mdev import MdevType
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Optional
 
 SCHEMA = 1
 

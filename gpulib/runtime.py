@@ -10,9 +10,7 @@ profiles). Newly seen names are written back under the lock, best effort.
 
 from __future__ import annotations
 
-import logging
-from typing import Optional
-
+from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import Discovery, Inventory, Known
@@ -22,7 +20,11 @@ from gpulib.occupancy import Occupancy
 from gpulib.state import State, StateStore
 from gpulib.usage import running_domains
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
+
+log = logger.get(__name__)
 
 
 def allocations_view(state: State) -> dict[str, list[tuple[str, str]]]:

@@ -11,7 +11,10 @@ them) and writes its own typed `__init__`.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, ClassVar, Optional
+
 
 
 class Slotted:

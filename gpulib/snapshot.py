@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import posixpath
 import re
@@ -47,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Callable, Optional
 
-from gpulib import atomicfile, mdev
+from gpulib import atomicfile, logger, mdev
 from gpulib.cloudstack import STATE_CHANGE_HOOK, TRANSFORMER_HOOK, agent_hooks_dir
 from gpulib.config import Config
 from gpulib.context import (
@@ -79,7 +78,7 @@ from gpulib.pciids import PCI_IDS_PATHS
 from gpulib.sysfs import ReadFailure, read_file
 from gpulib.validate import is_uuid
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 FORMAT = 1
 MANIFEST = "gpulib-snapshot.json"

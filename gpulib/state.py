@@ -47,14 +47,12 @@ locked section takes, on every VM start.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
-from gpulib import atomicfile
+from gpulib import atomicfile, logger
 from gpulib.errors import LockTimeout, StateError
 from gpulib.records import (
     ALLOCATION_STATUSES,
@@ -77,12 +75,15 @@ from gpulib.records import (
 from gpulib.statetext import render_json
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, Callable, Optional, TypeVar
+
     from gpulib.context import Context
 
-T = TypeVar("T")
+    T = TypeVar("T")
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 DEFAULT_LOCK_TIMEOUT = 20.0
 """Seconds to wait for the state lock: well inside the agent's 30 s hook timeout."""

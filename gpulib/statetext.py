@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 from json.encoder import encode_basestring_ascii as _json_string
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class _Unusual(Exception):

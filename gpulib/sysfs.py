@@ -31,17 +31,25 @@ rules, because one odd file must never stop a command:
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import posixpath
 import stat
 from collections.abc import Sequence
-from typing import Callable, Optional, Union
 
-log = logging.getLogger(__name__)
+from gpulib import logger
 
-# A kernel carries out a write to an attribute file: (absolute path, data).
-KernelWrite = Callable[[str, str], None]
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable, Optional, Union
+
+    # A kernel carries out a write to an attribute file: (absolute path, data).
+    KernelWrite = Callable[[str, str], None]
+    # Whether a caller already holds a file's content, judged by the file's
+    # status (a cache keyed on device, inode, size and mtime).
+    AlreadyRead = Callable[[os.stat_result], bool]
+
+log = logger.get(__name__)
+
 
 # Size bounds by kind of file. A sysfs attribute is at most one page (64 KiB
 # on arm64/ppc64le kernels); configuration and /proc text (cpuinfo of a
@@ -145,9 +153,6 @@ def read_file(path: str, limit: int = TEXT_MAX, follow: bool = True) -> Union[by
         os.close(fd)
 
 
-# Whether a caller already holds a file's content, judged by the file's status
-# (a cache keyed on device, inode, size and mtime).
-AlreadyRead = Callable[[os.stat_result], bool]
 
 
 def read_file_unless(path: str, known: AlreadyRead, limit: int = TEXT_MAX, follow: bool = True
@@ -465,7 +470,7 @@ class Sysfs:
         try:
             self._kernel_write(path, data)
         except OSError as exc:
-            log.log(logging.INFO if exc.errno in expected else logging.WARNING,
+            log.log(logger.INFO if exc.errno in expected else logger.WARNING,
                     "write %r to %s failed: %s", data, path,
                     os.strerror(exc.errno or errno.EIO))
             raise

@@ -25,17 +25,22 @@ and so does the agent's periodic discovery (which keeps the file too).
 from __future__ import annotations
 
 import json
-import logging
 import os
-from typing import Any, Optional
 
+from gpulib import logger
 from gpulib.context import RUNNING_DOMAINS
 from gpulib.errors import InputError
 from gpulib.pci import PciAddress
-from gpulib.sysfs import AlreadyRead, ReadFailure, Sysfs
+from gpulib.sysfs import ReadFailure, Sysfs
 from gpulib.validate import libvirt_uuid
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Optional
+
+    from gpulib.sysfs import AlreadyRead
+
+log = logger.get(__name__)
 
 # libvirt caps a domain XML at 10 MB; a status file is that plus a little.
 MAX_STATUS_BYTES = 16 * 1024 * 1024

@@ -26,9 +26,11 @@ than parsing a whole state file, which it does under the state lock.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from gpulib.errors import InputError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
 
 TYPE_ID_MAX = 128
 MAX_PCI_DOMAIN = 0xFFFFFFFF

@@ -13,16 +13,16 @@ The connection: `--connect URI` when given, else whatever virsh picks
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from typing import NamedTuple, Optional
 
+from gpulib import logger
 from gpulib.errors import DeviceError, GpulibError, InputError
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 # virsh answers in milliseconds; a hung libvirtd must not hang the CLI forever.
 VIRSH_TIMEOUT = 60.0

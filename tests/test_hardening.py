@@ -26,9 +26,8 @@ from lxml import etree
 
 from gpulib import doctor as dr
 from gpulib import snapshot as snap
-from gpulib.context import Context
+from gpulib.context import LOG_FAILURES_FILE, Context
 from gpulib.errors import InputError
-from gpulib.logs import LOG_FAILURES_FILE
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import HOOK_LOCK_TIMEOUT_CAP, StateStore

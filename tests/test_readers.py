@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from gpulib import usage
 from gpulib.config import Config
-from gpulib.context import Context
+from gpulib.context import LOG_FAILURES_FILE, Context
 from gpulib.errors import ConfigError, DeviceError
-from gpulib.logs import LOG_FAILURES_FILE, FailureNote, LazyFileHandler
+from gpulib.logs import FailureNote, LazyFileHandler
 from gpulib.pci import PciAddress, list_addresses
 from gpulib.runtime import discover_host
 from gpulib.sim import faults

@@ -12,7 +12,10 @@ Exit codes: see gpulib.errors (0 ok, 1 failed, 2 bad input, 3 busy, 4 state).
 from __future__ import annotations
 
 import sys
-from typing import Any, NoReturn, Optional
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn, Optional
 
 
 def main(argv: Optional[list[str]] = None) -> int:

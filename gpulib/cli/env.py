@@ -3,25 +3,15 @@
 
 from __future__ import annotations
 
-import logging
-from typing import Optional
-
-from gpulib import logs
+from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import Context
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
 
-
-class _Held(logging.Handler):
-    """Keeps records until logging is set up."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+log = logger.get(__name__)
 
 
 class Env:
@@ -40,18 +30,28 @@ class Env:
         # stop the commands that still work with it (discover, doctor). What
         # reading it logs is held until logging is set up (else it would go
         # to stderr, into the output the CloudStack agent reads).
-        held = _Held()
-        root = logging.getLogger()
-        root.addHandler(held)
+        logger.hold()
         try:
             cfg = env.readable_config
-        finally:
-            root.removeHandler(held)
+        except BaseException:
+            logger.release(replay=False)
+            raise
+        level, use_syslog = cfg.get("log", "level"), cfg.get_bool("log", "syslog")
         stderr_level = {0: None, 1: "info"}.get(verbose, "debug")
-        logs.setup(env.ctx, "gpulib", level=cfg.get("log", "level"),
-                   use_syslog=cfg.get_bool("log", "syslog"), stderr_level=stderr_level)
-        for record in held.records:
-            logging.getLogger(record.name).handle(record)
+
+        def install() -> None:
+            from gpulib import logs
+
+            logs.setup(env.ctx, "gpulib", level=level, use_syslog=use_syslog,
+                       stderr_level=stderr_level)
+
+        # Python's logging is loaded for the first record kept: a plain
+        # `discover` or `metrics` logs nothing, and never imports it.
+        logger.configure_later(
+            min(logger.level_number(level),
+                logger.level_number(stderr_level) if stderr_level else logger.CRITICAL),
+            install)
+        logger.release()
         for problem in cfg.problems:
             log.warning("%s", problem)
         return env

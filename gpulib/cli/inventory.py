@@ -11,10 +11,13 @@ and exits exactly as before.
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 from gpulib.cli.env import Env
 from gpulib.cli.plain import leading_verbosity, run
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
 
 FORMATS = ("cloudstack", "json", "table")
 

@@ -10,11 +10,14 @@ which this module makes only when asked for (`metrics`).
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
 
 from gpulib.cli import plain
 from gpulib.cli.env import Env
 from gpulib.cli.plain import leading_verbosity
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Optional
 
 HELP = """Print the host's GPU facts in Prometheus' text format.
 

@@ -5,9 +5,12 @@ turns an error into one line and its exit code, as click's wrapper does."""
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional
 
 from gpulib.errors import GpulibError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable, Optional
 
 
 def leading_verbosity(args: list[str], command: str) -> Optional[tuple[int, list[str]]]:

@@ -8,11 +8,12 @@ the host sees them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
-
 from gpulib.slotted import FrozenSlotted
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, Union
+
     from gpulib.doctor.core import Distro
 
 
@@ -120,7 +121,9 @@ class Manual(FrozenSlotted):
         return {"kind": "manual", "text": self.text}
 
 
-Action = Union[KernelArgs, WriteFile, RunCommand, Reboot, RestartService, Manual]
+if TYPE_CHECKING:
+    Action = Union[KernelArgs, WriteFile, RunCommand, Reboot, RestartService, Manual]
+
 
 
 def _printf(content: str) -> str:

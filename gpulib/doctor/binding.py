@@ -3,13 +3,13 @@ vendor driver; `vfio-pci.ids=`/`pci-stub.ids=` on the command line are shown."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gpulib.doctor import passthrough as pt
-from gpulib.doctor.actions import Action, Manual, Reboot
+from gpulib.doctor.actions import Manual, Reboot
 from gpulib.doctor.core import FAIL, HOST_DISPLAY_DRIVERS, OK, WARN, Result, is_free_for_vfio
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from gpulib.doctor.actions import Action
     from gpulib.doctor.facts import Doctor
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
 
 from gpulib.config import Config
 from gpulib.context import CONFIG_FILE
 from gpulib.doctor.core import FAIL, OK, WARN, Result, host_path
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
     from gpulib.doctor.facts import Doctor
 
 

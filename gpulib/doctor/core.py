@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Optional, Union
-
-from gpulib import cloudstack
+from gpulib import cloudstack, logger
 from gpulib.cloudstack import agent_hooks_dir as agent_hooks_dir
 
 # The locations the checks read, defined once in gpulib.context; the doctor
@@ -46,10 +43,17 @@ from gpulib.context import (
 from gpulib.context import (
     Context,
 )
-from gpulib.doctor.actions import Action
 from gpulib.slotted import Slotted
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Optional, Union
+
+    from gpulib.doctor.actions import Action
+
+    Details = list[dict[str, Any]]
+
+log = logger.get(__name__)
 
 OK = "ok"
 WARN = "warn"
@@ -91,7 +95,6 @@ def is_free_for_vfio(driver: Optional[str]) -> bool:
 # -- results ---------------------------------------------------------------------------
 
 
-Details = list[dict[str, Any]]
 
 
 class Result(Slotted):

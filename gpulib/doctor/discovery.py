@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any, Optional
 
 from gpulib import cloudstack
 from gpulib.context import CONFIG_FILE
 from gpulib.doctor.core import FAIL, OK, WARN, Result, host_path
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, Optional
+
     from gpulib.doctor.facts import Doctor
 
 

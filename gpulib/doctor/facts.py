@@ -7,18 +7,16 @@ file is read without the lock, and the lock is only tried.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import time
-from typing import Callable, Optional
 
-from gpulib import bootconfig
+from gpulib import bootconfig, logger
 from gpulib.bootconfig import DEFAULT_GRUB
 from gpulib.config import Config
 from gpulib.context import PROC_CMDLINE, STATE_DIR, STATE_FILE, Context
 from gpulib.discovery import Gpu, Inventory
-from gpulib.doctor.actions import Action, render
+from gpulib.doctor.actions import render
 from gpulib.doctor.core import (
     AMD_VENDOR,
     BOOT_ID,
@@ -38,18 +36,13 @@ from gpulib.runtime import discover_host
 from gpulib.state import CorruptStateError, State, StateVersionError
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable, Optional
 
-class _Collect(logging.Handler):
-    """Collects the warnings a module logs while the doctor calls it."""
+    from gpulib.doctor.actions import Action
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
+log = logger.get(__name__)
 
 class Doctor:
     """Runs the checks against the host below `ctx`'s root; never writes."""
@@ -79,21 +72,14 @@ class Doctor:
     def config(self) -> Config:
         if not self._config_loaded:
             self._config_loaded = True
-            collect = _Collect()
-            config_log = logging.getLogger("gpulib.config")
-            level = config_log.level
-            config_log.addHandler(collect)
-            config_log.setLevel(min(level or logging.WARNING, logging.WARNING))
-            try:
+            # The warnings reading it logs are the `config` check's too.
+            with logger.Capture("gpulib.config") as warnings:
                 # Lenient: the other checks run with what can be read; the
                 # problems are the `config` check's finding.
                 self._config = Config.load(self.ctx.config_path, lenient=True)
                 if self._config.problems:
                     self._config_error = "; ".join(self._config.problems)
-            finally:
-                config_log.removeHandler(collect)
-                config_log.setLevel(level)
-            self._config_warnings = collect.messages
+            self._config_warnings = warnings
         assert self._config is not None
         return self._config
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gpulib.doctor.actions import Reboot
 from gpulib.doctor.core import FAIL, OK, WARN, Result, is_free_for_vfio
 from gpulib.pci import PCI_DEVICES
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpulib.doctor.facts import Doctor
 

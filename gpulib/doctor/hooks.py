@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
-from typing import TYPE_CHECKING, Optional
 
 from gpulib import cloudstack
 from gpulib.context import CLOUDSTACK_AGENT_DIR
@@ -22,7 +21,10 @@ from gpulib.doctor.core import (
     host_path,
 )
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
     from gpulib.doctor.facts import Doctor
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gpulib import bootconfig
 from gpulib.context import PROC_CMDLINE
-from gpulib.doctor.actions import Action, KernelArgs, Manual, Reboot, RunCommand
+from gpulib.doctor.actions import KernelArgs, Manual, Reboot, RunCommand
 from gpulib.doctor.core import DEFAULT_GRUB, FAIL, OK, WARN, Result, host_path
 from gpulib.errors import GpulibError
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from gpulib.doctor.actions import Action
     from gpulib.doctor.facts import Doctor
 
 

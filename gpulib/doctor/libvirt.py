@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Optional
 
 from gpulib.doctor.actions import RestartService
 from gpulib.doctor.core import (
@@ -21,7 +20,10 @@ from gpulib.doctor.core import (
 # libvirtd's start time is known to a clock tick, the boot time to a second.
 _START_SLACK = 1.0
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
     from gpulib.doctor.facts import Doctor
 
 

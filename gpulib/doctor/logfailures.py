@@ -6,18 +6,17 @@ agent's XML) and note it in `run/gpulib/log-failures`; this check reads it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from gpulib.context import LOG_DIR
+from gpulib.context import LOG_DIR, LOG_FAILURES_FILE
 from gpulib.doctor.core import OK, WARN, Result, host_path
+from gpulib.sysfs import ReadFailure
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from gpulib.context import Context
     from gpulib.doctor.facts import Doctor
 
 
 def check(d: Doctor) -> list[Result]:
-    from gpulib.logs import LOG_FAILURES_FILE, read_failures
-
     shown = host_path(LOG_FAILURES_FILE)
     notes = read_failures(d.ctx)
     if not notes:
@@ -27,3 +26,11 @@ def check(d: Doctor) -> list[Result]:
                    f"last: {notes[-1]}",
                    f"free space under {host_path(LOG_DIR)} or repair syslog (/dev/log), then "
                    f"rm {shown}")]
+
+
+def read_failures(ctx: Context) -> list[str]:
+    """The lines of the failure note (one per process that lost a record)."""
+    text = ctx.sysfs.read_result(LOG_FAILURES_FILE)
+    if isinstance(text, ReadFailure):
+        return []
+    return [line for line in text.decode("utf-8", "replace").splitlines() if line.strip()]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from gpulib import mdev
 from gpulib.context import CONFIG_FILE
 from gpulib.doctor.core import OK, WARN, Result, host_path
 from gpulib.pci import PciAddress
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from gpulib.doctor.facts import Doctor
 
 

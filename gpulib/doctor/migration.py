@@ -17,12 +17,13 @@ never migrate a vGPU.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
-
 from gpulib.doctor.core import OK, WARN, Result
 from gpulib.lazyre import lazy
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
     from gpulib.doctor.facts import Doctor
     from gpulib.sysfs import Sysfs
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
 
 from gpulib.context import MODPROBE_DIR
-from gpulib.doctor.actions import Action, Manual, Reboot, RunCommand, WriteFile
+from gpulib.doctor.actions import Manual, Reboot, RunCommand, WriteFile
 from gpulib.doctor.core import FAIL, MODPROBE_DIRS, OK, WARN, Result, host_path
 from gpulib.lazyre import lazy
 from gpulib.nvidia import NVIDIA_VENDOR
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from gpulib.doctor.actions import Action
     from gpulib.doctor.facts import Doctor
 
 # Compiled on first use: only a host with modprobe files needs it.

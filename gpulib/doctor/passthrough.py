@@ -14,16 +14,19 @@ leaves the device where it is now.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Optional
 
 from gpulib.context import MODPROBE_DIR
 from gpulib.discovery import Gpu
-from gpulib.doctor.actions import Action, KernelArgs, Manual, Reboot, RunCommand, WriteFile
+from gpulib.doctor.actions import KernelArgs, Manual, Reboot, RunCommand, WriteFile
 from gpulib.doctor.core import is_free_for_vfio, is_vfio_driver
 from gpulib.pci import BRIDGE_BASE_CLASS, PCI_DEVICES, PciAddress, PciFunction
 from gpulib.slotted import Slotted
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
+    from gpulib.doctor.actions import Action
     from gpulib.doctor.facts import Doctor
 
 VFIO_CONF = MODPROBE_DIR + "/gpulib-vfio.conf"

@@ -17,11 +17,13 @@ extended attribute.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
 
 from gpulib.doctor.core import FAIL, OK, WARN, Result, host_path
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
     from gpulib.doctor.facts import Doctor
 
 ENFORCE = "sys/fs/selinux/enforce"

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
-
-from gpulib.doctor.actions import Action, Manual, RunCommand
+from gpulib.doctor.actions import Manual, RunCommand
 from gpulib.doctor.core import FAIL, OK, Result
 from gpulib.nvidia import NVIDIA_VENDOR
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
+    from gpulib.doctor.actions import Action
     from gpulib.doctor.facts import Doctor
 
 SRIOV_MANAGE = "usr/lib/nvidia/sriov-manage"

@@ -5,14 +5,16 @@ from __future__ import annotations
 import errno
 import os
 import time
-from typing import TYPE_CHECKING, Optional
 
 from gpulib import mdev
 from gpulib.context import LOCK_FILE, STATE_DIR, STATE_FILE
 from gpulib.doctor.core import FAIL, OK, WARN, Result, host_path
 from gpulib.pci import PCI_DEVICES
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Optional
+
     from gpulib.doctor.facts import Doctor
 
 

@@ -43,10 +43,9 @@ A start is planned, then applied, inside one state transaction:
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Optional
 
-from gpulib import mdev, nvidia
+from gpulib import logger, mdev, nvidia
 from gpulib.allocator import Allocator, record, release
 from gpulib.apply import apply_adoptions, apply_kept, apply_named
 from gpulib.config import Config, metadata_allowed
@@ -87,7 +86,7 @@ from gpulib.validate import check_vm_name
 if TYPE_CHECKING:
     from gpulib.discovery import Inventory
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 
 class StartMode:

@@ -6,15 +6,14 @@ never import lxml: they run on every VM start and stop.
 
 from __future__ import annotations
 
-import logging
-
+from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.lifecycle import boot_clock, open_store, release_stale
 from gpulib.liveness import Liveness
 from gpulib.state import State, utc_now
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 
 def settle_left(ctx: Context, state: State, liveness: Liveness) -> None:

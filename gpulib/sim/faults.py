@@ -31,9 +31,14 @@ import json
 import os
 import posixpath
 from collections.abc import Sequence
-from typing import Optional, Union
 
-from gpulib.sysfs import DOCUMENT_MAX, AlreadyRead, KernelWrite, ReadFailure, Sysfs
+from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, Sysfs
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional, Union
+
+    from gpulib.sysfs import AlreadyRead, KernelWrite
 
 FAULTS_FILE = ".gpulib-sim/faults.json"
 ERRNO_FAULTS = {

@@ -32,16 +32,16 @@ hidden `.sim-*` files next to the attribute it belongs to.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 from typing import Optional
 
+from gpulib import logger
 from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
 from gpulib.sim.fakehost import make_attr_files, mdev_attr_spec, relative_symlink
 from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, read_text
 
-log = logging.getLogger(__name__)
+log = logger.get(__name__)
 
 _UUID = lazy(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
                    r"[0-9a-fA-F]{12}$")
