@@ -118,6 +118,8 @@ class VirtualFunction:
         self._shared: dict[str, mdev.MdevType] = {}
         self._made: dict[str, mdev.MdevType] = {}
         self._types_rel = ""
+        # `available_once`: the offered types' instances left, read once.
+        self._available: Optional[list[Optional[int]]] = None
 
     @property
     def address(self) -> PciAddress:
@@ -154,6 +156,7 @@ class VirtualFunction:
     def mdev_types(self, types: list[mdev.MdevType]) -> None:
         self._types = types
         self._offered, self._shared, self._made = (), {}, {}
+        self._available = None
 
     def offer_types(self, sysfs: Sysfs, offered: tuple[str, ...],
                     shared: dict[str, mdev.MdevType]) -> None:
@@ -161,8 +164,36 @@ class VirtualFunction:
         self._types = None
         self._sysfs = sysfs
         self._offered, self._shared, self._made = offered, shared, {}
+        self._available = None
         # The types' directory, made once for the VF's thousands of types.
         self._types_rel = f"{PCI_DEVICES}{self.address}/{mdev.TYPES_DIR}/"
+
+    def offered(self) -> list[tuple[str, mdev.MdevType]]:
+        """(id, the type that answers for its name) of each type in
+        `mdev_types`, in that order, without an object per type when none
+        was made: a report of the whole host (`gpulib metrics`, the doctor's
+        `mdev` check) needs of a large host's 16 VFs x 24 types a GPU only
+        their ids, names and instances left."""
+        if self._types is not None:
+            return [(t.type_id, t) for t in self._types]
+        made, shared = self._made, self._shared
+        return [(n, made.get(n) or shared[n]) for n in self._offered]
+
+    def available_once(self) -> list[Optional[int]]:
+        """`available_instances` of each type of `offered`, in its order:
+        read now, a directory at a time, and answered from then on without a
+        read (as `MdevType.available_once`: for a report of one instant,
+        never for what a start allocates from)."""
+        if self._available is None:
+            if self._types is not None:
+                mdev.available_all(self._types)
+                self._available = [t.available_once() for t in self._types]
+            else:
+                assert self._sysfs is not None
+                self._available = self._sysfs.read_counts(
+                    self._types_rel[:-1], [n + "/available_instances" for n in self._offered],
+                    high=mdev.INSTANCES_MAX)
+        return self._available
 
     def mdev_type(self, type_id: str) -> Optional[mdev.MdevType]:
         """The offered type `type_id`, None when the VF does not offer it."""
@@ -250,6 +281,25 @@ class Gpu:
         its GPU can give it that type now): the hooks refuse the others."""
         return [vf for vf in self.vfs if not vf.mdev_parent and vf.available
                 and (vf.nvidia is None or vf.nvidia.profile_type)]
+
+    def mdev_offers(self) -> list[tuple[PciAddress, list[tuple[str, mdev.MdevType]],
+                                        list[Optional[int]]]]:
+        """Each mdev parent of the GPU (itself, then its VFs) with its types as
+        `VirtualFunction.offered` gives them and their `available_instances`
+        in the same order: read a parent's directory at a time, once, and
+        kept for whatever else the same report asks (`gpulib metrics` runs
+        the doctor, whose `mdev` check asks again)."""
+        out = []
+        if self.mdev_types:
+            types = self.mdev_types
+            mdev.available_all(types)
+            out.append((self.address, [(t.type_id, t) for t in types],
+                        [t.available_once() for t in types]))
+        for vf in self.vfs:
+            offered = vf.offered()
+            if offered:
+                out.append((vf.address, offered, vf.available_once()))
+        return out
 
     @property
     def offered_vgpus(self) -> list[Vgpu]:

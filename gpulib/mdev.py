@@ -38,6 +38,8 @@ log = logger.get(__name__)
 MDEV_DEVICES = "sys/bus/mdev/devices"
 MDEV_BUS = "sys/class/mdev_bus"
 TYPES_DIR = "mdev_supported_types"
+# The most `available_instances` taken as a number (more is a broken file).
+INSTANCES_MAX = 1 << 20
 
 # At most 7 digits per number: no real value is larger, and a garbage
 # description must not put a thousand-digit number in a report.
@@ -199,7 +201,8 @@ class MdevType:
         `available_once` was asked."""
         if self._available_kept:
             return self._available
-        return self._sysfs.read_int(self.rel + "/available_instances", low=0, high=1 << 20)
+        return self._sysfs.read_int(self.rel + "/available_instances", low=0,
+                                    high=INSTANCES_MAX)
 
     def available_once(self) -> Optional[int]:
         """`available_instances`, read now and answered from then on without
@@ -242,7 +245,7 @@ def available_all(types: Sequence[MdevType]) -> None:
         group[0].append(t)
         group[1].append(name + "/available_instances")
     for rel_dir, (kept, names) in by_dir.items():
-        counts = kept[0]._sysfs.read_counts(rel_dir, names, high=1 << 20)
+        counts = kept[0]._sysfs.read_counts(rel_dir, names, high=INSTANCES_MAX)
         for t, n in zip(kept, counts):
             t.keep_available(n)
 

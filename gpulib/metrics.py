@@ -42,7 +42,6 @@ import os
 from collections.abc import Iterable
 
 from gpulib import counters
-from gpulib.mdev import available_all
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
 
     from gpulib.config import Config
     from gpulib.context import Context
-    from gpulib.discovery import Gpu, Inventory
+    from gpulib.discovery import Inventory
     from gpulib.mdev import MdevType
     from gpulib.state import State
 
@@ -198,46 +197,36 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
             c[2] += rec is not None and rec.pool is not None
         # The label set of a parent's type, from parts made once: a large host
         # has 16 VFs x 24 types a GPU, and every VF offers the same types.
-        # parent -> its name and the start of its label sets
-        parents: dict[object, tuple[str, str]] = {}
         type_parts: dict[tuple[str, str], str] = {}
-        # The type whose files a type shares (itself, or the same type on the
-        # VF that listed it first) -> its label part: the same id shares the
-        # same name, so the part is found without asking for the name again.
+        # The type that answers for a type's name (itself, or the same type on
+        # the VF that listed it first) -> its label part: the same id shares
+        # the same name, so the part is found without asking for the name again.
         shared_parts: dict[MdevType, str] = {}
         gpu_part = label_set(("gpu",), (address,))[:-1]
-        types = _all_types(gpu)
-        # Read a parent's types at a time; kept for the doctor's `mdev`
-        # check, which asks every type again.
-        available_all(types)
         creatable_samples = creatable.samples
-        for t in types:
-            known = parents.get(t.parent)
-            if known is None:
-                name = str(t.parent)
-                known = parents[t.parent] = (
-                    name, f"{gpu_part},{label_set(('parent',), (name,))[1:-1]},")
-            parent, prefix = known
-            source = t.same_as or t
-            same_id = source.type_id == t.type_id
-            type_part = shared_parts.get(source) if same_id else None
-            if type_part is None:
-                profile = t.profile_name
-                type_part = type_parts.get((t.type_id, profile))
+        for parent_address, parent_types, available in gpu.mdev_offers():
+            parent = str(parent_address)
+            prefix = f"{gpu_part},{label_set(('parent',), (parent,))[1:-1]},"
+            for (type_id, t), n in zip(parent_types, available):
+                source = t.same_as or t
+                same_id = source.type_id == type_id
+                type_part = shared_parts.get(source) if same_id else None
                 if type_part is None:
-                    type_part = type_parts[(t.type_id, profile)] = \
-                        label_set(("type", "profile"), (t.type_id, profile))[1:]
-                if same_id:
-                    shared_parts[source] = type_part
-            n = t.available_once()
-            values = prefix + type_part
-            if n is not None:
-                creatable_samples.append((values, n))
-            found = counts.pop((parent, t.type_id), None) if counts else None
-            if found:
-                live.add_set(found[0], values)
-                held.add_set(found[1], values)
-                pooled.add_set(found[2], values)
+                    profile = t.profile_name
+                    type_part = type_parts.get((type_id, profile))
+                    if type_part is None:
+                        type_part = type_parts[(type_id, profile)] = \
+                            label_set(("type", "profile"), (type_id, profile))[1:]
+                    if same_id:
+                        shared_parts[source] = type_part
+                values = prefix + type_part
+                if n is not None:
+                    creatable_samples.append((values, n))
+                found = counts.pop((parent, type_id), None) if counts else None
+                if found:
+                    live.add_set(found[0], values)
+                    held.add_set(found[1], values)
+                    pooled.add_set(found[2], values)
         # vGPUs of a type their parent no longer lists (unreadable files).
         for (parent, type_id), c in sorted(counts.items()):
             profile = next(v.mdev_type.profile_name for v in gpu.vgpus
@@ -274,10 +263,6 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
             nv_type_typed.add_set(typed.get(tid, 0), vf_set)
             nv_type_held.add_set(held_vfs.get(tid, 0), vf_set)
             nv_type_creatable.add_set(free.get(tid, 0), vf_set)
-
-
-def _all_types(gpu: Gpu) -> list[MdevType]:
-    return [*gpu.mdev_types, *(t for vf in gpu.vfs for t in vf.mdev_types)]
 
 
 # -- gpulib's own records ---------------------------------------------------------------

@@ -441,6 +441,36 @@ def test_each_vf_offers_its_own_types(tmp_path: Path) -> None:
             for t in doc["mdev_types"]] == expected
 
 
+@pytest.mark.parametrize("made_first", [False, True])
+def test_a_gpus_mdev_offers_answer_as_its_types_do(tmp_path: Path, made_first: bool) -> None:
+    """What metrics and the doctor read of every parent's types, without an
+    object per VF type (or with them, once made), is what the types say."""
+    host = vf_sriov_host(str(tmp_path))
+    base = "sys/bus/pci/devices/{}/mdev_supported_types/{}/available_instances"
+    for i, vf in enumerate(("0000:10:00.4", "0000:10:00.5", "0000:10:00.6")):
+        host.write_file(base.format(vf, "nvidia-1"), f"{i + 3}\n")
+    host.write_file(base.format("0000:10:00.5", "nvidia-2"), "many\n")  # not a number
+    unreadable = Path(host.root, base.format("0000:10:00.6", "nvidia-2"))
+    unreadable.unlink()
+    unreadable.mkdir()
+    sysfs = Sysfs(host.root)
+    [g] = discover(sysfs).gpus
+    if made_first:
+        assert all(vf.mdev_types for vf in g.vfs)
+    offers = [(str(parent), type_id, t.profile_name, n)
+              for parent, types, available in g.mdev_offers()
+              for (type_id, t), n in zip(types, available)]
+    [fresh] = discover(sysfs).gpus
+    expected = [(str(t.parent), t.type_id, t.profile_name, t.available_instances)
+                for vf in fresh.vfs for t in vf.mdev_types]
+    assert offers == expected
+    assert [n for *_, n in offers] == [3, 4, 4, None, 5, None]
+    # Read once: asked again, the answers stay those of the first read.
+    host.write_file(base.format("0000:10:00.4", "nvidia-1"), "0\n")
+    assert [n for _, _, available in g.mdev_offers() for n in available] == \
+        [3, 4, 4, None, 5, None]
+
+
 def test_a_type_unreadable_where_first_listed_is_offered_by_no_vf(tmp_path: Path) -> None:
     host = vf_sriov_host(str(tmp_path))
     name = Path(host.root, "sys/bus/pci/devices/0000:10:00.4/mdev_supported_types/nvidia-1/name")
