@@ -113,12 +113,15 @@ def test_the_reports_load_neither_logging_nor_typing(tmp_path: Path, args: list[
     """What the agent and the metrics timer run every minute, on a host with
     vGPUs, VMs and a declared pool."""
     host = t4_farm(str(tmp_path))
+    # Against what the interpreter loaded before gpulib: a development
+    # install's import finder loads typing on older Pythons (importlib.abc).
     code = textwrap.dedent(f"""
         import sys
+        before = set(sys.modules)
         from gpulib.cli import main
         rc = main({args!r})
         sys.stdout.flush()
-        loaded = [m for m in ("logging", "typing") if m in sys.modules]
+        loaded = [m for m in ("logging", "typing") if m in sys.modules and m not in before]
         if loaded:
             sys.stderr.write(f"loaded {{loaded}}")
             sys.exit(99)

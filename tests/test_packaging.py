@@ -457,6 +457,7 @@ def _man_cache() -> set[str]:
 
 @pytest.mark.packaging
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_packaging_check() -> None:
     """Reproduction (issue: the README's test command fails on a fresh
     machine): run scripts/packaging-check twice in a row as root on a fresh

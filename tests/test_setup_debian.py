@@ -27,7 +27,7 @@ import pytest
 from gpulib.sim.fakehost import FakeHost
 from tests.setuphosts import DEBIAN_GRUB, GPU, UBUNTU_GRUB, unprepared_host
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 MIRROR = os.environ.get("GPULIB_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 SUITE = "bookworm"
