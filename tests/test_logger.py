@@ -45,18 +45,26 @@ def test_records_below_the_threshold_never_import_logging() -> None:
                                      "after another: [1]"]
 
 
-def test_the_first_kept_record_reaches_the_handlers_install_sets_up() -> None:
-    r = run_fresh("""
-        import sys
+def run_with_log_on_stdout(log_format: str, code: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter where `install()` sets logging up as
+    gpulib.logs would, to stdout in `log_format`, at warning and above."""
+    prelude = f"""
+        import sys, warnings
         from gpulib import logger
 
         def install():
             import logging
             handler = logging.StreamHandler(sys.stdout)
-            handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+            handler.setFormatter(logging.Formatter({log_format!r}))
             logging.getLogger().addHandler(handler)
             logging.getLogger().setLevel(logging.WARNING)
+            logging.captureWarnings(True)
+    """
+    return run_fresh(textwrap.dedent(prelude) + textwrap.dedent(code))
 
+
+def test_the_first_kept_record_reaches_the_handlers_install_sets_up() -> None:
+    r = run_with_log_on_stdout("%(name)s %(levelname)s %(message)s", """
         log = logger.get("gpulib.example")
         logger.configure_later(logger.WARNING, install)
         log.info("dropped")
@@ -116,17 +124,7 @@ def test_a_capture_collects_its_logger_and_those_below_it() -> None:
 
 
 def test_python_warnings_set_the_log_up_and_go_into_it() -> None:
-    r = run_fresh("""
-        import sys, warnings
-        from gpulib import logger
-
-        def install():
-            import logging
-            handler = logging.StreamHandler(sys.stdout)
-            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-            logging.getLogger().addHandler(handler)
-            logging.captureWarnings(True)
-
+    r = run_with_log_on_stdout("%(name)s: %(message)s", """
         logger.configure_later(logger.INFO, install)
         logger.configure_later(logger.INFO, install)  # a second call wraps nothing again
         warnings.warn("careful", UserWarning)
