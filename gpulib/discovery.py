@@ -186,8 +186,7 @@ class VirtualFunction:
         never for what a start allocates from)."""
         if self._available is None:
             if self._types is not None:
-                mdev.available_all(self._types)
-                self._available = [t.available_once() for t in self._types]
+                self._available = mdev.available_all(self._types)
             else:
                 assert self._sysfs is not None
                 self._available = self._sysfs.read_counts(
@@ -292,9 +291,8 @@ class Gpu:
         out = []
         if self.mdev_types:
             types = self.mdev_types
-            mdev.available_all(types)
             out.append((self.address, [(t.type_id, t) for t in types],
-                        [t.available_once() for t in types]))
+                        mdev.available_all(types)))
         for vf in self.vfs:
             offered = vf.offered()
             if offered:

@@ -19,8 +19,8 @@ to `logging` only when it would be kept:
 * `Capture(name, level)` collects the messages a module logs while a caller
   (the doctor) runs it, whatever the process keeps.
 
-Only `sys` is imported here; the hooks, which log every start, set up
-`logging` at once (`gpulib.logs.setup`) and do not need this.
+Only `sys` is imported here. The hooks, which log every start, set up
+`logging` at once (`gpulib.logs.setup`): their records go straight to it.
 """
 
 from __future__ import annotations

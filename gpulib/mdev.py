@@ -230,9 +230,9 @@ class MdevType:
         return sorted(self._sysfs.listdir(self.rel + "/devices"))
 
 
-def available_all(types: Sequence[MdevType]) -> None:
-    """`available_once` of every type in `types`, read a parent's types at a
-    time (`Sysfs.read_counts`): a large host's report reads thousands."""
+def available_all(types: Sequence[MdevType]) -> list[Optional[int]]:
+    """`available_once` of every type in `types`, in order, read a parent's
+    types at a time (`Sysfs.read_counts`): a large host's report reads thousands."""
     # type directory's parent -> (its types, their files below it)
     by_dir: dict[str, tuple[list[MdevType], list[str]]] = {}
     for t in types:
@@ -248,6 +248,7 @@ def available_all(types: Sequence[MdevType]) -> None:
         counts = kept[0]._sysfs.read_counts(rel_dir, names, high=INSTANCES_MAX)
         for t, n in zip(kept, counts):
             t.keep_available(n)
+    return [t.available_once() for t in types]
 
 
 def _one_line(text: str) -> str:

@@ -29,8 +29,8 @@ def check(d: Doctor) -> list[Result]:
         if parent not in parents:
             parents.add(parent)
             listed = mdev.list_types(d.sysfs, parent)
-            mdev.available_all(listed)
-            offers.extend((parent, t.type_id, t, t.available_once()) for t in listed)
+            offers.extend((parent, t.type_id, t, n)
+                          for t, n in zip(listed, mdev.available_all(listed)))
     problems: list[Result] = []
     for name, pool in sorted(d.config.pools.items()):
         if pool.type_id and not any(type_id == pool.type_id for _, type_id, _, _ in offers):
