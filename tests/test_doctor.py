@@ -285,6 +285,31 @@ def test_mdev_problems(host: FakeHost) -> None:
     assert "gpulib mdev remove" in (r.fix or "")
 
 
+def test_mdev_pools_are_judged_as_pool_apply_plans_them(host: FakeHost) -> None:
+    """A pool is a problem when `gpulib pool apply` would find nothing for it:
+    among its own GPUs, in mdev types or NVIDIA vendor VF types, by a
+    profile that is a type's name or its id."""
+    conf = "etc/gpulib/gpulib.conf"
+    offered = (
+        f"[pool t4]\nparents = {DEMO_T4}\nprofile = GRID T4-2B\ncount = 1\n"
+        # a type without its name: the id as the profile, as a request has it
+        "[pool t4-ids]\nparents = 10de:1eb8\nprofile = nvidia-223\ncount = 1\n"
+        f"[pool a10]\nparents = {DEMO_A10}\nprofile = NVIDIA A10-2B\ncount = 1\n"
+        f"[pool a10-ids]\nparents = {DEMO_A10}\ntype = 589\ncount = 1\n")
+    host.write_file(conf, offered)
+    assert only(run(host, only=["mdev"]), "mdev").status == dr.OK
+    # The T4's type asked of the A10, which offers it no more than an
+    # absent profile: neither pool gets a vGPU.
+    host.write_file(conf, offered
+                    + f"[pool elsewhere]\nparents = {DEMO_A10}\ntype = nvidia-223\ncount = 1\n"
+                    "[pool nothing]\nparents = all\nprofile = GRID T4-99Q\ncount = 1\n")
+    found = {r.subject: r for r in run(host, only=["mdev"]).results_for("mdev")}
+    assert set(found) == {"pool elsewhere", "pool nothing"}
+    assert all(r.status == dr.WARN and r.fix for r in found.values())
+    assert "type nvidia-223" in found["pool elsewhere"].message
+    assert "'GRID T4-99Q'" in found["pool nothing"].message
+
+
 def test_bad_config(host: FakeHost) -> None:
     host.write_file("etc/gpulib/gpulib.conf", "[transformer]\nrefuse_in_use = maybe\n")
     r = assert_fault(run(host), "config", "fail", "/etc/gpulib/gpulib.conf", allowed=("mdev",))

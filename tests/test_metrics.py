@@ -35,6 +35,7 @@ from gpulib.sim.hosts import build_demo, build_large, build_pool64
 from gpulib.state import Allocation, Device, State, StateStore, VgpuRecord, dumps
 from tests.hookrun import BIN, STATE_CHANGE, as_agent, hook_env, mdev_xml
 from tests.hosts import a10_host, empty_host, healthy_host, t4_farm, t4_host, two_t4_host
+from tests.test_realhosts import REAL_HOSTS
 
 ROOT = Path(__file__).resolve().parent.parent
 ETC = ROOT / "etc"
@@ -129,6 +130,10 @@ HOSTS: dict[str, Callable[[str], FakeHost]] = {
     "t4-farm": t4_farm,
     "two-t4": lambda tmp: two_t4_host(os.path.join(tmp, "host")),
 }
+# The layouts of real machines (odd VF numbering, VFs past the root bus,
+# types without a name, shared IOMMU groups, PCI domains 000f and 10000).
+HOSTS.update({f"real-{name}": (lambda tmp, build=build: build(os.path.join(tmp, "host")))
+              for name, build in REAL_HOSTS.items()})
 
 
 @pytest.fixture(scope="module")

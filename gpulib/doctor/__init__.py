@@ -14,7 +14,7 @@ Check ids (stable: scripts and the JSON depend on them):
                    their vendor driver; `vfio-pci.ids=`/`pci-stub.ids=` are shown
 * `iommu-group`    every other endpoint in a passthrough GPU's group can go with it
 * `sriov`          VFs are enabled where the card's vGPU needs them
-* `mdev`           mdev types offered, instances left, pools name offered types
+* `mdev`           mdev types offered, instances left, every pool finds its type on its GPUs
 * `hooks`          gpulib's hooks are installed and executable (libvirt's qemu.d,
                    the CloudStack agent's hook directory)
 * `libvirt`        libvirtd was (re)started after the qemu hook appeared (the

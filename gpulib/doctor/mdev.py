@@ -1,4 +1,4 @@
-"""`mdev`: mdev types offered, instances left, pools name offered types."""
+"""`mdev`: mdev types offered, instances left, every pool finds its type on its GPUs."""
 
 from __future__ import annotations
 
@@ -16,63 +16,77 @@ if TYPE_CHECKING:
 
 def check(d: Doctor) -> list[Result]:
     cid = "mdev"
-    # (parent, type id, the type that answers for its name, instances left)
-    # of every offered type, as discovery keeps them: a large host has
-    # thousands, each read once (by `gpulib metrics` already when it runs this).
-    offers: list[tuple[PciAddress, str, mdev.MdevType, Optional[int]]] = []
-    parents: set[PciAddress] = set()
+    # Each parent with its (type id, the type that answers for its name)
+    # pairs and their instances left, as discovery keeps them: a large host
+    # has thousands of pairs, each read once (by `gpulib metrics` already
+    # when it runs this), and walked here once.
+    offers: list[tuple[PciAddress, list[tuple[str, mdev.MdevType]], list[Optional[int]]]] = []
     for gpu in d.inventory.gpus:
-        for parent, types, available in gpu.mdev_offers():
-            parents.add(parent)
-            offers.extend((parent, type_id, t, n) for (type_id, t), n in zip(types, available))
+        offers.extend(gpu.mdev_offers())
+    parents = {parent for parent, _, _ in offers}
     for parent in mdev.list_parents(d.sysfs):
         if parent not in parents:
             parents.add(parent)
             listed = mdev.list_types(d.sysfs, parent)
-            offers.extend((parent, t.type_id, t, n)
-                          for t, n in zip(listed, mdev.available_all(listed)))
+            offers.append((parent, [(t.type_id, t) for t in listed], mdev.available_all(listed)))
     problems: list[Result] = []
-    for name, pool in sorted(d.config.pools.items()):
-        if pool.type_id and not any(type_id == pool.type_id for _, type_id, _, _ in offers):
-            what = f"type {pool.type_id}"
-        elif pool.profile and not any(t.profile_name == pool.profile for _, _, t, _ in offers):
-            what = f"profile {pool.profile!r}"
-        else:
-            continue
-        problems.append(Result(
-            cid, WARN, f"pool {name}",
-            f"pool {name} in {host_path(CONFIG_FILE)} asks for {what}, which no mdev "
-            "parent offers",
-            f"list the offered types with `gpulib mdev types`, then set type (or profile) "
-            f"in [pool {name}] of {host_path(CONFIG_FILE)}"))
+    pools = sorted(d.config.pools.items())
+    if pools:
+        # Asked of the plan `gpulib pool apply` follows: the pool's own GPUs
+        # (its `parents`), mdev types and NVIDIA vendor VF types alike, a
+        # profile matching a type's name or, as a request does, its id.
+        from gpulib.pools import plan
+
+        for name, pool in pools:
+            p = plan(pool, d.inventory)
+            if p.mdev_parents or p.vf_parents:
+                continue
+            what = f"type {pool.type_id}" if pool.type_id else f"profile {pool.profile!r}"
+            problems.append(Result(
+                cid, WARN, f"pool {name}",
+                f"pool {name} in {host_path(CONFIG_FILE)} asks for {what}, which none of "
+                "its GPUs (parents =) offers: `gpulib pool apply` makes none",
+                "list the offered types with `gpulib mdev types` (NVIDIA vendor VFs: "
+                "`gpulib discover`), then set type (or profile) or parents in "
+                f"[pool {name}] of {host_path(CONFIG_FILE)}"))
     if not parents:
         return problems or [Result(cid, OK, "/sys/class/mdev_bus",
                                    "no mdev parent: no GPU offers mediated-device vGPU "
                                    "types")]
-    left = [(parent, type_id, t, n) for parent, type_id, t, n in offers if n]
+    # (type id, the type answering for its name) -> instances left on every parent.
+    per_pair: dict[tuple[str, mdev.MdevType], int] = {}
+    offered = left = 0
+    for _, types, available in offers:
+        offered += len(types)
+        for pair, n in zip(types, available):
+            if n:
+                left += 1
+                per_pair[pair] = per_pair.get(pair, 0) + n
     if not left:
         problems.append(Result(
             cid, WARN, "/sys/class/mdev_bus",
-            f"{len(parents)} mdev parent(s) offer {len(offers)} type(s), but every type "
+            f"{len(parents)} mdev parent(s) offer {offered} type(s), but every type "
             "has 0 instances available: no vGPU can be created",
             "remove the vGPUs no VM uses: `gpulib mdev list`, then "
             "`gpulib mdev remove <uuid>`"))
     if problems:
         return problems
     per_type: dict[str, int] = {}
-    for _, type_id, t, n in left:
+    for (type_id, t), n in per_pair.items():
         type_name = t.name
         label = f"{type_id} ({type_name})" if type_name else type_id
-        per_type[label] = per_type.get(label, 0) + (n or 0)
+        per_type[label] = per_type.get(label, 0) + n
 
     def details() -> list[dict[str, Any]]:
         # Made when asked for (doctor --json), not for metrics' status: a
         # large host has thousands of types with instances left.
         return [{"parent": str(parent), "type_id": type_id, "name": t.name,
-                 "available_instances": n} for parent, type_id, t, n in left]
+                 "available_instances": n}
+                for parent, types, available in offers
+                for (type_id, t), n in zip(types, available) if n]
 
     shown = ", ".join(f"{label} x{n}" for label, n in list(per_type.items())[:6])
     more = f", +{len(per_type) - 6} more" if len(per_type) > 6 else ""
     return [Result(cid, OK, "/sys/class/mdev_bus",
-                   f"{len(parents)} mdev parent(s) offer {len(offers)} type(s); "
-                   f"{len(left)} with instances left: {shown}{more}", details=details)]
+                   f"{len(parents)} mdev parent(s) offer {offered} type(s); "
+                   f"{left} with instances left: {shown}{more}", details=details)]
