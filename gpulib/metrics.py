@@ -70,6 +70,8 @@ def escape_help(text: str) -> str:
 
 
 def number(value: Number) -> str:
+    if isinstance(value, bool):  # an int to Python, not a sample value to Prometheus
+        return "1" if value else "0"
     if isinstance(value, int):
         return str(value)
     if value != value:
@@ -112,7 +114,9 @@ class Family:
         yield f"# TYPE {self.name} {self.kind}"
         name = self.name
         for labels, value in self.samples:
-            yield f"{name}{labels} {number(value)}"
+            # Most samples are counts: ints (a bool goes through `number`).
+            yield f"{name}{labels} {value}" if type(value) is int else \
+                f"{name}{labels} {number(value)}"
 
 
 class Exposition:
@@ -187,53 +191,49 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
                    address)
         offered.add(1 if gpu.passthrough_enabled else 0, address)
         errors.add(len(gpu.errors), address)
-        # (parent, type id) -> [live, held, pooled] of its vGPUs.
-        counts: dict[tuple[str, str], list[int]] = {}
+        # parent -> type id -> [live, held, pooled] of its vGPUs (most of a
+        # large host's parents have none: their types are passed over at once).
+        counts: dict[str, dict[str, list[int]]] = {}
         for v in gpu.vgpus:
-            c = counts.setdefault((str(v.parent), v.mdev_type.type_id), [0, 0, 0])
+            c = counts.setdefault(str(v.parent), {}).setdefault(v.mdev_type.type_id, [0, 0, 0])
             c[0] += v.live
             c[1] += v.used_by is not None
             rec = records.get(v.uuid)
             c[2] += rec is not None and rec.pool is not None
         # The label set of a parent's type, from parts made once: a large host
-        # has 16 VFs x 24 types a GPU, and every VF offers the same types.
-        type_parts: dict[tuple[str, str], str] = {}
-        # The type that answers for a type's name (itself, or the same type on
-        # the VF that listed it first) -> its label part: the same id shares
-        # the same name, so the part is found without asking for the name again.
-        shared_parts: dict[MdevType, str] = {}
+        # has 16 VFs x 24 types a GPU, and every VF offers the same types,
+        # answered for by the same type objects. (type id, type) -> its part.
+        type_parts: dict[tuple[str, MdevType], str] = {}
         gpu_part = label_set(("gpu",), (address,))[:-1]
         creatable_samples = creatable.samples
         for parent_address, parent_types, available in gpu.mdev_offers():
             parent = str(parent_address)
             prefix = f"{gpu_part},{label_set(('parent',), (parent,))[1:-1]},"
-            for (type_id, t), n in zip(parent_types, available):
-                source = t.same_as or t
-                same_id = source.type_id == type_id
-                type_part = shared_parts.get(source) if same_id else None
+            held_here = counts.pop(parent, None)
+            for pair, n in zip(parent_types, available):
+                type_part = type_parts.get(pair)
                 if type_part is None:
-                    profile = t.profile_name
-                    type_part = type_parts.get((type_id, profile))
-                    if type_part is None:
-                        type_part = type_parts[(type_id, profile)] = \
-                            label_set(("type", "profile"), (type_id, profile))[1:]
-                    if same_id:
-                        shared_parts[source] = type_part
-                values = prefix + type_part
+                    type_part = type_parts[pair] = \
+                        label_set(("type", "profile"), (pair[0], pair[1].profile_name))[1:]
                 if n is not None:
-                    creatable_samples.append((values, n))
-                found = counts.pop((parent, type_id), None) if counts else None
-                if found:
-                    live.add_set(found[0], values)
-                    held.add_set(found[1], values)
-                    pooled.add_set(found[2], values)
+                    creatable_samples.append((prefix + type_part, n))
+                if held_here:
+                    found = held_here.pop(pair[0], None)
+                    if found:
+                        values = prefix + type_part
+                        live.add_set(found[0], values)
+                        held.add_set(found[1], values)
+                        pooled.add_set(found[2], values)
+            if held_here:  # types the parent no longer lists: taken up below
+                counts[parent] = held_here
         # vGPUs of a type their parent no longer lists (unreadable files).
-        for (parent, type_id), c in sorted(counts.items()):
-            profile = next(v.mdev_type.profile_name for v in gpu.vgpus
-                           if str(v.parent) == parent and v.mdev_type.type_id == type_id)
-            live.add(c[0], address, parent, type_id, profile)
-            held.add(c[1], address, parent, type_id, profile)
-            pooled.add(c[2], address, parent, type_id, profile)
+        for parent, by_type in sorted(counts.items()):
+            for type_id, c in sorted(by_type.items()):
+                profile = next(v.mdev_type.profile_name for v in gpu.vgpus
+                               if str(v.parent) == parent and v.mdev_type.type_id == type_id)
+                live.add(c[0], address, parent, type_id, profile)
+                held.add(c[1], address, parent, type_id, profile)
+                pooled.add(c[2], address, parent, type_id, profile)
         vendor = [vf for vf in gpu.vfs if vf.nvidia is not None]
         if not vendor:
             continue

@@ -351,17 +351,18 @@ class Sysfs:
                 done = False
             finally:
                 close(fd)
-            if done:
-                text = data.decode("utf-8", "replace").strip()
-                if len(text) <= _NUMBER_MAX_CHARS:
-                    try:
-                        value = int(text)
-                    except ValueError:
-                        out.append(None)  # as read_int: not a number, nothing noted
-                        continue
-                    if 0 <= value <= high:
-                        out.append(value)
-                        continue
+            # int() of the bytes themselves, no decoding of thousands of
+            # numbers; anything else (longer than a number may be, not a
+            # number to int(), out of range) goes the ordinary way, which
+            # reads it by the rules of every read and notes what is wrong.
+            if done and len(data) <= _NUMBER_MAX_CHARS:
+                try:
+                    value = int(data)
+                except ValueError:
+                    value = -1
+                if 0 <= value <= high:
+                    out.append(value)
+                    continue
             out.append(self._count_at(dfd, rel_dir, name, high))
         return out
 

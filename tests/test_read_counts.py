@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpulib import mdev
 from gpulib.pci import PciAddress
@@ -122,3 +124,26 @@ def test_available_all_keeps_what_available_once_reads(tmp_path: Path) -> None:
     (tmp_path / TYPES / "nvidia-plain/available_instances").write_bytes(b"9\n")
     assert [t.available_once() for t in types] == expected
     assert types[[t.type_id for t in types].index("nvidia-plain")].available_instances == 3
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(
+    st.binary(max_size=80),
+    # numbers as int() may or may not take them: signs, underscores, every
+    # kind of white space around, digits of other scripts
+    st.from_regex(rb"\A[ \t\n\x0b\x0c\r\x1c-\x1f]{0,3}[+-]?[0-9_]{0,30}[ \t\n\x1c]{0,3}\Z"),
+    st.text("0123456789\u0663\u00a0 \n", max_size=30).map(str.encode)), min_size=1, max_size=6))
+def test_any_content_reads_as_read_int_reads_it(tmp_path_factory: pytest.TempPathFactory,
+                                                contents: list[bytes]) -> None:
+    root = tmp_path_factory.mktemp("counts")
+    names = []
+    for i, data in enumerate(contents):
+        d = root / TYPES / f"nvidia-{i}"
+        d.mkdir(parents=True)
+        (d / "available_instances").write_bytes(data)
+        names.append(f"nvidia-{i}/available_instances")
+    one_by_one = Sysfs(str(root))
+    expected = [one_by_one.read_int(f"{TYPES}/{n}", low=0, high=1 << 20) for n in names]
+    batch = Sysfs(str(root))
+    assert batch.read_counts(TYPES, names, high=1 << 20) == expected
+    assert batch.failures == one_by_one.failures
