@@ -215,12 +215,12 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
                 if type_part is None:
                     type_part = type_parts[pair] = \
                         label_set(("type", "profile"), (pair[0], pair[1].profile_name))[1:]
+                values = prefix + type_part
                 if n is not None:
-                    creatable_samples.append((prefix + type_part, n))
+                    creatable_samples.append((values, n))
                 if held_here:
                     found = held_here.pop(pair[0], None)
                     if found:
-                        values = prefix + type_part
                         live.add_set(found[0], values)
                         held.add_set(found[1], values)
                         pooled.add_set(found[2], values)

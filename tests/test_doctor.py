@@ -292,7 +292,7 @@ def test_mdev_pools_are_judged_as_pool_apply_plans_them(host: FakeHost) -> None:
     conf = "etc/gpulib/gpulib.conf"
     offered = (
         f"[pool t4]\nparents = {DEMO_T4}\nprofile = GRID T4-2B\ncount = 1\n"
-        # a type without its name: the id as the profile, as a request has it
+        # the type's id as the profile, as a request may name it
         "[pool t4-ids]\nparents = 10de:1eb8\nprofile = nvidia-223\ncount = 1\n"
         f"[pool a10]\nparents = {DEMO_A10}\nprofile = NVIDIA A10-2B\ncount = 1\n"
         f"[pool a10-ids]\nparents = {DEMO_A10}\ntype = 589\ncount = 1\n")

@@ -45,7 +45,7 @@ def check(d: Doctor) -> list[Result]:
             problems.append(Result(
                 cid, WARN, f"pool {name}",
                 f"pool {name} in {host_path(CONFIG_FILE)} asks for {what}, which none of "
-                "its GPUs (parents =) offers: `gpulib pool apply` makes none",
+                "the GPUs its parents select offers: `gpulib pool apply` makes none",
                 "list the offered types with `gpulib mdev types` (NVIDIA vendor VFs: "
                 "`gpulib discover`), then set type (or profile) or parents in "
                 f"[pool {name}] of {host_path(CONFIG_FILE)}"))
