@@ -424,6 +424,7 @@ class Discovery:
                 if not is_gpu_function(fn, include, exclude):
                     continue
                 fn.read_details(sysfs)
+                usage.tree.seed_group(str(address), fn.iommu_group)
                 gpu = self._gpu(fn, usage, live)
             except Exception as exc:
                 log.warning("PCI device %s left out: cannot read it: %s", address, exc)
@@ -519,10 +520,24 @@ class Discovery:
         sysfs = self.sysfs
         key = learned_names_key(gpu.fn.vendor_id, gpu.fn.device_id)
         fn = PciFunction.read(sysfs, address, vf_of=gpu.fn)
+        # The occupancy asks the VF's group of the same link: read once.
+        usage.tree.seed_group(str(address), fn.iommu_group)
         vf = VirtualFunction(index, fn)
-        vf.mdev_parent = mdev.is_parent(sysfs, address)
+        # Listed at once, not first asked whether it is a directory (a stat
+        # less on each of hundreds of VFs): absent or not a directory, the VF
+        # is no mdev parent; any other failure asks what `is_parent` asks.
+        types_rel = f"{PCI_DEVICES}{address}/{mdev.TYPES_DIR}"
+        listing = sysfs.listdir_result(types_rel)
+        if isinstance(listing, ReadFailure):
+            vf.mdev_parent = not listing.missing and mdev.is_parent(sysfs, address)
+            if vf.mdev_parent:
+                sysfs.failed(types_rel, listing.reason)
+            listing = []
+        else:
+            vf.mdev_parent = True
         if vf.mdev_parent:
-            vf.offer_types(sysfs, _offered_types(gpu, address, sysfs, vf_types), vf_types)
+            vf.offer_types(sysfs, _offered_types(gpu, address, listing, sysfs, vf_types),
+                           vf_types)
         if gpu.fn.vendor_id == nvidia.NVIDIA_VENDOR and nvidia.is_vendor_vf(sysfs, address):
             # Offering a VF whose vGPU state is unknown could hand a VM a VF
             # that already has a vGPU: such a VF is left out instead.
@@ -585,15 +600,16 @@ class Discovery:
                 vf.device_name = cache[ids]
 
 
-def _offered_types(gpu: Gpu, address: PciAddress, sysfs: Sysfs,
+def _offered_types(gpu: Gpu, address: PciAddress, listing: list[str], sysfs: Sysfs,
                    shared: dict[str, mdev.MdevType]) -> tuple[str, ...]:
-    """The ids of the types a VF offers, as `_loaded_types(list_types(...))`
-    would keep them, without an object for each: a type the VF lists first is
-    made and read here (its failures noted on the GPU); one a sibling listed
-    first is offered if its files could be read there."""
+    """The ids of the types a VF offers (`listing`: its types directory's
+    entries), as `_loaded_types(list_types(...))` would keep them, without an
+    object for each: a type the VF lists first is made and read here (its
+    failures noted on the GPU); one a sibling listed first is offered if its
+    files could be read there."""
     base = f"{PCI_DEVICES}{address}/{mdev.TYPES_DIR}/"
     offered = []
-    for n in sorted(sysfs.listdir(base[:-1])):
+    for n in sorted(listing):
         first = shared.get(n)
         if first is None:
             if not mdev.valid_type_id(n):

@@ -23,6 +23,7 @@ from gpulib.pci import (
     BRIDGE_BASE_CLASS,
     PciAddress,
     PciFunction,
+    group_number,
     has_gpu_class,
     iommu_group_members,
     physical_function,
@@ -72,11 +73,11 @@ class HostReader:
             return True
         if physfn is not None:
             return False  # a VF of a device that is no GPU
-        group = self.sysfs.link_name(f"sys/bus/pci/devices/{address}/iommu_group")
-        if group is None or not group.isdigit():
+        group = group_number(self.sysfs.link_name(f"sys/bus/pci/devices/{address}/iommu_group"))
+        if group is None:
             return False
         return any(m != address and self.is_gpu_fn(m)
-                   for m in iommu_group_members(self.sysfs, int(group)))
+                   for m in iommu_group_members(self.sysfs, group))
 
     def whole_gpu_refusal(self, state: State, address: PciAddress) -> Optional[str]:
         """The discovery rule (`Gpu.whole_refusal`) from the same facts, read directly."""
@@ -169,11 +170,11 @@ class HostReader:
         klass = self.sysfs.read_id(rel + "/class", 24)
         if klass is None or not has_gpu_class(klass >> 8):
             return None
-        group = self.sysfs.link_name(rel + "/iommu_group")
-        if not group or not group.isdigit() or len(group) > 9:
+        group = group_number(self.sysfs.link_name(rel + "/iommu_group"))
+        if group is None:
             return None
         out = []
-        for member in iommu_group_members(self.sysfs, int(group)):
+        for member in iommu_group_members(self.sysfs, group):
             if member == address or member in named:
                 continue
             peer_class, why = self.peer_class(member)

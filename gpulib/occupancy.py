@@ -40,7 +40,7 @@ from contextlib import contextmanager
 
 from gpulib import logger, mdev, nvidia
 from gpulib.errors import GpulibError, InputError
-from gpulib.pci import PciAddress, physical_function
+from gpulib.pci import PciAddress, group_number, physical_function
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -229,11 +229,17 @@ class Tree:
                        f"its GPU cannot give it its vGPU type {recorded} now (the GPU's other "
                        "VFs leave no room for it)")
 
+    def seed_group(self, node: str, group: Optional[int]) -> None:
+        """The IOMMU group the caller read for the PCI function `node` (by
+        `group_number` of the same link): `group` reads it no more (discovery
+        has read every GPU's and VF's)."""
+        self._groups[node] = group
+
     def group(self, node: str) -> Optional[int]:
         if node not in self._groups:
-            name = self.sysfs.link_name(f"sys/bus/pci/devices/{node}/iommu_group") \
+            self._groups[node] = group_number(
+                self.sysfs.link_name(f"sys/bus/pci/devices/{node}/iommu_group")) \
                 if _is_pci(node) else None
-            self._groups[node] = int(name) if name is not None and name.isdigit() else None
         return self._groups[node]
 
 

@@ -252,9 +252,7 @@ class PciFunction:
     def read_details(self, sysfs: Sysfs, vf_of: Optional[PciFunction] = None) -> None:
         rel = self.rel
         self.driver = sysfs.link_name(rel + "/driver")
-        group = sysfs.link_name(rel + "/iommu_group")
-        # Group numbers are small; a link named otherwise is not a group.
-        self.iommu_group = int(group) if group and group.isdigit() and len(group) <= 9 else None
+        self.iommu_group = group_number(sysfs.link_name(rel + "/iommu_group"))
         if vf_of is not None:
             # A VF is on its PF's NUMA node (the kernel gives it the node of
             # the PF's bus): one file less per VF on hosts with hundreds.
@@ -280,6 +278,15 @@ class PciFunction:
     @property
     def class_name(self) -> str:
         return class_name(self.class_code)
+
+
+def group_number(name: Optional[str]) -> Optional[int]:
+    """The IOMMU group an `iommu_group` link's name gives, None when it names
+    none. Group numbers are small ASCII decimals; a link named otherwise (or
+    digits int() would refuse, such as "\u00b2") is not a group."""
+    if name and len(name) <= 9 and name.isascii() and name.isdigit():
+        return int(name)
+    return None
 
 
 def _physfn(sysfs: Sysfs, rel: str) -> Optional[PciAddress]:

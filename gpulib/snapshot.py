@@ -69,6 +69,7 @@ from gpulib.pci import (
     PCI_DEVICES,
     PciAddress,
     PciFunction,
+    group_number,
     has_gpu_class,
     iommu_group_members,
     list_addresses,
@@ -180,9 +181,9 @@ def select_functions(ctx: Context, config: Optional[Config] = None) -> list[PciA
     selected.update(a for a, fn in fns.items()
                     if fn.class_code >> 8 == AUDIO_BASE and a.slot_key in slots)
     for a in list(selected):
-        group = sysfs.link_name(f"{PCI_DEVICES}{a}/iommu_group")
-        if group and group.isdigit():
-            selected.update(iommu_group_members(sysfs, int(group)))
+        group = group_number(sysfs.link_name(f"{PCI_DEVICES}{a}/iommu_group"))
+        if group is not None:
+            selected.update(iommu_group_members(sysfs, group))
     chain: set[PciAddress] = set()
     for a in selected:
         try:

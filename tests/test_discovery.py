@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from gpulib.cli import inventory
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import discover
+from gpulib.pci import group_number
 from gpulib.runtime import discover_host
 from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
@@ -484,3 +486,59 @@ def test_a_type_unreadable_where_first_listed_is_offered_by_no_vf(tmp_path: Path
     assert len(g.vgpus) == 2
     [there] = [v for v in g.vgpus if str(v.parent) == "0000:10:00.4"]
     assert there.mdev_type.type_id == "nvidia-1" and there.mdev_type.profile_name == "nvidia-1"
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling", "loop", "elsewhere"])
+def test_a_vfs_types_entry_that_lists_nothing_makes_it_no_parent(tmp_path: Path,
+                                                                  kind: str) -> None:
+    """A VF is an mdev parent when its `mdev_supported_types` is a directory
+    (a link to one too), whatever else stands there, as `mdev.is_parent` says."""
+    host = vf_sriov_host(str(tmp_path))
+    odd = Path(host.root, "sys/bus/pci/devices/0000:10:00.6/mdev_supported_types")
+    shutil.rmtree(odd)
+    if kind == "file":
+        odd.write_text("nvidia-1\n")
+    elif kind == "dangling":
+        odd.symlink_to("gone")
+    elif kind == "loop":
+        odd.symlink_to("mdev_supported_types")
+    else:  # the sibling's directory, through a link
+        odd.symlink_to("../0000:10:00.5/mdev_supported_types")
+    [g] = discover(Sysfs(host.root)).gpus
+    by_address = {str(vf.address): vf for vf in g.vfs}
+    assert sorted(by_address) == ["0000:10:00.4", "0000:10:00.5", "0000:10:00.6"]
+    vf = by_address["0000:10:00.6"]
+    assert vf.mdev_parent is (kind == "elsewhere")
+    assert [t.type_id for t in vf.mdev_types] == \
+        (["nvidia-1", "nvidia-2"] if kind == "elsewhere" else [])
+    assert g.errors == []
+    assert [t.type_id for t in by_address["0000:10:00.5"].mdev_types] == ["nvidia-1", "nvidia-2"]
+
+
+def test_a_group_link_named_by_other_digits_is_no_group(tmp_path: Path) -> None:
+    """`iommu_group` -> "²": str.isdigit() says digits, int() refuses them. The
+    GPU is listed without a group, its VFs still offered."""
+    host = vf_sriov_host(str(tmp_path))
+    [before] = cloudstack.render(discover(Sysfs(host.root)))["gpus"]
+    odd = Path(host.root, "sys/kernel/iommu_groups/\u00b2")
+    (odd / "devices").mkdir(parents=True)
+    link = Path(host.device_dir("0000:10:00.0"), "iommu_group")
+    link.unlink()
+    link.symlink_to(os.path.relpath(odd, link.parent))
+    inventory = discover(Sysfs(host.root))
+    [g] = inventory.gpus
+    assert g.fn.iommu_group is None and g.group_members == []
+    assert inventory.occupancy.tree.group("0000:10:00.0") is None
+    assert len(g.vfs) == 3 and all(vf.fn.iommu_group is not None for vf in g.vfs)
+    # The report is the one before, but for the group it no longer names.
+    [doc] = cloudstack.render(inventory)["gpus"]
+    assert before["iommu_group"] != doc["iommu_group"]
+    assert {k: v for k, v in doc.items() if k != "iommu_group"} == \
+        {k: v for k, v in before.items() if k != "iommu_group"}
+    assert len(doc["vgpu_instances"]) == 2
+
+
+@given(st.text(max_size=11))
+def test_a_group_number_is_one_to_nine_ascii_digits(name: str) -> None:
+    expected = int(name) if re.fullmatch(r"[0-9]{1,9}", name, re.ASCII) else None
+    assert group_number(name) == expected

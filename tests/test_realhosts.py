@@ -27,10 +27,12 @@ from gpulib import cli, cloudstack
 from gpulib import doctor as dr
 from gpulib.context import Context
 from gpulib.hooks import qemu, statechange, transformer
+from gpulib.occupancy import Tree
 from gpulib.pci import PciAddress, virtfn_links
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, add_sriov_gpu, models
+from gpulib.sysfs import Sysfs
 from tests.hookrun import mdev_xml
 from tests.hosts import a10_host, install_hooks, start_libvirtd, tree_contents
 from tests.test_discovery import check_agent_document
@@ -412,6 +414,18 @@ def test_reports_of_every_real_host_keep_the_contract(real_host: FakeHost,
     report = dr.run(Context.for_root(root))
     assert [r.to_json() for r in report.results_for("discovery")
             if r.status != "ok"] == []
+
+
+def test_the_groups_discovery_hands_the_occupancy_are_those_it_would_read(
+        real_host: FakeHost) -> None:
+    """Discovery tells the occupancy each GPU's and VF's IOMMU group (the
+    link it read already): the answer a tree reading the links gives."""
+    inventory = discover_host(Context.for_root(real_host.root), learn=False)
+    fresh = Tree(Sysfs(real_host.root))
+    nodes = [str(a) for g in inventory.gpus for a in (g.address, *(vf.address for vf in g.vfs))]
+    assert nodes
+    assert [inventory.occupancy.tree.group(n) for n in nodes] == [fresh.group(n) for n in nodes]
+    assert any(fresh.group(n) is not None for n in nodes)
 
 
 def test_doctor_accepts_a_split_gpu_that_offers_nothing_yet(tmp_path: Path) -> None:
