@@ -318,9 +318,13 @@ class Gpu:
 
 
 class Inventory:
-    def __init__(self, gpus: list[Gpu], occupancy: Occupancy) -> None:
+    def __init__(self, gpus: list[Gpu], occupancy: Occupancy,
+                 live: Optional[frozenset[str]] = None) -> None:
         self.gpus = gpus
         self.occupancy = occupancy
+        # The UUIDs of the mdevs live when the host was read (None: not
+        # listed), so a report of the same instant asks the bus no more.
+        self.live = live
 
     def gpu(self, address: PciAddress) -> Optional[Gpu]:
         for g in self.gpus:
@@ -399,6 +403,7 @@ class Discovery:
                         continue
             usage.add_running(running_domains(sysfs))
         live = mdev.live_mdevs(sysfs)
+        live_now = frozenset(live)
         # vGPUs gpulib keeps but the kernel does not have now (after a reboot):
         # listed as instances, recreated when a VM starts, never reported missing.
         for uuid, (parent, type_id) in self.registry.items():
@@ -441,7 +446,7 @@ class Discovery:
         for g in gpus:
             if g.address in vfs:
                 log.warning("%s is a VF of another GPU: not listed as a GPU", g.address)
-        return Inventory([g for g in gpus if g.address not in vfs], usage)
+        return Inventory([g for g in gpus if g.address not in vfs], usage, live_now)
 
     def _gpu(self, fn: PciFunction, usage: Occupancy, live: dict[str, mdev.Mdev]) -> Gpu:
         gpu = Gpu(fn)

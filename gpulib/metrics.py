@@ -294,7 +294,9 @@ def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Invento
     exp.family("gpulib_allocation_pending_grace_seconds", "gauge",
                "How long a pending allocation of a VM that does not run is kept."
                ).add(PENDING_GRACE_SECONDS)
-    live = mdev.live_mdevs(ctx.sysfs)
+    # The mdevs live when discovery read the host: the stray ones are counted
+    # against the same listing as the inventory's vGPUs.
+    live = inventory.live if inventory.live is not None else mdev.live_mdevs(ctx.sysfs)
     exp.family("gpulib_stray_vgpus", "gauge",
                "Live vGPUs gpulib has no record of and no VM holds."
                ).add(len(inventory.occupancy.stray_mdevs(live, state.vgpus)))

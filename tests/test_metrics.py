@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from gpulib import counters, metrics
 from gpulib.config import Config
 from gpulib.context import Context
+from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo, build_large, build_pool64
 from gpulib.state import Allocation, Device, State, StateStore, VgpuRecord, dumps
@@ -263,6 +264,17 @@ def two_allocations(pool_members: tuple[str, ...]) -> State:
     state.allocations["i-1-2-VM"] = Allocation("i-1-2-VM", status="active",
                                                devices=[Device("mdev", U2)])
     return state
+
+
+def test_stray_vgpus_are_counted_on_the_whole_bus_discovery_listed(tmp_path: Path) -> None:
+    """The stray count comes from the listing discovery made of the mdev bus:
+    all of it, also the vGPUs of a GPU the configuration leaves out."""
+    host = t4_host(str(tmp_path), live=(U1, U2))
+    host.write_file("etc/gpulib/gpulib.conf", f"[discovery]\nexclude = {T4}\n")
+    ctx = Context.for_root(host.root)
+    inventory = discover_host(ctx, Config.load(ctx.config_path), learn=False)
+    assert inventory.gpus == [] and inventory.live == {U1, U2}
+    assert value(scrape(host.root), "gpulib_stray_vgpus") == 2
 
 
 def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
