@@ -17,6 +17,7 @@ import os
 import time
 
 from gpulib import logger
+from gpulib.validate import decimal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -250,7 +251,7 @@ def remove_stale_temp_files(path: str) -> None:
             continue
         temp = os.path.join(directory, name)
         pid_text = name[len(prefix):].split(".", 1)[0]
-        pid = int(pid_text) if pid_text.isdigit() else 0
+        pid = decimal(pid_text, 10) or 0
         try:
             age = now - os.lstat(temp).st_mtime
             if age > STALE_TEMP_AGE or not _pid_alive(pid):

@@ -44,6 +44,7 @@ from gpulib.pci import (
 from gpulib.pciids import PciNames
 from gpulib.sysfs import ReadFailure, Sysfs
 from gpulib.usage import running_domains
+from gpulib.validate import decimal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -550,10 +551,9 @@ class Discovery:
             raw = sysfs.read_result(current_rel)
             if isinstance(raw, ReadFailure):
                 raise DeviceError(f"{raw.path}: {raw.reason}")
-            text = raw.decode("utf-8", "replace").strip()
-            if not text.isdigit() or len(text) > nvidia.TYPE_ID_DIGITS:
+            current = decimal(raw.decode("utf-8", "replace").strip(), nvidia.TYPE_ID_DIGITS)
+            if current is None:
                 raise DeviceError(f"{sysfs.path(current_rel)}: not a vGPU type id")
-            current = int(text)
             creatable = nvidia.creatable_types(sysfs, address)
             for tid, name in creatable.items():
                 if names.get(tid) != name:

@@ -17,6 +17,7 @@ from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.lazyre import lazy
 from gpulib.pci import PCI_DEVICES, PciAddress
 from gpulib.sysfs import Sysfs
+from gpulib.validate import decimal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def check_type(text: object) -> int:
     """A numeric vGPU type id (what current_vgpu_type takes)."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
-    elif isinstance(text, str) and text.strip().isdigit() and len(text.strip()) <= 9:
+    elif isinstance(text, str) and decimal(text.strip(), 9) is not None:
         value = int(text.strip())
     else:
         raise InputError(f"not an NVIDIA vGPU type id: {text!r} (expected a number)")
@@ -82,7 +83,7 @@ def resolve_type(sysfs: Sysfs, vf: PciAddress, text: str) -> int:
     exactly but for case). Unknown or ambiguous names are refused with the
     list of creatable types."""
     bare = text[7:] if text.startswith("nvidia-") else text
-    if bare.strip().isdigit():
+    if bare.strip().isascii() and bare.strip().isdigit():  # a number (too long: refused)
         return check_type(bare)
     creatable = creatable_types(sysfs, vf)
     wanted = " ".join(text.split()).casefold()

@@ -47,6 +47,7 @@ from collections import namedtuple
 from gpulib import logger
 from gpulib.errors import InputError
 from gpulib.pci import PciAddress
+from gpulib.validate import decimal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -122,11 +123,8 @@ def _is_number(v: object) -> bool:
 
 def _int(text: str) -> Optional[int]:
     """The leading decimal number of a value (`4096 MiB`, `24`), else None (`N/A`)."""
-    word = text.split(" ", 1)[0]
-    if not word.isdigit() or len(word) > 10:
-        return None
-    value = int(word)
-    return value if value <= NUMBER_MAX else None
+    value = decimal(text.split(" ", 1)[0], 10)
+    return value if value is not None and value <= NUMBER_MAX else None
 
 
 def _gpu_address(text: str) -> Optional[PciAddress]:
@@ -297,8 +295,9 @@ class Cache:
             gpus[pci] = {}
             for tid, numbers in types.items():
                 found = TypeNumbers.from_json(numbers)
-                if found is not None and str(tid).isdigit() and len(str(tid)) <= 9:
-                    gpus[pci][int(tid)] = found
+                number = decimal(str(tid), 9)
+                if found is not None and number is not None:
+                    gpus[pci][number] = found
         incomplete = data.get("incomplete_at")
         driver = data.get("driver")
         return cls(driver if isinstance(driver, str) else None, gpus,

@@ -12,7 +12,7 @@ from collections import namedtuple
 
 from gpulib.errors import DeviceError, InputError
 from gpulib.sysfs import ReadFailure, Sysfs
-from gpulib.validate import pci_address_parts
+from gpulib.validate import decimal, pci_address_parts
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -282,11 +282,9 @@ class PciFunction:
 
 def group_number(name: Optional[str]) -> Optional[int]:
     """The IOMMU group an `iommu_group` link's name gives, None when it names
-    none. Group numbers are small ASCII decimals; a link named otherwise (or
-    digits int() would refuse, such as "\u00b2") is not a group."""
-    if name and len(name) <= 9 and name.isascii() and name.isdigit():
-        return int(name)
-    return None
+    none. Group numbers are small decimals; a link named otherwise is not a
+    group."""
+    return decimal(name, 9)
 
 
 def _physfn(sysfs: Sysfs, rel: str) -> Optional[PciAddress]:
@@ -377,13 +375,14 @@ def virtfn_links(sysfs: Sysfs, pf: PciAddress) -> list[tuple[int, PciAddress]]:
     rel = PCI_DEVICES + str(pf)
     out = []
     for name in sysfs.listdir(rel):
-        if not name.startswith("virtfn") or not name[6:].isdigit():
+        index = decimal(name[6:], 9) if name.startswith("virtfn") else None
+        if index is None:
             continue
         target = sysfs.link_name(rel + "/" + name)
         if not target:
             continue
         try:
-            out.append((int(name[6:]), PciAddress.parse(target)))
+            out.append((index, PciAddress.parse(target)))
         except InputError:
             continue
     out.sort()

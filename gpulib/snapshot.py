@@ -77,7 +77,7 @@ from gpulib.pci import (
 )
 from gpulib.pciids import PCI_IDS_PATHS
 from gpulib.sysfs import ReadFailure, read_file
-from gpulib.validate import is_uuid
+from gpulib.validate import decimal, is_uuid
 
 log = logger.get(__name__)
 
@@ -430,7 +430,7 @@ class Collector:
         for _daemon, pidfile in LIBVIRT_DAEMONS:
             if self.copy_host_file(pidfile):
                 pid = (self.sysfs.read(pidfile) or "").strip()
-                if pid.isdigit():
+                if decimal(pid, 10) is not None:
                     self.copy_host_file(f"proc/{pid}/stat")
         if not self.copy_host_file(OS_RELEASE):
             self.copy_host_file("usr/lib/os-release")

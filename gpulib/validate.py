@@ -17,7 +17,9 @@ so they all accept and refuse the same strings (ARCHITECTURE.md, "Bad input"):
   devices behind an Intel VMD `10000:01:00.0`), a bus up to 0xff, a slot up
   to 0x1f, a function up to 7; printed as Linux names it, `%04x:%02x:%02x.%x`;
 * a VM name: what libvirt can keep as `<name>.xml` and gpulib can print on
-  one line (see `check_vm_name`).
+  one line (see `check_vm_name`);
+* a number in a file, a link's name or an argument (a pid, an IOMMU group,
+  a vGPU type id, a `virtfnN` index): ASCII decimal digits (`decimal`).
 
 No regular expressions: string methods decide each rule in about the time
 a compiled pattern takes, and compiling the patterns would cost a hook more
@@ -49,6 +51,16 @@ def show(text: str, limit: int = 64) -> str:
     if len(text) > limit:
         return repr(text[:limit]) + f"... ({len(text)} characters)"
     return repr(text)
+
+
+def decimal(text: object, digits: int) -> Optional[int]:
+    """The number `text` writes in 1 to `digits` ASCII decimal digits, else
+    None. str.isdigit() says yes to more: to "\u00b2", which int() refuses
+    (a traceback, or a device left out), and to other scripts' digits,
+    which int() reads (an argument "\u0665\u0669\u0664" taken as 594)."""
+    if isinstance(text, str) and 0 < len(text) <= digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
 
 
 def is_uuid(text: object) -> bool:

@@ -542,3 +542,14 @@ def test_a_group_link_named_by_other_digits_is_no_group(tmp_path: Path) -> None:
 def test_a_group_number_is_one_to_nine_ascii_digits(name: str) -> None:
     expected = int(name) if re.fullmatch(r"[0-9]{1,9}", name, re.ASCII) else None
     assert group_number(name) == expected
+
+
+def test_a_virtfn_link_named_by_other_digits_is_no_vf(tmp_path: Path) -> None:
+    """`virtfn\u00b2` beside a PF's real links: no VF index (int() refused it, and
+    the GPU lost all its VFs), the VFs the links name stay listed."""
+    host = vf_sriov_host(str(tmp_path))
+    pf = Path(host.device_dir("0000:10:00.0"))
+    (pf / "virtfn\u00b2").symlink_to("../0000:10:00.4")
+    [g] = discover(Sysfs(host.root)).gpus
+    assert [str(vf.address) for vf in g.vfs] == ["0000:10:00.4", "0000:10:00.5", "0000:10:00.6"]
+    assert g.errors == []

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
+from gpulib import cli
 from gpulib import doctor as dr
 from gpulib import snapshot as snap
 from gpulib.context import LOG_FAILURES_FILE, Context
@@ -216,7 +217,11 @@ def test_vf_set_type_takes_the_name_creatable_vgpu_types_lists(demo: str) -> Non
         .read_text().strip() == "594"
 
 
-@pytest.mark.parametrize("name", ["NVIDIA A10-6", "A10-6Q", "NVIDIA A10-6Q ", "../594"])
+# Digits str.isdigit() knows but a type id is not written in: "\u00b2" (int()
+# refuses it: this was a traceback), Arabic-Indic 594 (int() reads it: this
+# was type 594).
+@pytest.mark.parametrize("name", ["NVIDIA A10-6", "A10-6Q", "NVIDIA A10-6Q ", "../594",
+                                  "\u00b2", "nvidia-\u0665\u0669\u0664"])
 def test_vf_set_type_refuses_unknown_names_with_the_list(demo: str, name: str) -> None:
     current = Path(demo, f"sys/bus/pci/devices/{A10_VF}/nvidia/current_vgpu_type")
     before = current.read_text()
@@ -508,3 +513,29 @@ def test_guest_slots_in_use_are_read_as_libvirt_reads_them(demo: str) -> None:
     dom = etree.fromstring(res.stdout)
     slots = [a.get("slot") for a in dom.iterfind("devices/hostdev/address")]
     assert slots and "0x10" not in slots, slots
+
+
+# -- 10. a bug in a command ------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,target", [
+    (["mdev", "list"], "gpulib.mdev.live_mdevs"),  # a click command
+    (["metrics"], "gpulib.metrics.render"),  # a command served without click
+])
+def test_a_bug_in_a_command_is_one_line_and_its_traceback_is_logged(
+        demo: str, args: list[str], target: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a bug\nover two lines")
+
+    monkeypatch.setattr(target, broken)
+    monkeypatch.setenv("GPULIB_ROOT", demo)
+    monkeypatch.setenv("GPULIB_SIMULATE", "1")
+    capsys.readouterr()
+    with caplog.at_level("ERROR", logger="gpulib.cli"):
+        code = cli.main(args)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert err.splitlines() == ["gpulib: internal error: RuntimeError: a bug over two lines "
+                                "(a bug: the traceback is in gpulib's log)"]
+    [record] = [r for r in caplog.records if r.name == "gpulib.cli"]
+    assert record.exc_info is not None and "broken" in caplog.text

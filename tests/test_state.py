@@ -764,6 +764,8 @@ def test_stale_temp_files_are_cleaned(store: StateStore) -> None:
         "fresh-live": f".state.json.{os.getppid()}.cccc.tmp",
         "fresh-self": f".state.json.{os.getpid()}.dddd.tmp",
         "unrelated": ".other.json.1.eeee.tmp",
+        # No writer of gpulib's names a temp file so ("\u00b2".isdigit() is true)
+        "no-pid": ".state.json.\u00b2.ffff.tmp",
     }
     for n in names.values():
         with open(os.path.join(directory, n), "w") as f:
@@ -774,6 +776,7 @@ def test_stale_temp_files_are_cleaned(store: StateStore) -> None:
         pass
     left = set(os.listdir(directory))
     assert names["dead"] not in left and names["old"] not in left
+    assert names["no-pid"] not in left
     assert {names["fresh-live"], names["fresh-self"], names["unrelated"]} <= left
 
 

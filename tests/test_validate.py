@@ -33,6 +33,7 @@ from gpulib.validate import (
     check_type_id,
     check_uuid,
     check_vm_name,
+    decimal,
     is_canonical_pci_address,
     is_canonical_uuid,
     is_type_id,
@@ -423,3 +424,16 @@ def _virUUIDParse(text: str) -> Optional[str]:
               st.integers(0, 35), st.sampled_from("-gG ABf0"))))
 def test_uuids_are_read_as_libvirt_reads_them(text: str) -> None:
     assert libvirt_uuid(text) == _virUUIDParse(text)
+
+
+@given(st.text(max_size=12), st.integers(min_value=1, max_value=12))
+@example("\u00b2", 9)
+@example("\u0665\u0669\u0664", 9)
+@example("0594", 4)
+def test_a_decimal_is_ascii_digits_and_no_more_of_them(text: str, digits: int) -> None:
+    expected = int(text) if re.fullmatch(f"[0-9]{{1,{digits}}}", text, re.ASCII) else None
+    assert decimal(text, digits) == expected
+
+
+def test_a_decimal_is_text() -> None:
+    assert [decimal(v, 9) for v in (5, b"5", None, 5.0)] == [None] * 4

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from gpulib.cli.env import Env
+from gpulib.cli.plain import internal_error
 from gpulib.errors import EXIT_USAGE, GpulibError
 
 __all__ = ["Env", "emit_json", "json_option", "run_main"]
@@ -42,5 +43,7 @@ def run_main(group: click.Group, args: list[str]) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return internal_error(exc)
     sys.stdout.flush()
     return rv if isinstance(rv, int) else 0

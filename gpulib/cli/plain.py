@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from gpulib.errors import GpulibError
+from gpulib.errors import EXIT_FAILED, GpulibError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ def leading_verbosity(args: list[str], command: str) -> Optional[tuple[int, list
 
 def run(body: Callable[[], None]) -> int:
     """Run a command's body: 0, or the exit code of its error after one line
-    on stderr (a closed pipe is not an error, an interrupt is 130)."""
+    on stderr (a closed pipe is not an error, an interrupt is 130, a bug is
+    `internal_error`)."""
     try:
         body()
     except GpulibError as exc:
@@ -44,4 +45,18 @@ def run(body: Callable[[], None]) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return internal_error(exc)
     return 0
+
+
+def internal_error(exc: Exception) -> int:
+    """A bug met by a command: its traceback into gpulib's log, one line on
+    stderr (as every other error gets), exit 1."""
+    from gpulib import logger
+
+    logger.get("gpulib.cli").exception("gpulib failed unexpectedly")
+    reason = " ".join(str(exc).split()) or "no message"
+    sys.stderr.write(f"gpulib: internal error: {type(exc).__name__}: {reason} (a bug: the "
+                     "traceback is in gpulib's log)\n")
+    return EXIT_FAILED

@@ -35,6 +35,7 @@ from gpulib.pci import BRIDGE_BASE_CLASS, PciAddress, PciFunction
 from gpulib.runtime import discover_host
 from gpulib.state import CorruptStateError, State, StateVersionError
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
+from gpulib.validate import decimal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -249,7 +250,7 @@ class Doctor:
         for line in (self.sysfs.read(PROC_STAT) or "").splitlines():
             if line.startswith("btime "):
                 value = line.split()[1]
-                return int(value) if value.isdigit() else None
+                return decimal(value, 20)
         return None
 
     @property

@@ -7,6 +7,7 @@ from gpulib.context import PROC_CMDLINE
 from gpulib.doctor.actions import KernelArgs, Manual, Reboot, RunCommand
 from gpulib.doctor.core import DEFAULT_GRUB, FAIL, OK, WARN, Result, host_path
 from gpulib.errors import GpulibError
+from gpulib.pci import group_number
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def check(d: Doctor) -> list[Result]:
     cid, subject = "iommu", host_path(PROC_CMDLINE)
     vendor = d.cpu_vendor()
     units = sorted(d.sysfs.listdir("sys/class/iommu"))
-    groups = [g for g in d.sysfs.listdir("sys/kernel/iommu_groups") if g.isdigit()]
+    groups = [g for g in d.sysfs.listdir("sys/kernel/iommu_groups") if group_number(g) is not None]
     intel = [v for value in d.params("intel_iommu") for v in value.split(",")]
     amd = [v for value in d.params("amd_iommu") for v in value.split(",")]
     generic = [v for value in d.params("iommu") for v in value.split(",")]

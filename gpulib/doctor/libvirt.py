@@ -16,6 +16,7 @@ from gpulib.doctor.core import (
     Result,
     host_path,
 )
+from gpulib.validate import decimal
 
 # libvirtd's start time is known to a clock tick, the boot time to a second.
 _START_SLACK = 1.0
@@ -33,7 +34,7 @@ def _daemon_start(d: Doctor) -> tuple[str, Optional[float], str]:
         text = d.sysfs.read(pidfile)
         if text is None:
             continue
-        if not text.isdigit():
+        if decimal(text, 10) is None:
             return daemon, None, f"{host_path(pidfile)} holds no pid"
         stat_text = d.sysfs.read(f"proc/{text}/stat")
         if stat_text is None:
@@ -45,17 +46,18 @@ def _daemon_start(d: Doctor) -> tuple[str, Optional[float], str]:
         if daemon not in comm and comm not in ("libvirtd", "virtqemud"):
             return daemon, None, (f"process {text} from {host_path(pidfile)} is {comm}, "
                                   f"not {daemon}")
-        if len(fields) < 20 or not fields[19].isdigit():
+        started = decimal(fields[19], 20) if len(fields) >= 20 else None
+        if started is None:
             return daemon, None, f"cannot read the start time of {daemon} (pid {text})"
         btime = None
         for line in (d.sysfs.read(PROC_STAT) or "").splitlines():
             if line.startswith("btime "):
                 value = line.split()[1]
-                btime = int(value) if value.isdigit() else None
+                btime = decimal(value, 20)
         if btime is None:
             return daemon, None, "cannot read the boot time (btime in /proc/stat)"
         ticks = d.clock_ticks or os.sysconf("SC_CLK_TCK")
-        return daemon, btime + int(fields[19]) / ticks, ""
+        return daemon, btime + started / ticks, ""
     return "libvirtd", None, "cannot tell when libvirtd started (no /run/libvirtd.pid)"
 
 def check(d: Doctor) -> list[Result]:

@@ -18,7 +18,7 @@ import json
 import os
 from typing import Optional, Union
 
-from gpulib.pci import PciAddress
+from gpulib.pci import PciAddress, group_number
 
 Addr = Union[str, PciAddress]
 
@@ -99,7 +99,8 @@ class FakeHost:
         return os.path.realpath(self.p(f"sys/bus/pci/devices/{_addr(address)}"))
 
     def new_iommu_group(self) -> int:
-        existing = [int(n) for n in os.listdir(self.p("sys/kernel/iommu_groups")) if n.isdigit()]
+        existing = [n for n in map(group_number, os.listdir(self.p("sys/kernel/iommu_groups")))
+                    if n is not None]
         self._next_group = max([self._next_group, *[g + 1 for g in existing]])
         group = self._next_group
         self._next_group += 1

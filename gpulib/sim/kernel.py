@@ -38,8 +38,10 @@ from typing import Optional
 from gpulib import logger
 from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
+from gpulib.pci import group_number
 from gpulib.sim.fakehost import make_attr_files, mdev_attr_spec, relative_symlink
 from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, read_text
+from gpulib.validate import decimal
 
 log = logger.get(__name__)
 
@@ -279,7 +281,7 @@ class SimulatedKernel:
     def _new_group(self) -> int:
         base = self.p("sys/kernel/iommu_groups")
         os.makedirs(base, exist_ok=True)
-        used = [int(n) for n in os.listdir(base) if n.isdigit()]
+        used = [n for n in map(group_number, os.listdir(base)) if n is not None]
         return max(used, default=-1) + 1
 
     # -- NVIDIA vendor-specific vGPU ---------------------------------------------
@@ -307,9 +309,9 @@ class SimulatedKernel:
 
     def _set_vgpu_type(self, vf_dir: str, value: str) -> None:
         nv = os.path.join(vf_dir, "nvidia")
-        if not value.isdigit():
+        wanted = decimal(value, 10)
+        if wanted is None:
             raise _err(errno.EINVAL, f"{nv}/current_vgpu_type")
-        wanted = int(value)
         current = int(_read(os.path.join(nv, "current_vgpu_type"), "0") or 0)
         _, vfs = self._siblings(vf_dir)
         catalogs = {d: self._catalog(d) for d in vfs}
@@ -367,9 +369,9 @@ class SimulatedKernel:
 
     # -- SR-IOV ------------------------------------------------------------------------
     def _set_numvfs(self, pf_dir: str, value: str) -> None:
-        if not value.isdigit():
+        wanted = decimal(value, 10)
+        if wanted is None:
             raise _err(errno.EINVAL, f"{pf_dir}/sriov_numvfs")
-        wanted = int(value)
         current = int(_read(os.path.join(pf_dir, "sriov_numvfs"), "0") or 0)
         total = int(_read(os.path.join(pf_dir, "sriov_totalvfs"), "0") or 0)
         if wanted > total:
