@@ -8,6 +8,7 @@ output after the process exited.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -539,3 +540,27 @@ def test_a_bug_in_a_command_is_one_line_and_its_traceback_is_logged(
                                 "(a bug: the traceback is in gpulib's log)"]
     [record] = [r for r in caplog.records if r.name == "gpulib.cli"]
     assert record.exc_info is not None and "broken" in caplog.text
+
+
+@pytest.mark.parametrize("args,target,result", [
+    (["mdev", "list"], "gpulib.mdev.live_mdevs", {}),
+    (["metrics"], "gpulib.metrics.render", ""),
+])
+def test_a_command_runs_without_the_cyclic_collector_and_gives_it_back(
+        demo: str, args: list[str], target: str, result: object,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A command is short-lived: the collector stays off while it runs (its
+    passes cost a large host's metrics milliseconds) and is on again after,
+    for whoever called main() in-process."""
+    seen: list[bool] = []
+
+    def recording(*_args: object, **_kwargs: object) -> object:
+        seen.append(gc.isenabled())
+        return result
+
+    monkeypatch.setattr(target, recording)
+    monkeypatch.setenv("GPULIB_ROOT", demo)
+    monkeypatch.setenv("GPULIB_SIMULATE", "1")
+    assert gc.isenabled()
+    assert cli.main(args) == 0, capsys.readouterr().err
+    assert seen == [False] and gc.isenabled()
