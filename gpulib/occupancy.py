@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from gpulib import logger, mdev, nvidia
 from gpulib.errors import GpulibError, InputError
 from gpulib.pci import PciAddress, group_number, physical_function
+from gpulib.records import REMOVALS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -256,6 +257,9 @@ class Occupancy:
         self._below: dict[str, list[Hold]] = {}
         self._group: dict[int, list[Hold]] = {}
         self._unindexed: list[Hold] = []
+        # What the next start undoes (journal.settle): a vGPU or a VF type
+        # that a start which died made, named by no allocation of its VM.
+        self.undone: frozenset[str] = frozenset()
         for h in holds:
             self.add(h)
 
@@ -271,6 +275,9 @@ class Occupancy:
                     {u: r.type_id for u, r in state.vgpus.items()},
                     {a: r.type_id for a, r in state.vf_types.items()})
         occ = cls(tree)
+        occ.undone = frozenset(
+            i.id for i in state.intents if i.action not in REMOVALS and not any(
+                d.id == i.id for d in getattr(state.allocations.get(i.vm), "devices", ())))
         running = list(running)
         clock: Optional[tuple[Optional[str], float]] = None
         for vm, alloc in state.allocations.items():
@@ -455,6 +462,10 @@ class Occupancy:
         found = self._conflicts(node, None, blocked)
         if found:
             return found[0].vm, True
+        if node in self.undone:
+            # Not free either: whatever starts next removes it (or clears
+            # the type) first, and then has nothing to give.
+            return None, False
         return None, blocked is None
 
     def free_for(self, node: str, vm: str) -> bool:

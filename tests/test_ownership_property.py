@@ -486,3 +486,33 @@ def test_recorded_vf_type_its_gpu_cannot_give_is_offered_only_as_used() -> None:
             assert fh.read().strip() == "594"
     finally:
         machine.teardown()
+
+
+@pytest.mark.parametrize("profile,kind,crash_at", [
+    ("NVIDIA A10-6Q", "vf", 4),  # the VF's type set, then the kill
+    ("GRID T4-1B", "mdev", 4),  # the vGPU created, then the kill
+])
+def test_what_a_killed_start_made_is_not_offered(profile: str, kind: str,
+                                                  crash_at: int) -> None:
+    """Found by the state machine: a start killed after its sysfs write and
+    before its allocation left a typed VF (a live vGPU) and its intent. The
+    report offered it free, but the next start undoes it first (journal.settle)
+    and then had nothing to give. It is left out of the report until then;
+    once settled, the report is what it was before the start."""
+    machine = _machine(t4=kind == "mdev", a10_vfs=1 if kind == "vf" else 0)
+    try:
+        before = sorted(machine._offers())
+        machine.start_requested(vm="vm-1", profile=profile, crash_at=crash_at)
+        state = open_store(machine.ctx).load()
+        [intent] = state.intents
+        assert intent.vm == "vm-1" and "vm-1" not in state.allocations
+        made = intent.id
+        assert all(ident != made for _, ident, _ in machine._offers())
+        for _, ident, _ in machine._offers():  # whatever is offered is accepted
+            assert machine._prepare(_xml("vm-0", _hostdev(kind, ident))) is None
+            break
+        machine.do_reconcile()
+        assert not open_store(machine.ctx).load().intents
+        assert sorted(machine._offers()) == before
+    finally:
+        machine.teardown()
