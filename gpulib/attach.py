@@ -58,6 +58,7 @@ from gpulib.lifecycle import open_store
 from gpulib.mdev import live_mdevs
 from gpulib.occupancy import refusal
 from gpulib.pci import BRIDGE_BASE_CLASS, PciAddress
+from gpulib.profiles import same_name
 from gpulib.state import State
 from gpulib.sysfs import DOCUMENT_MAX
 from gpulib.validate import check_uuid, check_vm_name
@@ -250,7 +251,7 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
     k = 0
     for v in request.vgpus:
         for _ in range(v.count):
-            if (v.profile, v.type_id) == (wanted.profile, wanted.type_id) and \
+            if _same_request(v, wanted.profile, wanted.type_id) and \
                     derive_uuid(duuid, k) not in live:
                 pending += 1
             k += 1
@@ -290,7 +291,7 @@ def _attach_vgpus(ctx: Context, config: Config, change: Change, state: State,
     if last_vgpu is not None:
         prev = items[last_vgpu]
         assert isinstance(prev, VgpuRequest)
-        if (prev.profile, prev.type_id, prev.numa) == (wanted.profile, wanted.type_id, numa) \
+        if _same_request(prev, wanted.profile, wanted.type_id) and prev.numa == numa \
                 and prev.count + wanted.count <= MAX_REQUEST_COUNT:
             # The last vGPU item's range ends where the new UUIDs start: one item.
             items[last_vgpu] = prev._replace(count=prev.count + wanted.count)
@@ -335,6 +336,14 @@ def _note_missing_hook(ctx: Context, change: Change) -> None:
     if not os.path.lexists(ctx.path(LIBVIRT_HOOK)):
         change.notes.append(f"gpulib's qemu hook is not installed (/{LIBVIRT_HOOK}): nothing "
                             "will create the vGPUs when the VM starts (see gpulib doctor)")
+
+
+def _same_request(item: VgpuRequest, profile: Optional[str], type_id: Optional[str]) -> bool:
+    """Whether a request item asks for what `--profile`/`--type` ask for (a
+    profile by the one rule for names, `profiles`; a type id exactly)."""
+    if profile is not None:
+        return same_name(item.profile, profile)
+    return item.profile is None and item.type_id == type_id
 
 
 def _vgpu_capacity(state: State, inv: Inventory, vm: str, match: VgpuRequest

@@ -22,6 +22,7 @@ from gpulib import logger
 from gpulib.errors import InputError
 from gpulib.lazyre import lazy
 from gpulib.pci import MAX_DOMAIN, PciAddress, libvirt_uint
+from gpulib.profiles import serves
 from gpulib.validate import (
     check_domain_uuid,
     check_type_id,
@@ -582,6 +583,8 @@ class VgpuRequest(NamedTuple):
 
     The one request type: read from metadata, asked for by `gpulib attach`,
     served by the allocator. Built from untrusted values, call `checked()`.
+    A migration asks with both (a recorded type: `profiles.serves`), never
+    from untrusted values alone.
     """
 
     profile: Optional[str]
@@ -605,17 +608,13 @@ class VgpuRequest(NamedTuple):
         return self.profile or self.type_id or "?"
 
     def matches_type(self, type_id: str, name: Optional[str]) -> bool:
-        """Whether an mdev type (its directory name and `name` file) serves it."""
-        if self.type_id is not None:
-            return type_id == self.type_id
-        return name == self.profile or type_id == self.profile
+        """Whether an mdev type (its directory name and `name` file) serves it
+        (the one rule: `profiles.serves`)."""
+        return serves(self.profile, self.type_id, type_id, name)
 
     def matches_vendor(self, type_id: int, name: Optional[str]) -> bool:
         """Whether an NVIDIA vendor-specific VF type (number, name) serves it."""
-        if self.type_id is not None:
-            wanted = self.type_id[7:] if self.type_id.startswith("nvidia-") else self.type_id
-            return wanted == str(type_id)
-        return name == self.profile
+        return serves(self.profile, self.type_id, type_id, name)
 
 
 class PassthroughRequest(NamedTuple):

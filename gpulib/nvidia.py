@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import time
 
-from gpulib import logger
+from gpulib import logger, profiles
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.lazyre import lazy
 from gpulib.pci import PCI_DEVICES, PciAddress
@@ -79,15 +79,19 @@ def check_type(text: object) -> int:
 
 def resolve_type(sysfs: Sysfs, vf: PciAddress, text: str) -> int:
     """A type as an administrator names it: the numeric id (`594`, `nvidia-594`)
-    or the name as `creatable_vgpu_types` lists it (`NVIDIA A10-6Q`, matched
-    exactly but for case). Unknown or ambiguous names are refused with the
-    list of creatable types."""
-    bare = text[7:] if text.startswith("nvidia-") else text
-    if bare.strip().isascii() and bare.strip().isdigit():  # a number (too long: refused)
+    or the name as `creatable_vgpu_types` lists it (`NVIDIA A10-6Q`, compared
+    as `profiles` compares names: case and blanks aside). Unknown or ambiguous
+    names are refused with the list of creatable types."""
+    number = profiles.vendor_number(text)
+    if number is not None:
+        return number
+    bare = text.strip()
+    if bare[:len(profiles.VENDOR_PREFIX)].lower() == profiles.VENDOR_PREFIX:
+        bare = bare[len(profiles.VENDOR_PREFIX):]
+    if bare.isascii() and bare.isdigit():  # a number, too long
         return check_type(bare)
     creatable = creatable_types(sysfs, vf)
-    wanted = " ".join(text.split()).casefold()
-    hits = sorted(i for i, name in creatable.items() if " ".join(name.split()).casefold() == wanted)
+    hits = sorted(i for i, name in creatable.items() if profiles.same_name(text, name))
     listing = ", ".join(f"{k} ({v})" for k, v in sorted(creatable.items())) or "none"
     if len(hits) == 1:
         return hits[0]

@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from gpulib import logger, mdev, nvidia
 from gpulib.errors import GpulibError, InputError
 from gpulib.pci import PciAddress, group_number, physical_function
+from gpulib.profiles import serves
 from gpulib.records import REMOVALS
 
 TYPE_CHECKING = False
@@ -501,8 +502,7 @@ def declaring_pools(config: Config, address: PciAddress, vendor_id: int, device_
     for name, pool in sorted(config.pools.items()):
         if not pool.parents.matches(address, vendor_id, device_id):
             continue
-        if any((t.type_id == pool.type_id) if pool.type_id is not None
-               else pool.profile in (t.name, t.type_id) for t in listed):
+        if any(serves(pool.profile, pool.type_id, t.type_id, t.name) for t in listed):
             out.append(name)
     return out
 

@@ -18,6 +18,7 @@ from gpulib.errors import GpulibError
 from gpulib.lifecycle import Outcome, follow_definitions, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress
+from gpulib.profiles import serves
 from gpulib.state import State, VfRecord, VgpuRecord
 
 TYPE_CHECKING = False
@@ -32,18 +33,11 @@ def _gpu_matches(pool: PoolConfig, gpu: Gpu) -> bool:
 
 
 def _type_matches(pool: PoolConfig, t: mdev.MdevType) -> bool:
-    if pool.type_id is not None:
-        return t.type_id == pool.type_id
-    # As a request for a profile matches (VgpuRequest.matches_mdev): a type
-    # without a `name` file is reported with its id as the profile.
-    return t.name == pool.profile or t.type_id == pool.profile
+    return serves(pool.profile, pool.type_id, t.type_id, t.name)
 
 
 def _vendor_matches(pool: PoolConfig, type_id: int, name: Optional[str]) -> bool:
-    if pool.type_id is not None:
-        raw = pool.type_id[7:] if pool.type_id.startswith("nvidia-") else pool.type_id
-        return raw == str(type_id)
-    return name == pool.profile
+    return serves(pool.profile, pool.type_id, type_id, name)
 
 
 class PoolPlan:
