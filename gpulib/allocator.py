@@ -251,6 +251,17 @@ class Allocator:
             out.append(c)
         return out
 
+    def reserve(self, ident: str, made: Optional[AllocationAction] = None) -> None:
+        """A device the caller gave without this allocator (a migration keeps
+        the one its XML names): never chosen here again; in a dry run, the
+        instance its making takes (`made`, an mdev created again) is counted
+        against its type's capacity as a chosen new vGPU's is."""
+        self._chosen.add(ident)
+        if self.dry_run and isinstance(made, AllocateVgpu) and \
+                mdev.read_mdev(self.sysfs, made.uuid) is None:
+            key = f"{made.parent}/{made.type_id}"
+            self._planned[key] = self._planned.get(key, 0) + 1
+
     # -- requests ----------------------------------------------------------------------------
     def choose_vgpu(self, vm: str, req: VgpuRequest, uuid_for: Callable[[], str],
                     fresh_only: bool = False, found: int = 0

@@ -58,10 +58,25 @@ def vf_type(sysfs: Sysfs, state: Optional[State], address: PciAddress) -> Option
     tid = nvidia.current_type(sysfs, address) or (rec.type_id if rec is not None else 0)
     if not tid:
         return None
-    name = rec.name if rec is not None and rec.type_id == tid else None
-    if name is None:
-        name = nvidia.creatable_types(sysfs, address).get(tid)
-    return DeviceType("vf", str(address), str(tid), name, gpu_model(sysfs, address))
+    model = gpu_model(sysfs, address)
+    return DeviceType("vf", str(address), str(tid), vf_type_name(sysfs, state, address, tid, model),
+                      model)
+
+
+def vf_type_name(sysfs: Sysfs, state: Optional[State], address: PciAddress, type_id: int,
+                 model: Optional[str] = None) -> Optional[str]:
+    """The name of an NVIDIA vendor VF type: as gpulib recorded it for the VF,
+    as the VF lists it creatable, or as learned for the GPU model (a typed
+    VF's list no longer shows its own type); None when nothing says."""
+    rec = state.vf_types.get(str(address)) if state is not None else None
+    if rec is not None and rec.type_id == type_id and rec.name:
+        return rec.name
+    name = nvidia.creatable_types(sysfs, address).get(type_id)
+    if name is None and state is not None:
+        model = model or gpu_model(sysfs, address)
+        if model is not None:
+            name = state.type_names.get(model, {}).get(str(type_id))
+    return name
 
 
 def record_types(sysfs: Sysfs, state: Optional[State], dom: Domain) -> None:

@@ -35,6 +35,7 @@ migrate check`): the choice is made on the state as read, nothing applied.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from gpulib import logger, mdev, nvidia
@@ -48,14 +49,23 @@ from gpulib.allocator import (
     record,
     release,
 )
-from gpulib.devicetype import gpu_model
-from gpulib.domain import DeviceType, Domain, DomainXmlError, MdevHostdev, VgpuRequest, derive_uuid
+from gpulib.devicetype import gpu_model, mdev_type, vf_type, vf_type_name
+from gpulib.domain import (
+    DeviceType,
+    Domain,
+    DomainXmlError,
+    Hostdev,
+    MdevHostdev,
+    VgpuRequest,
+    derive_uuid,
+)
 from gpulib.errors import DeviceError, GpulibError, NotAvailableError
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, open_store, release_stale
 from gpulib.liveness import Liveness
-from gpulib.occupancy import Occupancy
-from gpulib.pci import PciAddress
+from gpulib.occupancy import Occupancy, refusal
+from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction, has_gpu_class
+from gpulib.profiles import pick
 from gpulib.state import Device, State
 from gpulib.usage import running_domains
 from gpulib.validate import check_vm_name
@@ -77,8 +87,17 @@ class Need(NamedTuple):
     """One vGPU of the incoming XML: where it is, and what it must be."""
 
     at: int  # its index among Domain.hostdevs()
-    type: DeviceType  # `type.id`: the source's device (mdev UUID, VF address)
-    want: VgpuRequest  # what serves it: its type (a record), or its request's profile
+    type: DeviceType  # what it is: its record (`type.id`: the device the record names)
+    want: VgpuRequest  # what serves it: its recorded type, or its request's profile
+    named: str  # the device the hostdev names (mdev UUID, VF address)
+    recorded: bool = True  # the XML carries the record (not a request's derived vGPU)
+
+    @property
+    def rewritten(self) -> bool:
+        """The hostdev names another device than its record: a source agent put
+        the management server's choice here (CloudStack's
+        updateGpuDevicesIfNeeded), not the source's device."""
+        return self.named != self.type.id
 
     @property
     def label(self) -> str:
@@ -86,7 +105,7 @@ class Need(NamedTuple):
         what = (t.type_id if t.kind == "mdev" else f"vGPU type {t.type_id}") if t.type_id \
             else f"profile {t.name}"
         name = f" ({t.name})" if t.name and t.type_id else ""
-        return f"{t.kind} {t.id}, {what}{name}"
+        return f"{t.kind} {self.named}, {what}{name}"
 
     @property
     def what(self) -> str:
@@ -99,65 +118,127 @@ class Choice(NamedTuple):
 
     need: Need
     target: str  # mdev UUID or VF address on this host
-    how: str  # 'kept' (ready as it is), 'pool' (a pool member), 'new' (made on demand)
+    # 'kept' (the device the XML names, ready as it is), 'readied' (that device,
+    # made ready: its mdev created, the VF typed), 'pool' (a pool member),
+    # 'new' (made on demand)
+    how: str
     action: Optional[AllocationAction]  # what makes it ready; None: it is
     on_demand: bool
     parent: Optional[str] = None  # the new mdev's parent, for the report
 
     def as_dict(self) -> dict[str, object]:
         t = self.need.type
-        return {"kind": t.kind, "source": t.id, "type": t.type_id, "name": t.name,
-                "gpu": t.gpu, "target": self.target, "how": self.how,
-                "parent": self.parent, "rewritten": self.target != t.id}
+        return {"kind": t.kind, "source": t.id, "named": self.need.named, "type": t.type_id,
+                "name": t.name, "gpu": t.gpu, "target": self.target, "how": self.how,
+                "parent": self.parent, "rewritten": self.target != self.need.named}
 
     def __str__(self) -> str:
         if self.how == "kept":
             return f"{self.need.label}: {self.target} as it is"
+        if self.how == "readied":
+            made = "created again" if self.need.type.kind == "mdev" else \
+                f"given vGPU type {getattr(self.action, 'type_id', '?')}"
+            return f"{self.need.label}: {self.target}, {made}"
         where = f" on {self.parent}" if self.parent else ""
         what = "pool member" if self.how == "pool" else "new"
         return f"{self.need.label}: {what} {self.target}{where}"
 
 
+_RECORD_KIND = {"mdev": "mdev", "pci": "vf"}
+
+
+def _named(h: Hostdev) -> tuple[str, str]:
+    """('mdev', UUID) or ('pci', address) of a hostdev; DomainXmlError when unreadable."""
+    if isinstance(h, MdevHostdev):
+        return "mdev", h.uuid_checked()
+    return "pci", str(h.address)
+
+
+def pair(named: list[tuple[str, str]], records: list[DeviceType],
+         skip: Iterable[int] = ()) -> list[Optional[DeviceType]]:
+    """Each hostdev's record: the one naming its device, else (a source agent
+    replaced the devices) the next record no hostdev named, in document order
+    (gpulib writes them so). `skip`: hostdevs that take no record by position
+    (a request's derived vGPUs). The kinds are not checked here."""
+    out: list[Optional[DeviceType]] = [None] * len(named)
+    left = list(records)
+    for i, (kind, ident) in enumerate(named):
+        for r in left:
+            if r.kind == _RECORD_KIND[kind] and r.id == ident:
+                out[i] = r
+                left.remove(r)
+                break
+    skipped = set(skip)
+    free = [i for i in range(len(named)) if out[i] is None and i not in skipped]
+    for i, r in zip(free, left):
+        out[i] = r
+    return out
+
+
+def _whole_here(sysfs: Sysfs, address: PciAddress) -> bool:
+    """Whether `address` is, on this host, a GPU function that is no NVIDIA
+    vendor VF (a GPU or VF given whole)."""
+    if nvidia.is_vendor_vf(sysfs, address) or not sysfs.exists(f"{PCI_DEVICES}{address}"):
+        return False
+    return has_gpu_class(PciFunction.read_ids(sysfs, address).class_code)
+
+
 def needs(sysfs: Sysfs, state: State, dom: Domain) -> list[Need]:
     """What each hostdev of the incoming XML must get here; DeviceError naming the
-    first that no equivalent can be given for (a whole GPU or VF, an unknown type)."""
-    records = {(r.kind, r.id): r for r in dom.device_types()}
+    first that no equivalent can be given for (a whole GPU or VF, an unknown type,
+    a record that contradicts its hostdev)."""
+    hostdevs = dom.hostdevs()
+    if not hostdevs:
+        # No vGPU to give: gpulib's metadata, parsable or not, asks nothing here.
+        return []
+    named = [_named(h) for h in hostdevs]
     requested = _requested(dom)
+    records = pair(named, dom.device_types(),
+                   skip=[i for i, (kind, ident) in enumerate(named)
+                         if kind == "mdev" and ident in requested])
     out = []
-    for i, h in enumerate(dom.hostdevs()):
-        if isinstance(h, MdevHostdev):
-            uuid = h.uuid_checked()
-            rec = records.get(("mdev", uuid))
-            if rec is None and uuid in requested:
+    for i, ((kind, ident), rec) in enumerate(zip(named, records)):
+        if rec is not None and rec.kind != _RECORD_KIND[kind]:
+            what = "an mdev" if rec.kind == "mdev" else "an NVIDIA vGPU VF"
+            where = f"mdev {ident}" if kind == "mdev" else f"PCI hostdev {ident}"
+            raise DeviceError(
+                f"{where}: gpulib's metadata records {what} ({rec.id}) for it: the record "
+                "contradicts the XML, the migration is refused")
+        if kind == "mdev":
+            if rec is None and ident in requested:
                 # A vGPU of gpulib's request (`gpulib attach`): the request says what.
-                item = requested[uuid]
-                rec = DeviceType("mdev", uuid, item.type_id or "", item.profile, None)
-                out.append(Need(i, rec, item._replace(count=1, numa=None)))
+                item = requested[ident]
+                rec = DeviceType("mdev", ident, item.type_id or "", item.profile, None)
+                out.append(Need(i, rec, item._replace(count=1, numa=None), ident, False))
                 continue
             if rec is None:
-                known = state.vgpus.get(uuid)  # this host's registry knows the UUID
+                known = state.vgpus.get(ident)  # this host's registry knows the UUID
                 if known is not None:
                     try:
                         parent = PciAddress.parse(known.parent)
                     except GpulibError:
                         parent = None
-                    rec = DeviceType("mdev", uuid, known.type_id, None,
+                    rec = DeviceType("mdev", ident, known.type_id, None,
                                      gpu_model(sysfs, parent) if parent else None)
-            if rec is None:
+                    out.append(Need(i, rec, VgpuRequest(None, rec.type_id), ident, False))
+                    continue
                 raise DeviceError(
-                    f"mdev {uuid}: gpulib's metadata does not say what vGPU type it is (it "
+                    f"mdev {ident}: gpulib's metadata does not say what vGPU type it is (it "
                     "was not given by gpulib) and this host does not know it: no "
                     "equivalent vGPU can be chosen, the migration is refused")
         else:
-            address = h.address
-            rec = records.get(("vf", str(address)))
             if rec is None:
                 raise DeviceError(
-                    f"PCI hostdev {address} is a device given whole (a GPU or VF passed "
+                    f"PCI hostdev {ident} is a device given whole (a GPU or VF passed "
                     "through): its state cannot move with the guest, the migration is "
                     "refused (only vGPUs migrate: mdevs and NVIDIA vGPU VFs)")
-        want = VgpuRequest(None, rec.type_id if rec.kind == "mdev" else f"nvidia-{rec.type_id}")
-        out.append(Need(i, rec, want))
+            if _whole_here(sysfs, PciAddress.parse(ident)):
+                raise DeviceError(
+                    f"PCI hostdev {ident}: gpulib's metadata records an NVIDIA vGPU VF, but "
+                    f"{ident} is a GPU given whole here: the record contradicts the XML, "
+                    "the migration is refused")
+        # The recorded type: its name decides, its id is a hint (profiles.serves).
+        out.append(Need(i, rec, VgpuRequest(rec.name, rec.type_id), ident))
     return out
 
 
@@ -198,6 +279,8 @@ class Planner:
         self.domain_uuid = domain_uuid
         self.own = own
         self.chosen: set[str] = set()
+        # The devices kept so far and what makes each ready (None: nothing).
+        self._kept: list[tuple[str, Optional[AllocationAction]]] = []
         self._models: dict[str, Optional[str]] = {}
 
     def _model(self, address: PciAddress) -> Optional[str]:
@@ -209,26 +292,85 @@ class Planner:
     def _same_gpu(self, want: Optional[str], address: PciAddress) -> bool:
         return want is None or self._model(address) == want
 
-    def _keepable(self, need: Need, ident: str) -> bool:
-        """Whether the device `ident` here is the vGPU `need` asks for, ready and free."""
+    def _taken(self, need: Need, ident: str) -> Optional[str]:
+        """Why `ident` cannot be this VM's, whatever it is (None: it can)."""
+        if ident in self.chosen:
+            return "given to another of its vGPUs"
+        if ident in self.state.unmanaged:
+            return "unmanaged"
+        if not self.occ.takeable(ident, self.vm):
+            return refusal(self.occ, need.type.kind, ident, self.vm) or "held"
+        return None
+
+    def _keep(self, need: Need, ident: str) -> tuple[Optional[Choice], str]:
+        """The device `ident` here as the vGPU `need` asks for, made ready when it
+        is not (an mdev gpulib knows created, an idle VF typed); else None and
+        why not."""
+        why = self._taken(need, ident)
+        if why is not None:
+            return None, why
+        if need.type.kind == "mdev":
+            return self._keep_mdev(need, ident)
+        return self._keep_vf(need, ident)
+
+    def _keep_mdev(self, need: Need, uuid: str) -> tuple[Optional[Choice], str]:
         t = need.type
-        if ident in self.chosen or ident in self.state.unmanaged or \
-                not self.occ.takeable(ident, self.vm):
-            return False
-        if t.kind == "mdev":
-            live = mdev.read_mdev(self.sysfs, ident)
-            if live is None or str(live.parent) in self.state.unmanaged or \
-                    not self._same_gpu(t.gpu, live.parent):
-                return False
-            name = mdev.MdevType(self.sysfs, live.parent, live.type_id).name
-            return need.want.matches_type(live.type_id, name)
+        live = mdev.read_mdev(self.sysfs, uuid)
+        rec = self.state.vgpus.get(uuid)
+        action: Optional[AllocationAction] = None
+        if live is not None:
+            parent, type_id = live.parent, live.type_id
+        elif rec is not None:
+            try:
+                parent, type_id = PciAddress.parse(rec.parent), rec.type_id
+            except GpulibError:
+                return None, "not here"
+            action = AllocateVgpu(uuid, rec.parent, rec.type_id, rec.on_demand, rec.pool)
+        else:
+            return None, "not here"
+        if str(parent) in self.state.unmanaged:
+            return None, f"on the unmanaged {parent}"
+        if not self._same_gpu(t.gpu, parent):
+            return None, f"on a {self._model(parent)} GPU, not a {t.gpu}"
+        kind = mdev.MdevType(self.sysfs, parent, type_id)
+        if not need.want.matches_type(type_id, kind.name):
+            return None, f"of type {type_id} ({kind.name})"
+        if action is not None and not kind.available_instances:
+            return None, f"not live, and {parent} has no room to create it again"
+        on_demand = rec.on_demand if rec is not None else False
+        return Choice(need, uuid, "readied" if action else "kept", action, on_demand), ""
+
+    def _keep_vf(self, need: Need, ident: str) -> tuple[Optional[Choice], str]:
+        t = need.type
         try:
             vf = PciAddress.parse(ident)
         except GpulibError:
-            return False
-        return nvidia.is_vendor_vf(self.sysfs, vf) and \
-            str(nvidia.current_type(self.sysfs, vf) or 0) == t.type_id and \
-            self._same_gpu(t.gpu, vf)
+            return None, "no PCI address"
+        if not nvidia.is_vendor_vf(self.sysfs, vf):
+            return None, "no NVIDIA vGPU VF here"
+        if not self._same_gpu(t.gpu, vf):
+            return None, f"on a {self._model(vf)} GPU, not a {t.gpu}"
+        rec = self.state.vf_types.get(ident)
+        current = nvidia.current_type(self.sysfs, vf) or 0
+        if current:
+            name = vf_type_name(self.sysfs, self.state, vf, current, self._model(vf))
+            if not need.want.matches_vendor(current, name):
+                return None, f"of vGPU type {current} ({name})"
+            on_demand = rec.on_demand if rec is not None and rec.type_id == current else False
+            return Choice(need, ident, "kept", None, on_demand), ""
+        creatable = nvidia.creatable_types(self.sysfs, vf)
+        if rec is not None and rec.pool is not None:
+            # A pool member that lost its type (a reboot): its own type or none.
+            if rec.type_id not in creatable or not need.want.matches_vendor(
+                    rec.type_id, vf_type_name(self.sysfs, self.state, vf, rec.type_id)):
+                return None, f"a member of pool {rec.pool} of vGPU type {rec.type_id}"
+            action = AllocateVf(ident, rec.type_id, rec.name, False, rec.pool)
+            return Choice(need, ident, "readied", action, False), ""
+        tid = pick(creatable, need.want.type_id, need.want.profile)
+        if tid is None:
+            return None, f"idle, and it cannot take {need.what} now"
+        return Choice(need, ident, "readied", AllocateVf(ident, tid, creatable[tid], True),
+                      True), ""
 
     def _free_uuid(self, uuid: str) -> bool:
         return uuid not in self.chosen and uuid not in self.state.vgpus and \
@@ -236,11 +378,11 @@ class Planner:
             mdev.read_mdev(self.sysfs, uuid) is None and not self.occ.is_held(uuid)
 
     def _new_uuid(self, need: Need) -> str:
-        """The source's UUID when this host does not use it (nothing to rewrite),
-        else the first UUID derived from the domain's that it does not use: the
-        same on a retry, so what a killed attempt made is found again."""
-        if self._free_uuid(need.type.id):
-            return need.type.id
+        """The UUID the XML names when this host does not use it (nothing to
+        rewrite), else the first UUID derived from the domain's that it does not
+        use: the same on a retry, so what a killed attempt made is found again."""
+        if self._free_uuid(need.named):
+            return need.named
         for k in range(MAX_DERIVED):
             u = derive_uuid(self.domain_uuid, k)
             if self._free_uuid(u):
@@ -250,18 +392,17 @@ class Planner:
 
     def choose(self, need: Need) -> Choice:
         t = need.type
-        for ident in [t.id] + [d.id for d in self.own if d.kind == t.kind]:
-            if self._keepable(need, ident):
-                self.chosen.add(ident)
-                from gpulib.occupancy import PENDING, Hold
-
-                self.occ.add(Hold(self.vm, PENDING, ident))
-                rec_m = self.state.vgpus.get(ident) if t.kind == "mdev" else None
-                rec_v = self.state.vf_types.get(ident) if t.kind == "vf" else None
-                mine = next((d for d in self.own if d.id == ident), None)
-                on_demand = mine.on_demand if mine is not None else \
-                    bool(rec_m and rec_m.on_demand) or bool(rec_v and rec_v.on_demand)
-                return Choice(need, ident, "kept", None, on_demand)
+        # The device the XML names (the source's, or the one the management
+        # server chose here), then what this VM holds here already.
+        tried = [need.named] + [d.id for d in self.own if d.kind == t.kind and d.id != need.named]
+        why = ""
+        for ident in tried:
+            choice, reason = self._keep(need, ident)
+            if choice is not None:
+                self._hold(choice.target, choice.action)
+                return choice
+            if ident == need.named:
+                why = reason
 
         def serves(c: Candidate) -> bool:
             return c.kind == t.kind and (t.gpu is None or
@@ -270,6 +411,8 @@ class Planner:
 
         if self._allocator is None:
             self._allocator = self._make_allocator()
+            for ident, made in self._kept:
+                self._allocator.reserve(ident, made)
         self._allocator.accept = serves
         on = f" on a {t.gpu} GPU" if t.gpu else ""
         try:
@@ -285,8 +428,25 @@ class Planner:
             assert isinstance(action, AllocateVf)
             target, parent = action.address, None
         self.chosen.add(target)
+        if need.rewritten and target != need.named:
+            log.warning("%s: %s %s, which the incoming XML names (the management server's "
+                        "choice, when a CloudStack agent rewrote it), is %s here: %s is given "
+                        "instead; CloudStack's record is corrected by the next discovery "
+                        "report", self.vm, t.kind, need.named, why or "not usable", target)
         return Choice(need, target, "new" if action.on_demand else "pool", action,
                       action.on_demand, parent)
+
+    def _hold(self, ident: str, made: Optional[AllocationAction]) -> None:
+        """`ident` is this VM's from now on: for the occupancy, and for the
+        allocator (made later, or already) which must not offer it again nor,
+        in a dry run, the capacity its making takes."""
+        from gpulib.occupancy import PENDING, Hold
+
+        self.chosen.add(ident)
+        self.occ.add(Hold(self.vm, PENDING, ident))
+        self._kept.append((ident, made))
+        if self._allocator is not None:
+            self._allocator.reserve(ident, made)
 
 
 def apply(sysfs: Sysfs, state: State, journal: Journal, choice: Choice) -> Device:
@@ -302,25 +462,45 @@ def apply(sysfs: Sysfs, state: State, journal: Journal, choice: Choice) -> Devic
         orphan = journal.orphan("set-vf-type", choice.target)
         if orphan is not None:
             vf = PciAddress.parse(choice.target)
-            journal.set_vf_type(vf, int(choice.need.type.type_id), orphan.on_demand)
+            journal.set_vf_type(vf, nvidia.current_type(sysfs, vf) or 0, orphan.on_demand)
             on_demand = orphan.on_demand
     return Device(kind, choice.target, on_demand=on_demand)
 
 
-def rewrite(dom: Domain, choices: list[Choice]) -> None:
-    """Point each hostdev at its device here; nothing else of the XML changes
-    (the metadata records follow their devices)."""
+def records_here(sysfs: Sysfs, state: State, choices: list[Choice]) -> list[DeviceType]:
+    """What each recorded vGPU is on this host now (its device ready), for the
+    metadata that travels on: the type's id and name here, in hostdev order."""
+    out = []
+    for c in choices:
+        if not c.need.recorded:
+            continue
+        found: Optional[DeviceType]
+        if c.need.type.kind == "mdev":
+            found = mdev_type(sysfs, state, c.target)
+        else:
+            found = vf_type(sysfs, state, PciAddress.parse(c.target))
+        if found is None:
+            found = c.need.type._replace(id=c.target)
+        elif found.name is None and found.type_id == c.need.type.type_id:
+            # Nothing here names the type (a typed VF's list no longer shows
+            # it): the same id, so the incoming record's name still holds.
+            found = found._replace(name=c.need.type.name)
+        out.append(found)
+    return out
+
+
+def rewrite(dom: Domain, choices: list[Choice], records: list[DeviceType]) -> None:
+    """Point each hostdev at its device here and record what each vGPU is;
+    nothing else of the XML changes."""
     hostdevs = dom.hostdevs()
-    moved = {}
     for c in choices:
         h = hostdevs[c.need.at]
         if isinstance(h, MdevHostdev):
             h.uuid = c.target
         else:
             h.address = PciAddress.parse(c.target)
-        moved[(c.need.type.kind, c.need.type.id)] = c.target
-    records = [r._replace(id=moved.get((r.kind, r.id), r.id)) for r in dom.device_types()]
-    dom.set_device_types(records)
+    if any(c.need.recorded for c in choices):
+        dom.set_device_types(records)
 
 
 def _own(state: State, vm: str, domain_uuid: str) -> list[Device]:
@@ -414,12 +594,13 @@ def arrive(ctx: Context, config: Config, dom: Domain) -> list[Choice]:
                 journal.release([d for d in dropped if d.on_demand and destroy],
                                 retry_seconds=0.5)
             record(state, vm, domain_uuid, devices, status="pending", clock=boot_clock(ctx))
+            records = records_here(sysfs, state, choices)
             journal.commit()
         except BaseException:
             if journal.rollback():
                 store.revert_checkpoints()
             raise
-        rewrite(dom, choices)
+        rewrite(dom, choices, records)
         return choices
 
     choices = store.update(give)

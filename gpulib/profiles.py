@@ -92,15 +92,13 @@ def equivalent(type_id: str, name: Optional[str], offered_id: Union[str, int],
     return serves(name, type_id, offered_id, offered_name)
 
 
-def pick(creatable: dict[int, str], type_id: str, name: Optional[str]) -> Optional[int]:
+def pick(creatable: dict[int, str], type_id: Optional[str], name: Optional[str]) -> Optional[int]:
     """The number of the type in a VF's creatable list (number -> name) that
-    is equivalent to a recorded one: the name decides, the id is a hint (a
-    type listed under another name is not it); None when none is."""
-    if name is not None:
-        hits = [tid for tid, n in creatable.items() if same_name(name, n)]
-        wanted = vendor_number(type_id)
-        if wanted in hits:
-            return wanted
-        return min(hits) if hits else None
-    wanted = vendor_number(type_id)
-    return wanted if wanted is not None and wanted in creatable else None
+    serves a recorded type (`type_id`, `name`; either may be unknown): by name
+    when both names are known, its own number first when several are named
+    alike; None when none serves."""
+    hits = sorted(tid for tid, n in creatable.items() if serves(name, type_id, tid, n))
+    wanted = vendor_number(type_id) if type_id is not None else None
+    if wanted in hits:
+        return wanted
+    return hits[0] if hits else None
