@@ -101,6 +101,19 @@ mount --no-mtab --bind "$b/etc" /etc/libvirt
 mount --no-mtab --bind "$b/lib" /var/lib/libvirt
 mount --no-mtab --bind "$b/cache" /var/cache/libvirt
 mount --no-mtab --bind "$b/log" /var/log/libvirt
+# A fake mdev bus and VFIO for libvirt only (tests/helpers/mdev_fake.py), when laid out:
+# its /sys/bus and /sys/kernel/iommu_groups, and the machine's /dev under an overlay
+# that adds /dev/vfio/vfio (the submounts moved back on top of it).
+if [ -d "$b/sysbus" ]; then
+    mount --no-mtab --bind "$b/sysbus" /sys/bus
+    mount --no-mtab --bind "$b/iommu_groups" /sys/kernel/iommu_groups
+    mount --no-mtab --rbind /dev/pts "$b/dev/pts"
+    mount --no-mtab --rbind /dev/shm "$b/dev/shm"
+    mount --no-mtab -t overlay overlay \
+        -o "lowerdir=/dev,upperdir=$b/dev/upper,workdir=$b/dev/work" /dev
+    mount --no-mtab --move "$b/dev/pts" /dev/pts
+    mount --no-mtab --move "$b/dev/shm" /dev/shm
+fi
 exec virtlogd
 """
 
@@ -160,9 +173,10 @@ class PrivateLibvirtd:
     """virtlogd + libvirtd in a private mount namespace rooted at `base`."""
 
     def __init__(self, base: Path, hostname: Optional[str] = None,
-                 host_uuid: Optional[str] = None) -> None:
+                 host_uuid: Optional[str] = None, qemu_conf: str = "") -> None:
         """`hostname`, `host_uuid`: look like another host (own UTS namespace and
-        libvirtd.conf `host_uuid`), as a migration between two instances needs."""
+        libvirtd.conf `host_uuid`), as a migration between two instances needs;
+        `qemu_conf`: more lines for qemu.conf."""
         self.base = base
         self.hostname = hostname
         self.hooks_dir = base / "etc" / "hooks" / "qemu.d"
@@ -177,7 +191,7 @@ class PrivateLibvirtd:
         (base / "etc" / "qemu").mkdir(exist_ok=True)
         (base / "etc" / "libvirtd.conf").write_text(
             LIBVIRTD_CONF + (f'host_uuid = "{host_uuid}"\n' if host_uuid else ""))
-        (base / "etc" / "qemu.conf").write_text(QEMU_CONF)
+        (base / "etc" / "qemu.conf").write_text(QEMU_CONF + qemu_conf)
         os.chmod(base / "run", 0o755)
         (base / "run" / "lock").mkdir(exist_ok=True)
         os.chmod(base / "run" / "lock", 0o1777)
@@ -344,9 +358,10 @@ class Env:
     """The fake host, the installed wrapper and its trace."""
 
     def __init__(self, base: Path, hostname: Optional[str] = None,
-                 host_uuid: Optional[str] = None) -> None:
+                 host_uuid: Optional[str] = None, qemu_conf: str = "") -> None:
         """`hostname`, `host_uuid`: look like another host (own UTS namespace and
-        libvirtd.conf `host_uuid`), as a migration between two instances needs."""
+        libvirtd.conf `host_uuid`), as a migration between two instances needs;
+        `qemu_conf`: more lines for qemu.conf."""
         self.base = base
         self.hostname = hostname
         self.root = base / "root"

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from tests.helpers import mdev_fake
 from tests.helpers.libvirtd_env import Env, PrivateLibvirtd
 
 
@@ -31,10 +32,16 @@ class HostEnv(Env):
 
     def __init__(self, base: Path, hostname: str, host_uuid: str,
                  main_hook: Optional[str] = None,
-                 extra_hooks: Optional[dict[str, str]] = None) -> None:
+                 extra_hooks: Optional[dict[str, str]] = None,
+                 fake_vfio: bool = False) -> None:
+        """`fake_vfio`: domains with mdev hostdevs run (tests/helpers/mdev_fake.py)."""
         super().__init__(base)
         wrapper = self.wrapper.read_text()
-        self.daemon = PrivateLibvirtd(base / "libvirt-host", hostname, host_uuid)
+        self.daemon = PrivateLibvirtd(base / "libvirt-host", hostname, host_uuid,
+                                      qemu_conf=mdev_fake.QEMU_CONF if fake_vfio else "")
+        if fake_vfio:
+            mdev_fake.lay_out(self.daemon.base)
+            self.emulator = mdev_fake.install_wrapper(base / "qemu-wrapper")
         self.wrapper = self.daemon.install_hook(self.wrapper.name, wrapper)
         if main_hook is not None:
             path = self.daemon.base / "etc" / "hooks" / "qemu"
