@@ -2,32 +2,42 @@
 
 libvirt runs the qemu hook's `migrate begin` on the destination with the
 incoming domain XML, and uses what the hook prints as the XML to start
-(ARCHITECTURE.md, "Executables"). That XML names the *source's* devices: an mdev UUID or an
-NVIDIA vendor VF's PCI address that means nothing here, or names a device
-another VM holds. For every vGPU hostdev it names, this module
+(ARCHITECTURE.md, "Executables"). Each vGPU hostdev of that XML names either
+the *source's* device (plain libvirt) or, when a CloudStack agent migrates
+(4.21.0.0 on, `updateGpuDevicesIfNeeded`), the device the management server
+chose *here* (docs/cloudstack.md, "Live migration"). For every vGPU hostdev
+this module
 
 * learns what the vGPU is from gpulib's metadata (`<gpulib:device>`: type,
   type name, GPU model; written where gpulib gave the VM the vGPU, see
-  `devicetype`), or from this host's registry when it knows the UUID;
-* keeps the source's device when it exists here as the same type on the same
-  GPU model and nobody else holds it (a retried arrival also keeps what its
-  earlier attempt made); else chooses a free equivalent: the same type on a
-  GPU of the same vendor:device, by the allocator's rules (pool members
-  first, then a new vGPU; NUMA as at start);
+  `devicetype`), paired with its hostdev by the device it names, else by
+  position (the agent replaces the hostdevs and keeps the metadata); a record
+  whose kind contradicts its hostdev is refused; else from the request whose
+  derived UUID it is, or this host's registry when it knows the UUID;
+* keeps the device the hostdev names when it exists here, nobody else holds
+  it, and it is of the VM's type on the same GPU model (types by name, the id
+  a hint: `profiles`), making it ready when it is not (an mdev gpulib knows
+  created again, an idle VF given the type); a retried arrival also keeps
+  what its earlier attempt made; else chooses a free equivalent: the same
+  type on a GPU of the same vendor:device, by the allocator's rules (pool
+  members first, then a new vGPU; NUMA as at start), and says so when it
+  was CloudStack's choice (its record is corrected by the next report);
 * makes it ready through the journal (write-ahead intents: a kill at any
   write is settled by the retry or the next run) and records it held by the
   incoming VM (pending) in the same state write;
 * rewrites only each hostdev's source (`MdevHostdev.uuid`, `PciHostdev.address`)
-  and the metadata record that follows it: everything the guest sees (guest
-  address, model, display, ramfb, the rest of the XML) stays as it was, so
-  libvirt's ABI-stability check passes.
+  and the metadata records (what each vGPU is here): everything the guest
+  sees (guest address, model, display, ramfb, the rest of the XML) stays as
+  it was, so libvirt's ABI-stability check here passes. (The check of an
+  agent's rewrite runs on the source, before this hook: docs/cloudstack.md.)
 
 All or nothing: when one vGPU cannot be given, everything made for the others
 is undone and the arrival is refused with one line (libvirt then cancels the
 migration). Whole GPUs and VFs given whole are refused: their state cannot
 move with the guest. A migration that fails later ends with libvirt's
 `release end` on this host, which releases the pending allocation like any
-failed start (on-demand vGPUs destroyed, pool members kept).
+failed start (on-demand vGPUs destroyed, pool members kept). A VM without
+hostdevs arrives as it is, its metadata not read.
 
 `check` answers the same question without changing anything (`gpulib
 migrate check`): the choice is made on the state as read, nothing applied.

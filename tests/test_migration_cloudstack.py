@@ -359,3 +359,17 @@ def test_kill_at_every_write_while_cloudstacks_vfs_are_typed(tmp_path: Path) -> 
         assert {vf for vf in vfs if vf_type(dst.root, vf) != "0"} == set(got) | {vfs[1]}
         n += 1
     assert n > 3, "the run made fewer writes than the two typings need"
+
+
+def test_a_vf_address_421_lost_is_refused_with_one_line(
+        vf_hosts: tuple[str, list[str], str, list[str], str]) -> None:
+    _, _, dst, _, live = vf_hosts
+    before = tree_contents(dst)
+    # 4.21 and 4.22.0 render 0001:41:00.4 as bus 0x0001, slot 0x41, function 0x0.
+    xml = rewrite(live, [GpuDevice("0001:41:00.4")], "4.21")
+    assert "bus=\"0x0001\" domain=\"0x0000\" function=\"0x0\" slot=\"0x41\"" in xml
+    res = migrate_begin(dst, "mig-1", xml)
+    err = res.stderr.decode()
+    assert res.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "slot" in err and res.stdout == b""
+    assert tree_contents(dst) == before
