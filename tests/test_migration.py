@@ -432,6 +432,13 @@ def test_two_arrivals_race_for_the_last_instance_exactly_one_wins(tmp_path: Path
     assert len(live_mdevs(dst.root)) == 2  # the stranger's and the winner's
 
 
+def explained(root: str) -> set[str]:
+    """The devices a write-ahead intent or an allocation of the state names."""
+    st = state_of(root)
+    return {i["id"] for i in st["intents"]} | {
+        d["id"] for a in st["allocations"].values() for d in a["devices"]}
+
+
 def _killed_at(root: str, n: int, name: str, xml: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([sys.executable, "-m", "tests.helpers.crash_worker", str(n),
                            "gpulib.hooks.qemu", name, "migrate", "begin", "-"],
@@ -455,10 +462,7 @@ def test_kill_migrate_begin_at_every_write_the_retry_or_the_next_run_settles(
         assert res.returncode == 137, res.stderr
         # Whatever the kill left, nothing the stranger holds is touched and
         # every vGPU made for mig-1 is explained by an intent or its allocation.
-        st = state_of(dst.root)
-        explained = {i["id"] for i in st["intents"]} | {
-            d["id"] for a in st["allocations"].values() for d in a["devices"]}
-        assert live_mdevs(dst.root) - {derive_uuid(U_VM, 0)} <= explained
+        assert live_mdevs(dst.root) - {derive_uuid(U_VM, 0)} <= explained(dst.root)
         # Cancelled instead (a copy of the host): the incoming domain's release
         # end, the next run, leaves nothing of it.
         cancelled = str(tmp_path / f"c{n}")

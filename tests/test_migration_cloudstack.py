@@ -322,7 +322,7 @@ def test_bad_metadata_is_ignored_without_vgpu_hostdevs(tmp_path: Path) -> None:
 def test_kill_at_every_write_while_cloudstacks_vfs_are_typed(tmp_path: Path) -> None:
     """Two vGPUs: CloudStack's first VF is idle (typed here), its second is held
     (another is typed): a kill at each write, then libvirt's cancel or retry."""
-    from tests.test_migration import _killed_at
+    from tests.test_migration import _killed_at, explained
 
     src, _ = a10(str(tmp_path / "src"))
     live = started_on(src, request_xml("mig-1", U_VM, f"profile='{PROFILE}'", count=2))
@@ -336,11 +336,9 @@ def test_kill_at_every_write_while_cloudstacks_vfs_are_typed(tmp_path: Path) -> 
         if res.returncode == 0:
             break
         assert res.returncode == 137, res.stderr
-        st = state_of(dst.root)
-        explained = {i["id"] for i in st["intents"]} | {
-            d["id"] for a in st["allocations"].values() for d in a["devices"]}
         typed = {vf for vf in vfs if vf_type(dst.root, vf) != "0"}
-        assert typed - {vfs[1]} <= explained and vf_type(dst.root, vfs[1]) == str(A10_2Q)
+        assert typed - {vfs[1]} <= explained(dst.root)
+        assert vf_type(dst.root, vfs[1]) == str(A10_2Q)
         # Cancelled (a copy of the host): nothing of mig-1 is left.
         cancelled = str(tmp_path / f"c{n}")
         shutil.copytree(dst.root, cancelled, symlinks=True)
