@@ -369,13 +369,15 @@ class Planner:
             on_demand = rec.on_demand if rec is not None and rec.type_id == current else False
             return Choice(need, ident, "kept", None, on_demand), ""
         creatable = nvidia.creatable_types(self.sysfs, vf)
-        if rec is not None and rec.pool is not None:
-            # A pool member that lost its type (a reboot): its own type or none.
+        if rec is not None:
+            # A VF gpulib records a type for (a pool member, one typed by hand)
+            # that lost it (a reboot): its own type or none.
             if rec.type_id not in creatable or not need.want.matches_vendor(
                     rec.type_id, vf_type_name(self.sysfs, self.state, vf, rec.type_id)):
-                return None, f"a member of pool {rec.pool} of vGPU type {rec.type_id}"
-            action = AllocateVf(ident, rec.type_id, rec.name, False, rec.pool)
-            return Choice(need, ident, "readied", action, False), ""
+                return None, f"recorded for vGPU type {rec.type_id}"
+            on_demand = rec.on_demand and rec.pool is None
+            action = AllocateVf(ident, rec.type_id, rec.name, on_demand, rec.pool)
+            return Choice(need, ident, "readied", action, on_demand), ""
         tid = pick(creatable, need.want.type_id, need.want.profile)
         if tid is None:
             return None, f"idle, and it cannot take {need.what} now"

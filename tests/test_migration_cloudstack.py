@@ -371,3 +371,28 @@ def test_a_vf_address_421_lost_is_refused_with_one_line(
     assert res.returncode == 2 and len(err.splitlines()) == 1, err
     assert "slot" in err and res.stdout == b""
     assert tree_contents(dst) == before
+
+
+def test_a_pool_vf_that_lost_its_type_is_typed_again_and_stays_in_its_pool(
+        vf_hosts: tuple[str, list[str], str, list[str], str]) -> None:
+    _, _, dst, _, live = vf_hosts
+    Path(dst, "etc/gpulib").mkdir(parents=True, exist_ok=True)
+    Path(dst, "etc/gpulib/gpulib.conf").write_text(
+        f"[pool a10]\nparents = {A10}\nprofile = {PROFILE.lower()}\ncount = 2\n")
+    assert cli(dst, "pool", "apply").returncode == 0
+    members = sorted(a for a, r in state_of(dst)["vf_types"].items() if r["pool"] == "a10")
+    assert len(members) == 2
+    # A reboot: the driver forgot the types; gpulib's registry did not.
+    for vf in members:
+        set_vf_type(dst, vf, 0)
+    xml = rewrite(live, [GpuDevice(short(members[1]))])
+    res = migrate_begin(dst, "mig-1", xml)
+    assert res.returncode == 0, res.stderr
+    assert sources(res.stdout.decode()) == [members[1]]
+    assert vf_type(dst, members[1]) == str(A10_2Q)
+    assert state_of(dst)["allocations"]["mig-1"]["devices"] == [
+        {"kind": "vf", "id": members[1], "on_demand": False}]
+    # Released (a failed migration), it stays its pool's, typed.
+    assert migrate_release(dst, xml).returncode == 0  # type: ignore[attr-defined]
+    assert state_of(dst)["vf_types"][members[1]]["pool"] == "a10"
+    assert vf_type(dst, members[1]) == str(A10_2Q)
