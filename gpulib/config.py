@@ -169,6 +169,9 @@ class Config:
         # What a lenient load set aside (each with its file named); empty
         # after a strict load, which raises on the first instead.
         self.problems: list[str] = []
+        # What loading warned of (unknown sections and keys, each with its
+        # file named): the doctor's `config` check reports them.
+        self.warnings: list[str] = []
         self._lenient = False
         self._sources: dict[tuple[str, str], str] = {}
 
@@ -200,11 +203,11 @@ class Config:
                 continue
             if section not in DEFAULTS:
                 first = next(iter(entries.values()), ("", path))[1]
-                log.warning("%s: unknown section [%s] ignored", first, section)
+                cfg._warn(f"{first}: unknown section [{section}] ignored")
                 continue
             for key, (value, source) in entries.items():
                 if key not in DEFAULTS[section]:
-                    log.warning("%s: unknown key %s in [%s] ignored", source, key, section)
+                    cfg._warn(f"{source}: unknown key {key} in [{section}] ignored")
                     continue
                 cfg._sources[(section, key)] = source
                 try:
@@ -215,6 +218,11 @@ class Config:
                     continue
                 cfg._values[section][key] = value.strip()
         return cfg
+
+    def _warn(self, message: str) -> None:
+        """A key or section that changes nothing: logged and kept (`warnings`)."""
+        log.warning("%s", message)
+        self.warnings.append(message)
 
     def _problem(self, message: str, outcome: str) -> None:
         """Strict: raise. Lenient: keep `message` with what became of it."""
@@ -321,7 +329,7 @@ class Config:
             raise ConfigError(f"{source}: [{sec}]: pool names are letters, digits, _ . -")
         for key in section:
             if key not in POOL_KEYS:
-                log.warning("%s: unknown key %s in [%s] ignored", sources[key], key, sec)
+                self._warn(f"{sources[key]}: unknown key {key} in [{sec}] ignored")
         parents = Match(section.get("parents", "all"), where("parents"))
         type_id = section.get("type")
         profile = section.get("profile")

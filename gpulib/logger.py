@@ -16,8 +16,6 @@ to `logging` only when it would be kept:
 * between `hold()` and `release()` records are kept in memory (a command
   reads its configuration before it knows where its log goes), and
   `release()` hands them on by the rules above;
-* `Capture(name, level)` collects the messages a module logs while a caller
-  (the doctor) runs it, whatever the process keeps.
 
 Only `sys` is imported here. The hooks, which log every start, set up
 `logging` at once (`gpulib.logs.setup`): their records go straight to it.
@@ -42,8 +40,6 @@ _threshold = 0
 _install: Optional[Callable[[], None]] = None
 # Records kept between hold() and release(): (name, level, msg, args, kwargs).
 _held: Optional[list[tuple[str, int, object, tuple[object, ...], dict[str, Any]]]] = None
-# capture(): (logger name, lowest level, the messages collected).
-_captures: list[tuple[str, int, list[str]]] = []
 # Python's warnings are sent through _load() (configure_later, once a process).
 _warnings_routed = False
 
@@ -87,9 +83,6 @@ def get(name: str) -> Logger:
 
 def _emit(name: str, level: int, msg: object, args: tuple[object, ...],
           kwargs: dict[str, Any]) -> None:
-    for wanted, lowest, messages in _captures:
-        if level >= lowest and (name == wanted or name.startswith(wanted + ".")):
-            messages.append(str(msg) % args if args else str(msg))
     if _held is not None:
         if kwargs.get("exc_info") is True:  # the exception is gone by release()
             kwargs = {**kwargs, "exc_info": sys.exc_info()}
@@ -151,18 +144,3 @@ def release(replay: bool = True) -> None:
     held, _held = _held, None
     for name, level, msg, args, kwargs in held if held and replay else ():
         _emit(name, level, msg, args, kwargs)
-
-
-class Capture:
-    """`with Capture("gpulib.config") as messages:` the messages of records of
-    that logger (and those below it) at `level` or above, logged meanwhile."""
-
-    def __init__(self, name: str, level: int = WARNING) -> None:
-        self.entry: tuple[str, int, list[str]] = (name, level, [])
-
-    def __enter__(self) -> list[str]:
-        _captures.append(self.entry)
-        return self.entry[2]
-
-    def __exit__(self, *exc: object) -> None:
-        _captures.remove(self.entry)

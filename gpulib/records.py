@@ -54,6 +54,17 @@ INTENT_ACTIONS = ("create-mdev", "set-vf-type", "remove-mdev", "clear-vf-type")
 REMOVALS = ("remove-mdev", "clear-vf-type")
 ALLOCATION_STATUSES = ("pending", "active")
 
+# The `pool` of a vGPU or VF type an administrator made by hand (`gpulib mdev
+# create`, `gpulib vf set-type`): a marker, not a pool. Such a device is never
+# a pool member, whatever gpulib.conf declares.
+HANDMADE = "manual"
+
+
+def is_handmade(record: VgpuRecord | VfRecord) -> bool:
+    """Whether a vGPU or VF type record is of one made by hand (`HANDMADE`)."""
+    return record.pool == HANDMADE
+
+
 _LOWER_HEX = frozenset("0123456789abcdef")
 _DIGITS = frozenset("0123456789")
 

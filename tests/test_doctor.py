@@ -207,7 +207,7 @@ def test_hooks_missing(host: FakeHost) -> None:
     shutil.rmtree(host.p("etc/cloudstack"))
     report = run(host)
     assert_fault(report, "hooks", "warn", "/etc/cloudstack/agent")
-    assert report.exit_code == 2
+    assert report.exit_code == dr.EXIT_WARNINGS == 5
 
 
 def test_libvirtd_started_before_the_hook(host: FakeHost) -> None:
@@ -377,11 +377,17 @@ def test_cli_exit_codes(host: FakeHost, monkeypatch: Any, capsys: Any) -> None:
     assert code == 0
     assert json.loads(out)["summary"] == {c: "ok" for c in dr.CHECK_IDS}
 
-    # warnings only: 2
+    # warnings only: 5, never the 2 of a usage error
     agent = host.p("etc/cloudstack")
     os.rename(agent, agent + ".away")
     code, out = cli_doctor(host, monkeypatch, capsys)
-    assert code == 2 and json.loads(out)["status"] == "warn"
+    doc = json.loads(out)
+    assert code == 5 and doc["status"] == "warn" and doc["exit_code"] == 5
+
+    # usage errors: 2, the report not run
+    for args in (["--check", "no-such-check"], ["--bogus"], ["--json", "extra"]):
+        code, out = cli_doctor(host, monkeypatch, capsys, args)
+        assert code == 2 and out == "", args
 
     # a failure: 1
     host.load_module("nouveau")

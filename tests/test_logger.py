@@ -112,17 +112,6 @@ def test_held_records_are_replayed_in_order_or_forgotten(
     assert [r.getMessage() for r in caplog.records] == ["after"]
 
 
-def test_a_capture_collects_its_logger_and_those_below_it() -> None:
-    with logger.Capture("gpulib.config") as messages:
-        logger.get("gpulib.config").warning("bad key %r", "x")
-        logger.get("gpulib.config.dropins").error("bad file")
-        logger.get("gpulib.config").info("below the capture's level")
-        logger.get("gpulib.configuration").warning("another logger")
-        logger.get("gpulib").warning("its parent")
-    logger.get("gpulib.config").warning("after the capture")
-    assert messages == ["bad key 'x'", "bad file"]
-
-
 def test_python_warnings_set_the_log_up_and_go_into_it() -> None:
     r = run_with_log_on_stdout("%(name)s: %(message)s", """
         logger.configure_later(logger.INFO, install)

@@ -18,7 +18,7 @@ def doctor(env: Env, as_json: bool, only: tuple[str, ...]) -> None:
     hooks, libvirt, gpulib's config and state, and the CloudStack JSON.
 
     Every problem comes with the exact fix for this distribution. Exit status:
-    0 all ok, 1 something failed, 2 warnings only.
+    0 all ok, 1 something failed, 5 warnings only (2: a usage error).
     """
     report = checks.run(env.ctx, only=list(only) or None)
     if as_json:

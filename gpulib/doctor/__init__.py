@@ -32,7 +32,8 @@ Check ids (stable: scripts and the JSON depend on them):
 
 A check emits one `ok` result summing up what it saw, or one result per
 problem. The report's status is the worst status; the exit code is 0 when
-everything is ok, 1 when anything failed, 2 for warnings only.
+everything is ok, 1 when anything failed, 5 for warnings only (2 is a usage
+error, as for every gpulib command: an unknown option or check).
 
 Each check is a module of this package (`iommu`, `nouveau`, `binding`,
 `groups`, `sriov`, `mdev`, `hooks`, `libvirt`, `migration`, `config`, `state`,
@@ -55,6 +56,7 @@ from gpulib.doctor.core import (
     CHECK_IDS,
     DEFAULT_GRUB,
     EXIT_CODES,
+    EXIT_WARNINGS,
     FAIL,
     HOST_DISPLAY_DRIVERS,
     LIBVIRT_DAEMONS,
@@ -83,8 +85,8 @@ from gpulib.doctor.facts import Doctor, run
 
 __all__ = [
     "AGENT_HOOK_EXECUTABLES", "AGENT_PROPERTIES", "AMD_VENDOR", "BOOT_ID", "CHECK_IDS",
-    "DEFAULT_GRUB", "EXIT_CODES", "FAIL", "HOST_DISPLAY_DRIVERS", "LIBVIRT_DAEMONS",
-    "LIBVIRT_HOOK", "LIBVIRT_HOOKS_DIR", "MODPROBE_DIRS", "OK", "OS_RELEASE", "PROC_CPUINFO",
+    "DEFAULT_GRUB", "EXIT_CODES", "EXIT_WARNINGS", "FAIL", "HOST_DISPLAY_DRIVERS",
+    "LIBVIRT_DAEMONS", "LIBVIRT_HOOK", "LIBVIRT_HOOKS_DIR", "MODPROBE_DIRS", "OK", "OS_RELEASE", "PROC_CPUINFO",
     "PROC_STAT", "QEMU_HOOK_EXECUTABLE", "SCHEMA", "SETUP_JOURNAL", "WARN", "Distro", "Doctor",
     "Report", "Result", "agent_document_problems", "agent_hooks_dir", "host_path",
     "is_free_for_vfio", "is_vfio_driver", "run", "worst",

@@ -18,15 +18,17 @@ if TYPE_CHECKING:
 def check(d: Doctor) -> list[Result]:
     cid, path = "config", host_path(CONFIG_FILE)
     config = d.config
-    if d._config_error:
-        return [Result(cid, FAIL, path, d._config_error,
+    if config.problems:
+        # A strict reading (every hook's, and every command that changes the
+        # host) stops at the first of them.
+        return [Result(cid, FAIL, path, "; ".join(config.problems),
                        "correct the file, line or value named (the hooks and the "
-                       "commands that change the host refuse to run with it; discover "
-                       "and doctor use the defaults for it); every key and its default "
-                       "is in the shipped example")]
-    if d._config_warnings:
+                       "commands that change the host refuse to run with it; discover, "
+                       "metrics and doctor use the defaults for it); every key and its "
+                       "default is in the shipped example")]
+    if config.warnings:
         return [Result(cid, WARN, path, " ".join(m.split(": ", 1)[-1] for m in
-                                                 d._config_warnings),
+                                                 config.warnings),
                        f"remove or correct the key named in {path}")]
     capped = lock_timeout_problem(config, path)
     if capped:

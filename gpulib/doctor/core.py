@@ -59,7 +59,10 @@ OK = "ok"
 WARN = "warn"
 FAIL = "fail"
 _RANK = {OK: 0, WARN: 1, FAIL: 2}
-EXIT_CODES = {OK: 0, FAIL: 1, WARN: 2}
+# The doctor's exit status: 2 is a usage error (as for every gpulib command),
+# so warnings only is a code of its own that no other outcome gives.
+EXIT_WARNINGS = 5
+EXIT_CODES = {OK: 0, FAIL: 1, WARN: EXIT_WARNINGS}
 SCHEMA = 1
 
 CHECK_IDS = ("iommu", "nouveau", "driver-binding", "iommu-group", "sriov", "mdev", "hooks",

@@ -56,10 +56,9 @@ class Doctor:
         self.lock_timeout = lock_timeout
         self.clock_ticks = clock_ticks
         self.distro = Distro.read(ctx)
+        # A configuration handed over (`gpulib metrics` read it leniently)
+        # carries its problems and warnings: the `config` check reports them.
         self._config = config
-        self._config_error: Optional[str] = None
-        self._config_warnings: list[str] = []
-        self._config_loaded = config is not None
         self._state: Optional[State] = None
         self._state_error: Optional[tuple[str, str, str]] = None  # (status, message, fix)
         self._state_loaded = False
@@ -71,17 +70,10 @@ class Doctor:
     # -- facts, read once -----------------------------------------------------------
     @property
     def config(self) -> Config:
-        if not self._config_loaded:
-            self._config_loaded = True
-            # The warnings reading it logs are the `config` check's too.
-            with logger.Capture("gpulib.config") as warnings:
-                # Lenient: the other checks run with what can be read; the
-                # problems are the `config` check's finding.
-                self._config = Config.load(self.ctx.config_path, lenient=True)
-                if self._config.problems:
-                    self._config_error = "; ".join(self._config.problems)
-            self._config_warnings = warnings
-        assert self._config is not None
+        if self._config is None:
+            # Lenient: the other checks run with what can be read; the
+            # problems are the `config` check's finding.
+            self._config = Config.load(self.ctx.config_path, lenient=True)
         return self._config
 
     @property
