@@ -254,6 +254,10 @@ class Gpu:
         # NVIDIA's tool (`nvidiasmi.attach`; discovery itself runs nothing).
         self.nvidia_numbers: dict[int, TypeNumbers] = {}
         self.errors: list[str] = []
+        # Where its files are read: a file read after discovery (the
+        # instances left of its types, `mdev_offers`) that cannot be read is
+        # noted in `errors` as discovery's own reads are.
+        self._sysfs: Optional[Sysfs] = None
 
     @property
     def address(self) -> PciAddress:
@@ -288,7 +292,10 @@ class Gpu:
         `VirtualFunction.offered` gives them and their `available_instances`
         in the same order: read a parent's directory at a time, once, and
         kept for whatever else the same report asks (`gpulib metrics` runs
-        the doctor, whose `mdev` check asks again)."""
+        the doctor, whose `mdev` check asks again). A count that cannot be
+        read is None, and the file and the reason go into `errors`."""
+        sysfs = self._sysfs
+        mark = len(sysfs.failures) if sysfs is not None else 0
         out = []
         if self.mdev_types:
             types = self.mdev_types
@@ -298,7 +305,16 @@ class Gpu:
             offered = vf.offered()
             if offered:
                 out.append((vf.address, offered, vf.available_once()))
+        if sysfs is not None and len(sysfs.failures) > mark:
+            self.note_failures(sysfs.failures[mark:])
         return out
+
+    def note_failures(self, failures: list[tuple[str, str]]) -> None:
+        """Files of the GPU (or its VFs) that could not be read, into `errors`."""
+        for rel, reason in failures:
+            note = f"{rel}: {reason}"
+            if note not in self.errors:
+                self.errors.append(note)
 
     @property
     def offered_vgpus(self) -> list[Vgpu]:
@@ -436,10 +452,7 @@ class Discovery:
                 log.warning("PCI device %s left out: cannot read it: %s", address, exc)
                 continue
             # The files of this GPU (and its VFs) that could not be read.
-            for rel, reason in sysfs.failures[mark:]:
-                note = f"{rel}: {reason}"
-                if note not in gpu.errors:
-                    gpu.errors.append(note)
+            gpu.note_failures(sysfs.failures[mark:])
             gpus.append(gpu)
             read_vfs.update(vf.address for vf in gpu.vfs)
         # A VF is never also a GPU, even when its own `physfn` is unreadable.
@@ -451,6 +464,7 @@ class Discovery:
 
     def _gpu(self, fn: PciFunction, usage: Occupancy, live: dict[str, mdev.Mdev]) -> Gpu:
         gpu = Gpu(fn)
+        gpu._sysfs = self.sysfs
         steps: tuple[tuple[str, Callable[[], None]], ...] = (
             ("names", lambda: self._names(gpu)),
             ("sriov", lambda: self._sriov(gpu)),

@@ -46,38 +46,39 @@ def _resolution(res: Optional[tuple[int, int]]) -> Optional[str]:
     return f"{res[0]}x{res[1]}" if res else None
 
 
-def _type(t: MdevType, parent: str) -> dict[str, Any]:
+def _type(t: MdevType, parent: str, available: Optional[int]) -> dict[str, Any]:
     d = t.description
     return {
         "parent": parent, "type_id": t.type_id, "name": t.name,
         "description": t.description_text, "device_api": t.device_api,
-        "available_instances": t.available_instances, "max_instances": d.max_instance,
+        "available_instances": available, "max_instances": d.max_instance,
         "framebuffer_mb": d.framebuffer_mb, "num_heads": d.num_heads,
         "max_resolution": _resolution(d.max_resolution),
     }
 
 
 def _types(gpu: Gpu) -> list[dict[str, Any]]:
-    """The GPU's mdev types, its own then its VFs'. A type that shares its
-    files with the same type on a sibling VF (`MdevType.same_as`) differs from
-    it only in parent and available instances: its entry is a copy of the
-    sibling's with those two set (a large host has 16 VFs x 24 types a GPU)."""
+    """The GPU's mdev types, its own then its VFs', with the instances left
+    of each (`Gpu.mdev_offers`: read a parent's directory at a time; one that
+    cannot be read is null and its file is in the GPU's `errors`). A type
+    that shares its files with the same type on a sibling VF
+    (`MdevType.same_as`) differs from it only in parent and available
+    instances: its entry is a copy of the sibling's with those two set (a
+    large host has 16 VFs x 24 types a GPU)."""
     out: list[dict[str, Any]] = []
     first: dict[int, dict[str, Any]] = {}
-    parents: dict[Any, str] = {}
-    for t in [*gpu.mdev_types, *(t for vf in gpu.vfs for t in vf.mdev_types)]:
-        parent = parents.get(t.parent)
-        if parent is None:
-            parent = parents[t.parent] = str(t.parent)
-        key = id(t.same_as or t)
-        template = first.get(key)
-        if template is None:
-            entry = first[key] = _type(t, parent)
-        else:
-            entry = template.copy()
+    for address, pairs, available in gpu.mdev_offers():
+        parent = str(address)
+        for (_, t), n in zip(pairs, available):
+            key = id(t.same_as or t)
+            template = first.get(key)
+            if template is None:
+                entry = first[key] = _type(t, parent, n)
+            else:
+                entry = template.copy()
+                entry["available_instances"] = n
             entry["parent"] = parent
-            entry["available_instances"] = t.available_instances
-        out.append(entry)
+            out.append(entry)
     return out
 
 
@@ -108,6 +109,8 @@ def nvidia_types(gpu: Gpu) -> list[dict[str, Any]]:
 
 def gpu_document(gpu: Gpu) -> dict[str, Any]:
     fn = gpu.fn
+    # Read first: a count that cannot be read goes into the GPU's errors.
+    types = _types(gpu)
     return {
         "address": str(fn.address),
         "vendor_id": f"{fn.vendor_id:04x}", "device_id": f"{fn.device_id:04x}",
@@ -119,7 +122,7 @@ def gpu_document(gpu: Gpu) -> dict[str, Any]:
         "pci_root": str(fn.pci_root) if fn.pci_root else None,
         "mode": gpu.mode, "used_by": gpu.used_by,
         "sriov": {"totalvfs": gpu.sriov_totalvfs, "numvfs": gpu.sriov_numvfs},
-        "mdev_types": _types(gpu),
+        "mdev_types": types,
         "vgpus": [{"uuid": v.uuid, "parent": str(v.parent), "type_id": v.mdev_type.type_id,
                    "profile": v.mdev_type.profile_name, "used_by": v.used_by,
                    "live": v.live, "available": v.available}

@@ -21,15 +21,27 @@ def check(d: Doctor) -> list[Result]:
     # has thousands of pairs, each read once (by `gpulib metrics` already
     # when it runs this), and walked here once.
     offers: list[tuple[PciAddress, list[tuple[str, mdev.MdevType]], list[Optional[int]]]] = []
+    problems: list[Result] = []
     for gpu in d.inventory.gpus:
         offers.extend(gpu.mdev_offers())
+        # Counts that could not be read (noted by `mdev_offers`, whoever
+        # asked first): that capacity is unknown, and missing from metrics.
+        unread = [e for e in gpu.errors
+                  if e.partition(": ")[0].endswith("/available_instances")]
+        if unread:
+            problems.append(Result(
+                cid, WARN, str(gpu.address),
+                f"{d.label(gpu)}: the instances left of {len(unread)} vGPU type(s) cannot "
+                f"be read, so how many more it can create is unknown: {unread[0]}"
+                + (f" (+{len(unread) - 1} more)" if len(unread) > 1 else ""),
+                "check `dmesg` for errors of the GPU's driver; gpulib metrics counts such "
+                "files in gpulib_gpu_read_errors"))
     parents = {parent for parent, _, _ in offers}
     for parent in mdev.list_parents(d.sysfs):
         if parent not in parents:
             parents.add(parent)
             listed = mdev.list_types(d.sysfs, parent)
             offers.append((parent, [(t.type_id, t) for t in listed], mdev.available_all(listed)))
-    problems: list[Result] = []
     pools = sorted(d.config.pools.items())
     if pools:
         # Asked of the plan `gpulib pool apply` follows: the pool's own GPUs
