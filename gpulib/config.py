@@ -69,6 +69,9 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
     "setup": {
         "passthrough": ("", "device-list"),
     },
+    "metrics": {
+        "per_parent": ("no", "bool"),
+    },
 }
 POOL_KEYS = {"parents", "type", "profile", "count", "per_parent"}
 KIND_HELP = {

@@ -9,18 +9,31 @@ node_exporter's textfile collector never reads half of it).
 
 Naming follows Prometheus' practice: a `gpulib_` prefix, base units
 (seconds), `_total` on counters, capacity and use as separate metrics, and
-labels drawn from bounded sets (the host's devices, its vGPU types, the
-doctor's check ids, the counters' fixed values). Per (parent, vGPU type) the
-instances a parent could still create are always given; the live, held and
-pooled instances only where the parent has a vGPU of that type (a missing
-series is 0: a large host has thousands of parent and type pairs).
+labels drawn from bounded sets (the host's GPUs, its vGPU types, the doctor's
+check ids, the counters' fixed values). A GPU is named by `pci_bus_id` as
+NVIDIA's tools write it (`00000000:3B:00.0`, dcgm-exporter's label), so its
+series join with the GPU's telemetry; `gpulib_gpu_info` also gives the
+address as gpulib's commands take it. vGPU series are per GPU and type: a
+large host's VFs each offer every type with room for one vGPU or none, and
+per (VF, type) that is thousands of series of 0 or 1 (`[metrics] per_parent
+= yes` gives them, with a `parent` label). The live, held and pooled
+instances are given only where the GPU has a vGPU of that type (a missing
+series is 0).
 
-Series (labels in braces):
-  gpulib_gpu_info{gpu,vendor_id,device_id,vendor,device,driver,mode,numa_node} 1
+Which sums mean something: a type's creatable count on a GPU assumes no
+other type is made (creating one uses what the others count), so sum
+creatable instances by type (over GPUs and parents), never across types;
+an idle NVIDIA vendor VF counts as creatable for every type it could take,
+likewise. Live, held and pool counts add up over anything.
+
+Series (labels in braces; `gpu` below is `pci_bus_id`):
+  gpulib_gpu_info{pci_bus_id,address,vendor_id,device_id,vendor,device,driver,mode,numa_node} 1
+  gpulib_gpu_managed{gpu}                    0 when unmanaged (gpulib device unmanage)
+  gpulib_gpu_unmanaged_vfs{gpu}              its VFs gpulib leaves alone
   gpulib_gpu_in_use{gpu}                     1 when a VM holds the GPU whole
   gpulib_gpu_whole_offered{gpu}              1 when it may be given whole
   gpulib_gpu_read_errors{gpu}                files of the GPU that could not be read
-  gpulib_vgpu_creatable_instances{gpu,parent,type,profile}
+  gpulib_vgpu_creatable_instances{gpu,type,profile} (per_parent: also parent)
   gpulib_vgpu_live_instances{...}, gpulib_vgpu_held_instances{...},
   gpulib_vgpu_pool_instances{...}
   gpulib_nvidia_vfs{gpu}, gpulib_nvidia_vfs_typed{gpu}, gpulib_nvidia_vfs_held{gpu}
@@ -28,6 +41,7 @@ Series (labels in braces):
   gpulib_allocations{state}                  state: active | pending
   gpulib_allocation_pending_oldest_age_seconds, gpulib_allocation_pending_grace_seconds
   gpulib_stray_vgpus
+  gpulib_handmade_devices{kind}              kind: mdev | vf (never pool members)
   gpulib_pool_members{pool}, gpulib_pool_held_members{pool}, gpulib_pool_target_members{pool}
   gpulib_readiness_check_status{check}       0 ok, 1 warn, 2 fail
   gpulib_state_healthy, gpulib_state_last_write_timestamp_seconds, gpulib_state_intents
@@ -42,16 +56,18 @@ import os
 from collections.abc import Iterable
 
 from gpulib import counters
+from gpulib.records import HANDMADE, is_handmade
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Optional, Union
+    from typing import Any, Optional, Union
 
     from gpulib.config import Config
     from gpulib.context import Context
-    from gpulib.discovery import Inventory
+    from gpulib.discovery import Gpu, Inventory
     from gpulib.mdev import MdevType
-    from gpulib.state import State
+    from gpulib.pci import PciAddress
+    from gpulib.state import State, VgpuRecord
 
     Number = Union[int, float]
 
@@ -139,130 +155,238 @@ class Exposition:
 # -- the host's devices ---------------------------------------------------------------
 
 
-def _gpus(exp: Exposition, inventory: Inventory, state: State) -> None:
-    info = exp.family("gpulib_gpu_info", "gauge", "A GPU (physical function) of the host.",
-                      "gpu", "vendor_id", "device_id", "vendor", "device", "driver", "mode",
-                      "numa_node")
-    in_use = exp.family("gpulib_gpu_in_use", "gauge",
-                        "1 when a VM holds the GPU whole, else 0.", "gpu")
-    offered = exp.family("gpulib_gpu_whole_offered", "gauge",
-                         "1 when the GPU may be given whole (no vGPU use declared, no VFs).",
-                         "gpu")
-    errors = exp.family("gpulib_gpu_read_errors", "gauge",
-                        "Files of the GPU discovery could not read.", "gpu")
-    labels = ("gpu", "parent", "type", "profile")
-    creatable = exp.family("gpulib_vgpu_creatable_instances", "gauge",
-                           "vGPUs of the type the parent could still create "
-                           "(available_instances).", *labels)
-    live = exp.family("gpulib_vgpu_live_instances", "gauge",
-                      "Live vGPUs of the type on the parent (absent: 0).", *labels)
-    held = exp.family("gpulib_vgpu_held_instances", "gauge",
-                      "vGPUs of the type on the parent held by a VM (absent: 0).", *labels)
-    pooled = exp.family("gpulib_vgpu_pool_instances", "gauge",
-                        "vGPUs of the type on the parent that are pool members, live or "
-                        "to be recreated (absent: 0).", *labels)
-    nv_vfs = exp.family("gpulib_nvidia_vfs", "gauge",
-                        "NVIDIA vendor-specific vGPU VFs of the GPU.", "gpu")
-    nv_typed = exp.family("gpulib_nvidia_vfs_typed", "gauge",
-                          "NVIDIA vendor VFs of the GPU with a vGPU type set.", "gpu")
-    nv_held = exp.family("gpulib_nvidia_vfs_held", "gauge",
-                         "NVIDIA vendor VFs of the GPU held by a VM.", "gpu")
-    vf_labels = ("gpu", "type", "profile")
-    nv_type_typed = exp.family("gpulib_nvidia_vf_type_typed_vfs", "gauge",
-                               "NVIDIA vendor VFs of the GPU that have this vGPU type.",
-                               *vf_labels)
-    nv_type_held = exp.family("gpulib_nvidia_vf_type_held_vfs", "gauge",
-                              "NVIDIA vendor VFs of the GPU with this vGPU type held by a VM.",
-                              *vf_labels)
-    nv_type_creatable = exp.family("gpulib_nvidia_vf_type_creatable_vfs", "gauge",
-                                   "Idle NVIDIA vendor VFs of the GPU that could be given "
-                                   "this vGPU type now.", *vf_labels)
+def pci_bus_id(address: PciAddress) -> str:
+    """A PCI address as NVIDIA's tools write it (NVML's bus id, dcgm-exporter's
+    `pci_bus_id` label): an 8-digit domain, upper-case hex, `00000000:3B:00.0`,
+    so gpulib's series join with a GPU's telemetry on it."""
+    return f"{address.domain:08X}:{address.bus:02X}:{address.slot:02X}.{address.function:X}"
+
+
+class _GpuFamilies:
+    """The per-GPU families of one exposition, made once for every GPU."""
+
+    def __init__(self, exp: Exposition, per_parent: bool) -> None:
+        gpu = ("pci_bus_id",)
+        self.info = exp.family(
+            "gpulib_gpu_info", "gauge",
+            "A GPU (physical function) of the host; pci_bus_id as NVIDIA's tools write it "
+            "(join label), address as gpulib's commands take it.",
+            "pci_bus_id", "address", "vendor_id", "device_id", "vendor", "device", "driver",
+            "mode", "numa_node")
+        self.managed = exp.family(
+            "gpulib_gpu_managed", "gauge",
+            "1 when gpulib manages the GPU, 0 when it is unmanaged (gpulib device "
+            "unmanage): gpulib then creates, types and allocates nothing of it.", *gpu)
+        self.unmanaged_vfs = exp.family(
+            "gpulib_gpu_unmanaged_vfs", "gauge",
+            "VFs of the GPU gpulib leaves alone (unmanaged, or of an unmanaged GPU).", *gpu)
+        self.in_use = exp.family("gpulib_gpu_in_use", "gauge",
+                                 "1 when a VM holds the GPU whole, else 0.", *gpu)
+        self.offered = exp.family(
+            "gpulib_gpu_whole_offered", "gauge",
+            "1 when the GPU may be given whole (no vGPU use declared, no VFs).", *gpu)
+        self.errors = exp.family(
+            "gpulib_gpu_read_errors", "gauge",
+            "Files of the GPU that could not be read (gpulib discover --format json lists "
+            "them): what they hold is missing from the other series.", *gpu)
+        # Per GPU and type: a large host's VFs each offer every type, with
+        # room for one vGPU or none; the per-parent detail is a setting.
+        self.per_parent = per_parent
+        labels = ("pci_bus_id", "parent", "type", "profile") if per_parent else \
+            ("pci_bus_id", "type", "profile")
+        where = "parent" if per_parent else "GPU (all its parents)"
+        self.creatable = exp.family(
+            "gpulib_vgpu_creatable_instances", "gauge",
+            f"vGPUs of the type the {where} could still create (available_instances): "
+            "each type's count assumes no other is made, so sum by type, never across "
+            "types.", *labels)
+        self.live = exp.family("gpulib_vgpu_live_instances", "gauge",
+                               f"Live vGPUs of the type on the {where} (absent: 0).", *labels)
+        self.held = exp.family("gpulib_vgpu_held_instances", "gauge",
+                               f"vGPUs of the type on the {where} held by a VM (absent: 0).",
+                               *labels)
+        self.pooled = exp.family(
+            "gpulib_vgpu_pool_instances", "gauge",
+            f"vGPUs of the type on the {where} that are pool members, live or to be "
+            "recreated (absent: 0).", *labels)
+        self.nv_vfs = exp.family("gpulib_nvidia_vfs", "gauge",
+                                 "NVIDIA vendor-specific vGPU VFs of the GPU.", *gpu)
+        self.nv_typed = exp.family("gpulib_nvidia_vfs_typed", "gauge",
+                                   "NVIDIA vendor VFs of the GPU with a vGPU type set.", *gpu)
+        self.nv_held = exp.family("gpulib_nvidia_vfs_held", "gauge",
+                                  "NVIDIA vendor VFs of the GPU held by a VM.", *gpu)
+        vf_labels = ("pci_bus_id", "type", "profile")
+        self.nv_type_typed = exp.family(
+            "gpulib_nvidia_vf_type_typed_vfs", "gauge",
+            "NVIDIA vendor VFs of the GPU that have this vGPU type (absent: 0).", *vf_labels)
+        self.nv_type_held = exp.family(
+            "gpulib_nvidia_vf_type_held_vfs", "gauge",
+            "NVIDIA vendor VFs of the GPU with this vGPU type held by a VM (absent: 0).",
+            *vf_labels)
+        self.nv_type_creatable = exp.family(
+            "gpulib_nvidia_vf_type_creatable_vfs", "gauge",
+            "Idle NVIDIA vendor VFs of the GPU that could be given this vGPU type now: an "
+            "idle VF counts for every type it could take, so sum by type, never across "
+            "types.", *vf_labels)
+
+
+def _gpus(exp: Exposition, inventory: Inventory, state: State, per_parent: bool) -> None:
+    fams = _GpuFamilies(exp, per_parent)
     records = state.vgpus
+    unmanaged = state.unmanaged
     occ = inventory.occupancy
     for gpu in inventory.gpus:
         fn = gpu.fn
         address = str(gpu.address)
-        info.add(1, address, f"{fn.vendor_id:04x}", f"{fn.device_id:04x}", gpu.vendor_name,
-                 gpu.device_name, fn.driver or "", gpu.mode, str(fn.numa_node))
+        bus_id = pci_bus_id(gpu.address)
+        gpu_set = label_set(("pci_bus_id",), (bus_id,))
+        fams.info.add(1, bus_id, address, f"{fn.vendor_id:04x}", f"{fn.device_id:04x}",
+                      gpu.vendor_name, gpu.device_name, fn.driver or "", gpu.mode,
+                      str(fn.numa_node))
+        whole_unmanaged = address in unmanaged
+        fams.managed.add_set(0 if whole_unmanaged else 1, gpu_set)
+        fams.unmanaged_vfs.add_set(
+            len(gpu.vfs) if whole_unmanaged else
+            sum(1 for vf in gpu.vfs if str(vf.address) in unmanaged) if unmanaged else 0,
+            gpu_set)
         # Discovery's `used_by` of a GPU names whoever keeps it from being
         # given whole (a VM of one of its vGPUs too): held whole is a hold
         # on the GPU's own node.
-        in_use.add(1 if any(h.device == address for h in occ.conflicts(address)) else 0,
-                   address)
-        offered.add(1 if gpu.passthrough_enabled else 0, address)
-        errors.add(len(gpu.errors), address)
-        # parent -> type id -> [live, held, pooled] of its vGPUs (most of a
-        # large host's parents have none: their types are passed over at once).
-        counts: dict[str, dict[str, list[int]]] = {}
-        for v in gpu.vgpus:
-            c = counts.setdefault(str(v.parent), {}).setdefault(v.mdev_type.type_id, [0, 0, 0])
-            c[0] += v.live
-            c[1] += v.used_by is not None
-            rec = records.get(v.uuid)
-            c[2] += rec is not None and rec.pool is not None
-        # The label set of a parent's type, from parts made once: a large host
-        # has 16 VFs x 24 types a GPU, and every VF offers the same types,
-        # answered for by the same type objects. (type id, type) -> its part.
-        type_parts: dict[tuple[str, MdevType], str] = {}
-        gpu_part = label_set(("gpu",), (address,))[:-1]
-        creatable_samples = creatable.samples
-        for parent_address, parent_types, available in gpu.mdev_offers():
-            parent = str(parent_address)
-            prefix = f"{gpu_part},{label_set(('parent',), (parent,))[1:-1]},"
-            held_here = counts.pop(parent, None)
-            for pair, n in zip(parent_types, available):
-                type_part = type_parts.get(pair)
-                if type_part is None:
-                    type_part = type_parts[pair] = \
-                        label_set(("type", "profile"), (pair[0], pair[1].profile_name))[1:]
-                values = prefix + type_part
-                if n is not None:
-                    creatable_samples.append((values, n))
-                if held_here:
-                    found = held_here.pop(pair[0], None)
-                    if found:
-                        live.add_set(found[0], values)
-                        held.add_set(found[1], values)
-                        pooled.add_set(found[2], values)
-            if held_here:  # types the parent no longer lists: taken up below
-                counts[parent] = held_here
-        # vGPUs of a type their parent no longer lists (unreadable files).
-        for parent, by_type in sorted(counts.items()):
-            for type_id, c in sorted(by_type.items()):
-                profile = next(v.mdev_type.profile_name for v in gpu.vgpus
-                               if str(v.parent) == parent and v.mdev_type.type_id == type_id)
-                live.add(c[0], address, parent, type_id, profile)
-                held.add(c[1], address, parent, type_id, profile)
-                pooled.add(c[2], address, parent, type_id, profile)
-        vendor = [vf for vf in gpu.vfs if vf.nvidia is not None]
-        if not vendor:
-            continue
-        nv_vfs.add(len(vendor), address)
-        nv_typed.add(sum(1 for vf in vendor if vf.nvidia and vf.nvidia.current_type), address)
-        nv_held.add(sum(1 for vf in vendor if vf.used_by), address)
-        # type id -> its name, and its typed, held and creatable VFs.
-        type_names: dict[int, str] = {}
-        typed: dict[int, int] = {}
-        held_vfs: dict[int, int] = {}
-        free: dict[int, int] = {}
-        for vf in vendor:
-            nv = vf.nvidia
-            assert nv is not None
-            if nv.current_type:
-                tid = nv.current_type
-                if nv.current_name:
-                    type_names.setdefault(tid, nv.current_name)
-                typed[tid] = typed.get(tid, 0) + 1
-                held_vfs[tid] = held_vfs.get(tid, 0) + (vf.used_by is not None)
+        fams.in_use.add_set(
+            1 if any(h.device == address for h in occ.conflicts(address)) else 0, gpu_set)
+        fams.offered.add_set(1 if gpu.passthrough_enabled else 0, gpu_set)
+        if per_parent:
+            _vgpus_per_parent(fams, gpu, bus_id, records)
+        else:
+            _vgpus_per_gpu(fams, gpu, gpu_set, records)
+        # After the counts: one that cannot be read is one of the GPU's errors.
+        fams.errors.add_set(len(gpu.errors), gpu_set)
+        _nvidia_vfs(fams, gpu, bus_id, gpu_set)
+
+
+def _held_counts(gpu: Gpu, records: dict[str, VgpuRecord], per_parent: bool
+                 ) -> dict[tuple[str, str], list[Any]]:
+    """(parent or "", type id) -> [live, held, pool members, profile] of the
+    GPU's vGPUs (most of a large host's parents have none)."""
+    counts: dict[tuple[str, str], list[Any]] = {}
+    for v in gpu.vgpus:
+        key = (str(v.parent) if per_parent else "", v.mdev_type.type_id)
+        c = counts.get(key)
+        if c is None:
+            c = counts[key] = [0, 0, 0, v.mdev_type.profile_name]
+        c[0] += v.live
+        c[1] += v.used_by is not None
+        rec = records.get(v.uuid)
+        c[2] += rec is not None and rec.pool is not None and not is_handmade(rec)
+    return counts
+
+
+def _vgpus_per_gpu(fams: _GpuFamilies, gpu: Gpu, gpu_set: str,
+                   records: dict[str, VgpuRecord]) -> None:
+    """The GPU's vGPU series per type: its parents' counts summed (a VF's
+    count is of the vGPUs it can take, so the sum is what the GPU can make)."""
+    # type id -> [its profile, instances left on every parent that could be read]
+    totals: dict[str, list[Any]] = {}
+    for _parent, pairs, available in gpu.mdev_offers():
+        for (type_id, t), n in zip(pairs, available):
+            if n is None:  # unreadable: the GPU's read errors say so
+                continue
+            found = totals.get(type_id)
+            if found is None:
+                totals[type_id] = [t.profile_name, n]
             else:
-                for tid, name in nv.creatable.items():
-                    type_names.setdefault(tid, name)
-                    free[tid] = free.get(tid, 0) + 1
-        for tid in sorted({*typed, *free}):
-            vf_set = label_set(vf_labels, (address, str(tid), type_names.get(tid, str(tid))))
-            nv_type_typed.add_set(typed.get(tid, 0), vf_set)
-            nv_type_held.add_set(held_vfs.get(tid, 0), vf_set)
-            nv_type_creatable.add_set(free.get(tid, 0), vf_set)
+                found[1] += n
+    prefix = gpu_set[:-1] + ","
+    sets: dict[str, str] = {}
+
+    def labels(type_id: str, profile: str) -> str:
+        made = sets.get(type_id)
+        if made is None:
+            made = sets[type_id] = prefix + label_set(("type", "profile"),
+                                                      (type_id, profile))[1:]
+        return made
+
+    creatable = fams.creatable.samples
+    for type_id, (profile, n) in totals.items():
+        creatable.append((labels(type_id, profile), n))
+    for (_, type_id), (live, held, pooled, profile) in _held_counts(gpu, records,
+                                                                     False).items():
+        values = labels(type_id, profile)
+        fams.live.add_set(live, values)
+        fams.held.add_set(held, values)
+        fams.pooled.add_set(pooled, values)
+
+
+def _vgpus_per_parent(fams: _GpuFamilies, gpu: Gpu, bus_id: str,
+                      records: dict[str, VgpuRecord]) -> None:
+    """The GPU's vGPU series per parent and type (`[metrics] per_parent`):
+    the instances left of every type of every parent, the live, held and
+    pooled vGPUs where the parent has some."""
+    counts = _held_counts(gpu, records, True)
+    # The label set of a parent's type, from parts made once: a large host
+    # has 16 VFs x 24 types a GPU, and every VF offers the same types,
+    # answered for by the same type objects. (type id, type) -> its part.
+    type_parts: dict[tuple[str, MdevType], str] = {}
+    gpu_part = label_set(("pci_bus_id",), (bus_id,))[:-1]
+    creatable_samples = fams.creatable.samples
+    for parent_address, parent_types, available in gpu.mdev_offers():
+        parent = str(parent_address)
+        prefix = f"{gpu_part},{label_set(('parent',), (parent,))[1:-1]},"
+        for pair, n in zip(parent_types, available):
+            type_part = type_parts.get(pair)
+            if type_part is None:
+                type_part = type_parts[pair] = \
+                    label_set(("type", "profile"), (pair[0], pair[1].profile_name))[1:]
+            values = prefix + type_part
+            if n is not None:
+                creatable_samples.append((values, n))
+            found = counts.pop((parent, pair[0]), None) if counts else None
+            if found:
+                fams.live.add_set(found[0], values)
+                fams.held.add_set(found[1], values)
+                fams.pooled.add_set(found[2], values)
+    # vGPUs of a type their parent no longer lists (unreadable files).
+    for (parent, type_id), (live, held, pooled, profile) in sorted(counts.items()):
+        fams.live.add(live, bus_id, parent, type_id, profile)
+        fams.held.add(held, bus_id, parent, type_id, profile)
+        fams.pooled.add(pooled, bus_id, parent, type_id, profile)
+
+
+def _nvidia_vfs(fams: _GpuFamilies, gpu: Gpu, bus_id: str, gpu_set: str) -> None:
+    vendor = [vf for vf in gpu.vfs if vf.nvidia is not None]
+    if not vendor:
+        return
+    fams.nv_vfs.add_set(len(vendor), gpu_set)
+    fams.nv_typed.add_set(sum(1 for vf in vendor if vf.nvidia and vf.nvidia.current_type),
+                          gpu_set)
+    fams.nv_held.add_set(sum(1 for vf in vendor if vf.used_by), gpu_set)
+    # type id -> its name, and its typed, held and creatable VFs.
+    type_names: dict[int, str] = {}
+    typed: dict[int, int] = {}
+    held_vfs: dict[int, int] = {}
+    free: dict[int, int] = {}
+    for vf in vendor:
+        nv = vf.nvidia
+        assert nv is not None
+        if nv.current_type:
+            tid = nv.current_type
+            if nv.current_name:
+                type_names.setdefault(tid, nv.current_name)
+            typed[tid] = typed.get(tid, 0) + 1
+            held_vfs[tid] = held_vfs.get(tid, 0) + (vf.used_by is not None)
+        else:
+            for tid, name in nv.creatable.items():
+                type_names.setdefault(tid, name)
+                free[tid] = free.get(tid, 0) + 1
+    # Every type an idle VF could take or a VF has; typed and held VFs only
+    # of the types some VF has (absent: 0).
+    for tid in sorted({*typed, *free}):
+        vf_set = label_set(("pci_bus_id", "type", "profile"),
+                           (bus_id, str(tid), type_names.get(tid, str(tid))))
+        fams.nv_type_creatable.add_set(free.get(tid, 0), vf_set)
+        if tid in typed:
+            fams.nv_type_typed.add_set(typed[tid], vf_set)
+            fams.nv_type_held.add_set(held_vfs[tid], vf_set)
 
 
 # -- gpulib's own records ---------------------------------------------------------------
@@ -309,8 +433,15 @@ def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Invento
                         "pool")
     holding = {d.id for a in state.allocations.values() for d in a.devices}
     unmanaged = frozenset(state.unmanaged)
+    # Hand-made devices are in no pool: their marker is not a pool's name.
     names = set(config.pools) | {r.pool for r in state.vgpus.values() if r.pool} | \
         {r.pool for r in state.vf_types.values() if r.pool}
+    names.discard(HANDMADE)
+    handmade = exp.family("gpulib_handmade_devices", "gauge",
+                          "Devices an administrator made by hand (gpulib mdev create: "
+                          "mdev; gpulib vf set-type: vf), in no pool.", "kind")
+    handmade.add(sum(1 for r in state.vgpus.values() if is_handmade(r)), "mdev")
+    handmade.add(sum(1 for r in state.vf_types.values() if is_handmade(r)), "vf")
     for name in sorted(n for n in names if n):
         ids = [u for u, r in state.vgpus.items() if r.pool == name] + \
             [a for a, vr in state.vf_types.items() if vr.pool == name]
@@ -405,7 +536,7 @@ def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
     exp = Exposition()
     state = _state(exp, ctx, config)
     inventory = discover_host(ctx, config, state=state, learn=False, keep_domains=True)
-    _gpus(exp, inventory, state)
+    _gpus(exp, inventory, state, config.get_bool("metrics", "per_parent"))
     _allocations(exp, ctx, state, inventory, config)
     _readiness(exp, ctx, config, inventory)
     _counters(exp, counters.fold(ctx.root) if fold else counters.read(ctx.root))

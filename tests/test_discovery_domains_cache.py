@@ -66,4 +66,4 @@ def test_metrics_keeps_the_cache(tmp_path: Path) -> None:
     assert loaded == "lxml loaded" and os.path.exists(host.p(CACHE))
     again, loaded = _run(host.root, "metrics")
     assert (again, loaded) == (first, "no lxml")
-    assert 'gpulib_gpu_in_use{gpu="0000:3b:00.0"} 1' in again
+    assert 'gpulib_gpu_in_use{pci_bus_id="00000000:3B:00.0"} 1' in again

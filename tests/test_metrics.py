@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from gpulib import counters, metrics
 from gpulib.config import Config
 from gpulib.context import Context
+from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo, build_large, build_pool64
@@ -51,6 +52,14 @@ needs_node_exporter = pytest.mark.skipif(
     NODE_EXPORTER is None, reason="prometheus-node-exporter is not installed")
 
 T4 = "0000:3b:00.0"
+
+
+def bus(address: str) -> str:
+    """The `pci_bus_id` label of a GPU at `address` (as NVIDIA's tools write it)."""
+    return metrics.pci_bus_id(PciAddress.parse(address))
+
+
+T4_BUS = "00000000:3B:00.0"
 U1 = "11111111-2222-4333-8444-555555555555"
 U2 = "22222222-3333-4444-8555-666666666666"
 DOMAIN_UUID = "9f3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b"
@@ -170,43 +179,63 @@ def test_metrics_agree_with_discovery(built: dict[str, str], name: str) -> None:
     doc = native(root)
     gpus = {g["address"]: g for g in doc["gpus"]}
     info = matching(series, "gpulib_gpu_info")
-    assert {dict(ls)["gpu"] for ls in info} == set(gpus)
+    assert {dict(ls)["address"] for ls in info} == set(gpus)
     for ls in info:
         labels = dict(ls)
-        g = gpus[labels["gpu"]]
+        g = gpus[labels["address"]]
+        assert labels["pci_bus_id"] == bus(g["address"])
         assert (labels["vendor_id"], labels["device_id"], labels["mode"], labels["numa_node"]) \
             == (g["vendor_id"], g["device_id"], g["mode"], str(g["numa_node"]))
         assert labels["device"] == g["device"] and labels["driver"] == (g["driver"] or "")
-    creatable = {(dict(ls)["parent"], dict(ls)["type"]): v
+    # Per GPU and type: the instances left on all its parents, summed.
+    creatable = {(dict(ls)["pci_bus_id"], dict(ls)["type"]): v
                  for ls, v in matching(series, "gpulib_vgpu_creatable_instances").items()}
-    assert creatable == {(t["parent"], t["type_id"]): t["available_instances"]
-                         for g in doc["gpus"] for t in g["mdev_types"]
-                         if t["available_instances"] is not None}
+    want_creatable: dict[tuple[str, str], int] = {}
+    for g in doc["gpus"]:
+        for t in g["mdev_types"]:
+            if t["available_instances"] is not None:
+                key = (bus(g["address"]), t["type_id"])
+                want_creatable[key] = want_creatable.get(key, 0) + t["available_instances"]
+    assert creatable == want_creatable
     for kind, pick in (("live", lambda v: v["live"]),
                        ("held", lambda v: v["used_by"] is not None)):
         want: dict[tuple[str, str], int] = {}
         for g in doc["gpus"]:
             for v in g["vgpus"]:
-                key = (v["parent"], v["type_id"])
+                key = (bus(g["address"]), v["type_id"])
                 want[key] = want.get(key, 0) + bool(pick(v))
-        got = {(dict(ls)["parent"], dict(ls)["type"]): v
+        got = {(dict(ls)["pci_bus_id"], dict(ls)["type"]): v
                for ls, v in matching(series, f"gpulib_vgpu_{kind}_instances").items()}
         assert got == want, kind
     for g in doc["gpus"]:
+        gpu = bus(g["address"])
         vendor = [vf for vf in g["vfs"] if vf["nvidia"] is not None]
         if not vendor:
-            assert not matching(series, "gpulib_nvidia_vfs", gpu=g["address"])
+            assert not matching(series, "gpulib_nvidia_vfs", pci_bus_id=gpu)
             continue
-        assert value(series, "gpulib_nvidia_vfs", gpu=g["address"]) == len(vendor)
-        assert value(series, "gpulib_nvidia_vfs_typed", gpu=g["address"]) == \
+        assert value(series, "gpulib_nvidia_vfs", pci_bus_id=gpu) == len(vendor)
+        assert value(series, "gpulib_nvidia_vfs_typed", pci_bus_id=gpu) == \
             sum(1 for vf in vendor if vf["nvidia"]["current_type"])
-        assert value(series, "gpulib_nvidia_vfs_held", gpu=g["address"]) == \
+        assert value(series, "gpulib_nvidia_vfs_held", pci_bus_id=gpu) == \
             sum(1 for vf in vendor if vf["used_by"])
-        free = matching(series, "gpulib_nvidia_vf_type_creatable_vfs", gpu=g["address"])
+        free = matching(series, "gpulib_nvidia_vf_type_creatable_vfs", pci_bus_id=gpu)
         for ls, n in free.items():
             tid = dict(ls)["type"]
             assert n == sum(1 for vf in vendor if not vf["nvidia"]["current_type"]
                             and tid in vf["nvidia"]["creatable"])
+        # Typed and held VFs per type where a VF has the type (absent: 0).
+        typed = {dict(ls)["type"]: v for ls, v in
+                 matching(series, "gpulib_nvidia_vf_type_typed_vfs", pci_bus_id=gpu).items()}
+        held = {dict(ls)["type"]: v for ls, v in
+                matching(series, "gpulib_nvidia_vf_type_held_vfs", pci_bus_id=gpu).items()}
+        want_typed: dict[str, int] = {}
+        want_held: dict[str, int] = {}
+        for vf in vendor:
+            tid = str(vf["nvidia"]["current_type"])
+            if tid != "0":
+                want_typed[tid] = want_typed.get(tid, 0) + 1
+                want_held[tid] = want_held.get(tid, 0) + bool(vf["used_by"])
+        assert typed == want_typed and held == want_held
     # Every doctor check has its series.
     from gpulib.doctor import CHECK_IDS
 
@@ -237,19 +266,21 @@ def test_a_gpu_held_whole_and_a_gpu_whose_vgpu_is_held(tmp_path: Path) -> None:
     vf_user = next(g for g in doc["gpus"] if g["address"] == "0000:82:00.0")
     assert vf_user["used_by"] is None and vf_user["mode"] == "nvidia-vf"
     assert [vf["used_by"] for vf in vf_user["vfs"] if vf["used_by"]] == ["i-4-20-VM"]
-    assert {dict(ls)["gpu"]: v for ls, v in matching(series, "gpulib_gpu_in_use").items()} \
-        == {g["address"]: 0 for g in doc["gpus"]}
+    assert {dict(ls)["pci_bus_id"]: v
+            for ls, v in matching(series, "gpulib_gpu_in_use").items()} \
+        == {bus(g["address"]): 0 for g in doc["gpus"]}
     r = subprocess.run([GPULIB, "discover", "--format", "cloudstack"], capture_output=True,
                        text=True, env=hook_env(host.root), check=True)
     enabled = {g["pci_address"]: g["full_passthrough"]["enabled"]
                for g in json.loads(r.stdout)["gpus"]}
-    offered = {dict(ls)["gpu"]: v
+    offered = {dict(ls)["pci_bus_id"]: v
                for ls, v in matching(series, "gpulib_gpu_whole_offered").items()}
-    assert {a[5:] if a.startswith("0000:") else a: v for a, v in offered.items()} == enabled
+    assert offered == {bus(a if a.count(":") == 2 else "0000:" + a): v
+                       for a, v in enabled.items()}
     # A passthrough GPU given to a running VM is in use.
     host.add_running_domain("i-9-9-VM", "7a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b",
                             pci=("0000:3b:00.0",))
-    assert value(scrape(host.root), "gpulib_gpu_in_use", gpu="0000:3b:00.0") == 1
+    assert value(scrape(host.root), "gpulib_gpu_in_use", pci_bus_id=T4_BUS) == 1
 
 
 def two_allocations(pool_members: tuple[str, ...]) -> State:
@@ -305,7 +336,7 @@ def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
     assert value(series, "gpulib_pool_members", pool="t4") == 1
     assert value(series, "gpulib_pool_held_members", pool="t4") == 1
     assert value(series, "gpulib_pool_target_members", pool="t4") == 3
-    assert value(series, "gpulib_vgpu_pool_instances", gpu=T4, parent=T4, type="nvidia-232",
+    assert value(series, "gpulib_vgpu_pool_instances", pci_bus_id=T4_BUS, type="nvidia-232",
                  profile="GRID T4-4Q") == 1
     mtime = os.stat(os.path.join(root, "var/lib/gpulib/state.json")).st_mtime
     assert value(series, "gpulib_state_last_write_timestamp_seconds") == pytest.approx(
@@ -316,7 +347,7 @@ def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
     series = scrape(root)
     assert value(series, "gpulib_state_healthy") == 0
     assert value(series, "gpulib_readiness_check_status", check="state") == 2
-    assert matching(series, "gpulib_gpu_info", gpu=T4)
+    assert matching(series, "gpulib_gpu_info", pci_bus_id=T4_BUS)
     Path(root, "var/lib/gpulib/state.json").write_text('{"version": 99}')
     assert value(scrape(root), "gpulib_state_healthy") == 0
 
@@ -324,7 +355,9 @@ def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
 @needs_promtool
 def test_unreadable_files_cost_only_their_own_series(tmp_path: Path) -> None:
     """A type's `available_instances` failing with EIO, a VF's vGPU state
-    unreadable: the rest is reported, the output still valid."""
+    unreadable: the rest is reported, the output still valid, and each
+    leaves a trace: the GPU's read errors, its errors in `gpulib discover
+    --format json`, a warning of the doctor's (and so its readiness series)."""
     from gpulib.sim import faults
 
     host = build_demo(str(tmp_path / "demo"))
@@ -335,10 +368,28 @@ def test_unreadable_files_cost_only_their_own_series(tmp_path: Path) -> None:
     r = run_metrics(host.root)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     series = parse(r.stdout)
+    t4 = bus("0000:af:00.0")
     left = {dict(ls)["type"] for ls in matching(series, "gpulib_vgpu_creatable_instances",
-                                                gpu="0000:af:00.0")}
+                                                pci_bus_id=t4)}
     assert "nvidia-232" not in left and "nvidia-231" in left
-    assert value(series, "gpulib_gpu_read_errors", gpu="0000:41:00.0") >= 1
+    assert value(series, "gpulib_gpu_read_errors", pci_bus_id=t4) == 1
+    assert value(series, "gpulib_gpu_read_errors", pci_bus_id=bus("0000:41:00.0")) >= 1
+    assert value(series, "gpulib_readiness_check_status", check="mdev") == 1
+    assert value(series, "gpulib_readiness_check_status", check="discovery") == 1
+    # The native report: the count null, the file and its error on the GPU.
+    doc = {g["address"]: g for g in native(host.root)["gpus"]}
+    [t] = [t for t in doc["0000:af:00.0"]["mdev_types"] if t["type_id"] == "nvidia-232"]
+    assert t["available_instances"] is None
+    assert any(e.startswith(f"{t4_types}/nvidia-232/available_instances: ")
+               for e in doc["0000:af:00.0"]["errors"])
+    # The doctor, run alone: the mdev check warns, naming the file.
+    d = subprocess.run([GPULIB, "doctor", "--json", "--check", "mdev"], capture_output=True,
+                       text=True, env=hook_env(host.root), timeout=60)
+    report = json.loads(d.stdout)
+    assert d.returncode == 5 and report["summary"] == {"mdev": "warn"}
+    [warned] = [c for c in report["checks"] if c["status"] == "warn"]
+    assert warned["subject"] == "0000:af:00.0" and "nvidia-232/available_instances" in \
+        warned["message"]
     assert PROMTOOL is not None
     check = subprocess.run([PROMTOOL, "check", "metrics"], input=r.stdout,
                            capture_output=True, text=True, timeout=60)
@@ -732,7 +783,7 @@ def test_node_exporter_serves_the_metrics_before_and_after_a_start(
     textfile, url = node_exporter
     host = t4_host(str(tmp_path))
     root = host.root
-    labels = {"gpu": T4, "parent": T4, "type": "nvidia-232", "profile": "GRID T4-4Q"}
+    labels = {"pci_bus_id": T4_BUS, "type": "nvidia-232", "profile": "GRID T4-4Q"}
     avail = Path(root, f"sys/bus/pci/devices/{T4}/mdev_supported_types/nvidia-232/"
                        "available_instances")
     made = subprocess.run([GPULIB, "mdev", "create", "--parent", T4, "--type", "nvidia-232"],
@@ -773,15 +824,16 @@ def test_node_exporter_serves_the_metrics_before_and_after_a_start(
 
 
 def input_series(series: Series, instance: str = "gpu-host-1") -> list[dict[str, str]]:
-    """gpulib's samples as promtool's input series, constant for an hour."""
+    """gpulib's samples as promtool's input series for an hour: a gauge
+    constant; a counter 0 for the first 10 minutes, then its value (what it
+    counted happened then)."""
     out = []
     for (name, labels), v in sorted(series.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1]))):
-        if name.endswith("_total"):
-            continue
         all_labels = dict(labels, instance=instance, job="node")
         text = ",".join(f'{k}="{val}"' for k, val in sorted(all_labels.items())
                         if "\\" not in val and '"' not in val and "\n" not in val)
-        out.append({"series": f"{name}{{{text}}}", "values": f"{v:g}+0x60"})
+        values = f"0+0x10 {v:g}+0x50" if name.endswith("_total") else f"{v:g}+0x60"
+        out.append({"series": f"{name}{{{text}}}", "values": values})
     return out
 
 
@@ -801,15 +853,18 @@ def without_annotations(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def alert_names() -> list[str]:
+    return re.findall(r"^\s*- alert: (\S+)$", ALERTS.read_text(), re.M)
+
+
 def rule_test(tmp_path: Path, series: Series, expect: dict[str, list[dict[str, str]]],
               extra: Optional[list[dict[str, str]]] = None) -> None:
     """Run promtool test rules: every alert of the file evaluated after 40
     minutes; `expect`: alert name -> the label sets it fires with (every
     other alert must not fire). Annotations are left out of the comparison
     (the copy tested has none); promtool check rules checks their templates."""
-    text = ALERTS.read_text()
-    names = re.findall(r"^\s*- alert: (\S+)$", text, re.M)
-    (tmp_path / "rules.yml").write_text(without_annotations(text))
+    names = alert_names()
+    (tmp_path / "rules.yml").write_text(without_annotations(ALERTS.read_text()))
     # JSON is YAML: promtool reads the test file as it is written here.
     tests = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
@@ -844,73 +899,228 @@ def _failing_checks(series: Series) -> list[dict[str, str]]:
             for ls, v in matching(series, "gpulib_readiness_check_status").items() if v == 2]
 
 
-@needs_promtool
-def test_alert_rules_on_a_healthy_host_fire_nothing_but_its_failing_checks(
-        tmp_path: Path) -> None:
-    host = healthy_host(str(tmp_path))
-    # The demo's one stray vGPU (the one `gpulib reconcile` reports) removed.
-    assert value(scrape(host.root), "gpulib_stray_vgpus") == 1
-    r = subprocess.run([GPULIB, "mdev", "remove", "3f0d5c4e-8a2b-4c1d-9e6f-7a8b9c0d1e2f"],
-                       capture_output=True, text=True, env=hook_env(host.root))
+U3 = "33333333-4444-4555-8666-777777777777"
+U4 = "44444444-5555-4666-8777-888888888888"
+STALE = [{"series": 'node_textfile_mtime_seconds{file="/var/lib/prometheus/node-exporter/'
+                    'gpulib.prom",instance="gpu-host-1",job="node"}',
+          "values": "0+0x60"}]
+Scenario = tuple[Series, dict[str, list[dict[str, str]]], Optional[list[dict[str, str]]]]
+
+
+def _gpulib(root: str, *args: str) -> None:
+    r = subprocess.run([GPULIB, *args], capture_output=True, text=True, env=hook_env(root),
+                       timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def _healthy(tmp: Path) -> Scenario:
+    """The healthy demo without its one stray vGPU: nothing fires."""
+    host = healthy_host(str(tmp))
+    assert value(scrape(host.root), "gpulib_stray_vgpus") == 1
+    _gpulib(host.root, "mdev", "remove", "3f0d5c4e-8a2b-4c1d-9e6f-7a8b9c0d1e2f")
     series = scrape(host.root)
-    assert value(series, "gpulib_stray_vgpus") == 0
-    rule_test(tmp_path, series, {"GpulibReadinessCheckFailing": _failing_checks(series)})
+    assert value(series, "gpulib_stray_vgpus") == 0 and not _failing_checks(series)
+    return series, {}, None
 
 
-@needs_promtool
-def test_alert_rules_fire_on_gpulib_output(tmp_path: Path) -> None:
-    """A type with no instance left, stray vGPUs, a stuck pending
-    allocation, a damaged state file, a full pool, stale metrics."""
-    # GRID T4-4Q: 4 per T4. All four live: the type is exhausted; two are
-    # strays (nobody holds them, gpulib has no record).
-    uuids = (U1, U2, "33333333-4444-4555-8666-777777777777",
-             "44444444-5555-4666-8777-888888888888")
-    host = t4_host(str(tmp_path / "h"), live=uuids)
-    root = host.root
-    state = two_allocations(pool_members=(U1, U2))
-    store = StateStore(os.path.join(root, "var/lib/gpulib/state.json"),
-                       os.path.join(root, "var/lib/gpulib/state.lock"))
+def _t4_pool(tmp: Path, all_held: bool) -> FakeHost:
+    """GRID T4-4Q: 4 per T4, all four live. U1 and U2, pool t4's members,
+    held (a pending allocation made long ago, an active one); U3 and U4
+    strays, or (all_held) held by running VMs."""
+    host = t4_host(str(tmp), live=(U1, U2, U3, U4))
+    store = StateStore(os.path.join(host.root, "var/lib/gpulib/state.json"),
+                       os.path.join(host.root, "var/lib/gpulib/state.lock"))
     with store.transaction() as st_:
-        st_.assign(state)
-    series = scrape(root)
+        st_.assign(two_allocations(pool_members=(U1, U2)))
+    if all_held:
+        host.add_running_domain("i-3-3-VM", "3a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b",
+                                mdevs=(U3,))
+        host.add_running_domain("i-4-4-VM", "4a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b",
+                                mdevs=(U4,), pid=4343)
+    return host
+
+
+def _t4_strays(tmp: Path) -> Scenario:
+    """Two of four T4-4Q free (strays): the type is not exhausted; the
+    strays, the stuck pending allocation, the full pool and stale metrics
+    fire."""
+    series = scrape(_t4_pool(tmp, all_held=False).root)
     assert value(series, "gpulib_stray_vgpus") == 2
-    stale = [{"series": 'node_textfile_mtime_seconds{file="/var/lib/prometheus/node-exporter/'
-                        'gpulib.prom",instance="gpu-host-1",job="node"}',
-              "values": "0+0x60"}]
-    expect = {
-        "GpulibVgpuTypeExhausted": [_base("warning", type="nvidia-232",
-                                          profile="GRID T4-4Q")],
+    return series, {
         "GpulibStrayVgpus": [_base("warning")],
         "GpulibPendingAllocationStuck": [_base("warning")],
         "GpulibPoolExhausted": [_base("warning", pool="t4")],
         "GpulibMetricsStale": [_base("warning", file="/var/lib/prometheus/node-exporter/"
                                                      "gpulib.prom")],
         "GpulibReadinessCheckFailing": _failing_checks(series),
-    }
-    rule_test(tmp_path, series, expect, stale)
-    # The state file damaged: its alert, and the doctor's state check fails.
-    Path(root, "var/lib/gpulib/state.json").write_text("{")
-    series = scrape(root)
-    (tmp_path / "damaged").mkdir()
+    }, STALE
+
+
+def _t4_exhausted(tmp: Path) -> Scenario:
+    """All four T4-4Q held, none creatable: the type is exhausted. A start
+    refused because its vGPU is another VM's (reason device) is no hook
+    failure."""
+    host = _t4_pool(tmp, all_held=True)
+    r = as_agent(host.root, mdev_xml("i-5-5-VM", "5a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b", U3))
+    assert r.returncode == 1 and b"in use" in r.stdout
+    series = scrape(host.root)
+    assert value(series, "gpulib_starts_refused_total", hook="transformer",
+                 reason="device") == 1
+    return series, {
+        "GpulibVgpuTypeExhausted": [_base("warning", type="nvidia-232",
+                                          profile="GRID T4-4Q")],
+        "GpulibPendingAllocationStuck": [_base("warning")],
+        "GpulibPoolExhausted": [_base("warning", pool="t4")],
+        "GpulibReadinessCheckFailing": _failing_checks(series),
+    }, None
+
+
+def _a10(tmp: Path, held: int) -> Scenario:
+    """An A10's two VFs given NVIDIA A10-4Q by hand (`gpulib vf set-type`),
+    `held` of them by running VMs: with both held the profile is exhausted
+    (the GPU runs one type at a time: no idle VF can take it); the
+    hand-made VFs are in no pool, so no pool alert."""
+    host = a10_host(str(tmp), numvfs=2)
+    vfs = ["0000:41:00.4", "0000:41:00.5"]
+    for vf in vfs:
+        _gpulib(host.root, "vf", "set-type", vf, "NVIDIA A10-4Q")
+    for n, vf in enumerate(vfs[:held]):
+        host.add_running_domain(f"i-7-{n}-VM", f"7a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6{n}",
+                                pci=(vf,), managed=False, pid=4400 + n)
+    series = scrape(host.root)
+    assert value(series, "gpulib_handmade_devices", kind="vf") == 2
+    assert not matching(series, "gpulib_pool_members")
+    expect = {"GpulibReadinessCheckFailing": _failing_checks(series)}
+    if held == 2:
+        expect["GpulibNvidiaVfProfileExhausted"] = [
+            _base("warning", type="593", profile="NVIDIA A10-4Q")]
+    return series, expect, None
+
+
+def _damaged_state(tmp: Path) -> Scenario:
+    """A state file from a newer gpulib: its alert, the doctor's state
+    check, and the hooks failing starts for it (reason state)."""
+    host = t4_host(str(tmp), live=(U1,))
+    host.write_file("var/lib/gpulib/state.json", '{"version": 99}')
+    r = as_agent(host.root, mdev_xml("i-2-10-VM", DOMAIN_UUID, U1))
+    assert r.returncode != 0
+    series = scrape(host.root)
     failing = _failing_checks(series)
     assert _base("critical", check="state") in failing
-    rule_test(tmp_path / "damaged", series, {
+    assert value(series, "gpulib_starts_refused_total", hook="transformer",
+                 reason="state") == 1
+    return series, {
         "GpulibStateFileDamaged": [_base("critical")],
-        "GpulibReadinessCheckFailing": failing,
-        "GpulibVgpuTypeExhausted": expect["GpulibVgpuTypeExhausted"],
+        "GpulibHookStartsFailing": [_base("critical", hook="transformer", reason="state")],
         "GpulibStrayVgpus": [_base("warning")],
-    })
+        "GpulibReadinessCheckFailing": failing,
+    }, None
 
 
-def test_large_host_metrics_cover_every_parent_and_type(built: dict[str, str]) -> None:
+def _read_errors(tmp: Path) -> Scenario:
+    """A T4 whose GRID T4-4Q instances left cannot be read: the GPU's read
+    errors fire; a bogus policy in gpulib.conf fails the config check."""
+    from gpulib.sim import faults
+
+    host = t4_host(str(tmp))
+    faults.inject(host.root, f"sys/bus/pci/devices/{T4}/mdev_supported_types/nvidia-232/"
+                             "available_instances", "eio")
+    host.write_file("etc/gpulib/gpulib.conf", "[allocator]\npolicy = bogus\n")
+    series = scrape(host.root)
+    failing = _failing_checks(series)
+    assert _base("critical", check="config") in failing
+    return series, {
+        "GpulibGpuReadErrors": [_base("warning", pci_bus_id=T4_BUS)],
+        "GpulibReadinessCheckFailing": failing,
+    }, None
+
+
+SCENARIOS: dict[str, tuple[Callable[[Path], Scenario], set[str]]] = {
+    # name: (its host and expectations, the alerts that fire)
+    "healthy": (_healthy, set()),
+    "t4-strays": (_t4_strays, {"GpulibStrayVgpus", "GpulibPendingAllocationStuck",
+                               "GpulibPoolExhausted", "GpulibMetricsStale",
+                               "GpulibReadinessCheckFailing"}),
+    "t4-exhausted": (_t4_exhausted, {"GpulibVgpuTypeExhausted", "GpulibPendingAllocationStuck",
+                                     "GpulibPoolExhausted", "GpulibReadinessCheckFailing"}),
+    "a10-one-held": (lambda tmp: _a10(tmp, held=1), {"GpulibReadinessCheckFailing"}),
+    "a10-exhausted": (lambda tmp: _a10(tmp, held=2), {"GpulibNvidiaVfProfileExhausted",
+                                                      "GpulibReadinessCheckFailing"}),
+    "damaged-state": (_damaged_state, {"GpulibStateFileDamaged", "GpulibHookStartsFailing",
+                                       "GpulibStrayVgpus", "GpulibReadinessCheckFailing"}),
+    "read-errors": (_read_errors, {"GpulibGpuReadErrors", "GpulibReadinessCheckFailing"}),
+}
+
+
+def test_every_alert_fires_in_a_scenario_and_is_silent_in_another() -> None:
+    names = set(alert_names())
+    for name in names:
+        assert any(name in fires for _, fires in SCENARIOS.values()), f"{name} never fires"
+        assert any(name not in fires for _, fires in SCENARIOS.values()), \
+            f"{name} is never silent"
+    assert set().union(*(fires for _, fires in SCENARIOS.values())) <= names
+
+
+@needs_promtool
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_alert_rules_on_gpulib_output(tmp_path: Path, name: str) -> None:
+    """Each scenario's host, its metrics as promtool's input: exactly the
+    alerts it names fire, with the labels expected; every other is silent."""
+    build, fires = SCENARIOS[name]
+    series, expect, extra = build(tmp_path / "host")
+    assert {alert for alert, labels in expect.items() if labels} == fires
+    rule_test(tmp_path, series, expect, extra)
+
+
+def test_a_config_that_stops_the_hooks_fails_the_config_check(tmp_path: Path) -> None:
+    """`gpulib metrics` reads gpulib.conf leniently (a bad file must not hide
+    the host), yet its config check is the doctor's: a bad value or a
+    duplicated section (the hooks refuse to run) fails it, an unknown key
+    (the hooks warn and go on) warns."""
+    host = t4_host(str(tmp_path))
+    for text, status in (("[allocator]\npolicy = bogus\n", 2),
+                         ("[allocator]\npolicy = pack\n[allocator]\npolicy = spread\n", 2),
+                         ("[allocator]\npolicy = pack\nbogus_key = 1\n", 1),
+                         ("[allocator]\npolicy = pack\n", 0)):
+        host.write_file("etc/gpulib/gpulib.conf", text)
+        r = subprocess.run([GPULIB, "doctor", "--json", "--check", "config"],
+                           capture_output=True, text=True, env=hook_env(host.root), timeout=60)
+        doctor = json.loads(r.stdout)["summary"]["config"]
+        assert value(scrape(host.root), "gpulib_readiness_check_status", check="config") == \
+            status == {"ok": 0, "warn": 1, "fail": 2}[doctor], text
+        starts = subprocess.run([STATE_CHANGE, "onStart", "i-1-1-VM"], capture_output=True,
+                                env=hook_env(host.root), timeout=60)
+        assert (starts.returncode != 0) == (status == 2), text
+
+
+def test_large_host_series_are_per_gpu_and_type_unless_asked(built: dict[str, str],
+                                                            tmp_path: Path) -> None:
     """The large host (8 GPUs x 16 VFs x 24 types, 64 VMs): one creatable
-    series per VF and type, one held vGPU per running VM."""
+    series per GPU and type, the sum of its 16 VFs' counts; one held vGPU
+    per running VM. `[metrics] per_parent = yes` gives the 3072 series per
+    VF and type, whose sums by GPU and type are the same."""
     series = scrape(built["large"])
-    assert len(matching(series, "gpulib_vgpu_creatable_instances")) == 8 * 16 * 24
+    creatable = matching(series, "gpulib_vgpu_creatable_instances")
+    assert len(creatable) == 8 * 24
     assert sum(matching(series, "gpulib_vgpu_held_instances").values()) == 64
     assert sum(value(series, "gpulib_allocations", state=s) for s in ("active", "pending")) \
         == 0  # the VMs run, gpulib allocated none of them
-    config = Config()
+    assert len(series) < 700  # bounded: no series per (VF, type)
+
+    conf = tmp_path / "gpulib.conf"
+    conf.write_text("[metrics]\nper_parent = yes\n")
     ctx = Context.for_root(built["large"], simulate=True)
-    assert metrics.render(ctx, config, fold=False).count("\n") > 8 * 16 * 24
+    detail = parse(metrics.render(ctx, Config.load(str(conf)), fold=False))
+    per_parent = matching(detail, "gpulib_vgpu_creatable_instances")
+    assert len(per_parent) == 8 * 16 * 24
+    summed: dict[frozenset[tuple[str, str]], float] = {}
+    for ls, v in per_parent.items():
+        key = frozenset((k, val) for k, val in ls if k != "parent")
+        summed[key] = summed.get(key, 0) + v
+    assert summed == creatable
+    for kind in ("live", "held", "pool"):
+        summed = {}
+        for ls, v in matching(detail, f"gpulib_vgpu_{kind}_instances").items():
+            key = frozenset((k, val) for k, val in ls if k != "parent")
+            summed[key] = summed.get(key, 0) + v
+        assert summed == matching(series, f"gpulib_vgpu_{kind}_instances"), kind

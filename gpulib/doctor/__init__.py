@@ -86,8 +86,8 @@ from gpulib.doctor.facts import Doctor, run
 __all__ = [
     "AGENT_HOOK_EXECUTABLES", "AGENT_PROPERTIES", "AMD_VENDOR", "BOOT_ID", "CHECK_IDS",
     "DEFAULT_GRUB", "EXIT_CODES", "EXIT_WARNINGS", "FAIL", "HOST_DISPLAY_DRIVERS",
-    "LIBVIRT_DAEMONS", "LIBVIRT_HOOK", "LIBVIRT_HOOKS_DIR", "MODPROBE_DIRS", "OK", "OS_RELEASE", "PROC_CPUINFO",
-    "PROC_STAT", "QEMU_HOOK_EXECUTABLE", "SCHEMA", "SETUP_JOURNAL", "WARN", "Distro", "Doctor",
-    "Report", "Result", "agent_document_problems", "agent_hooks_dir", "host_path",
-    "is_free_for_vfio", "is_vfio_driver", "run", "worst",
+    "LIBVIRT_DAEMONS", "LIBVIRT_HOOK", "LIBVIRT_HOOKS_DIR", "MODPROBE_DIRS", "OK", "OS_RELEASE",
+    "PROC_CPUINFO", "PROC_STAT", "QEMU_HOOK_EXECUTABLE", "SCHEMA", "SETUP_JOURNAL", "WARN",
+    "Distro", "Doctor", "Report", "Result", "agent_document_problems", "agent_hooks_dir",
+    "host_path", "is_free_for_vfio", "is_vfio_driver", "run", "worst",
 ]
