@@ -19,7 +19,7 @@ from gpulib.context import AGENT_PROPERTIES
 from gpulib.discovery import Gpu, Inventory, VirtualFunction
 from gpulib.mdev import Description, MdevType
 from gpulib.nvidia import framebuffer_mb_from_name
-from gpulib.pci import PciAddress
+from gpulib.pci import CLASS_NAMES, PciAddress
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -46,6 +46,14 @@ def agent_hooks_dir(ctx: Context) -> str:
             if rel != ".." and not rel.startswith("../"):
                 return rel
     return AGENT_HOOKS_DIR
+
+
+def pci_class(code: int) -> str:
+    """A class code as the stock script writes it: the class field of `lspci
+    -nnm`, its name and its 4 hex digits (`3D controller [0302]`), `Class
+    [xxxx]` for a class lspci has no name for."""
+    name = CLASS_NAMES.get(code, "Class")
+    return f"{name} [{code:04x}]"
 
 
 def _type_numbers(t: Optional[MdevType]) -> dict[str, Optional[int]]:
@@ -104,7 +112,7 @@ def gpu_entry(gpu: Gpu) -> dict[str, Any]:
         "vendor": gpu.vendor_name,
         "device": gpu.device_name,
         "driver": fn.driver or "unknown",
-        "pci_class": fn.class_name,
+        "pci_class": pci_class(fn.class_code),
         "iommu_group": str(fn.iommu_group) if fn.iommu_group is not None else "null",
         "pci_root": str(root),
         "numa_node": fn.numa_node,

@@ -109,13 +109,13 @@ def test_pci_domain_0001_is_written_with_its_domain(handmade_root: str) -> None:
     g = by_address(cloudstack_doc(handmade_root))["0001:d6:00.0"]
     assert g["full_passthrough"]["libvirt_address"] == {
         "domain": "0x0001", "bus": "0xd6", "slot": "0x00", "function": "0x0"}
-    assert g["pci_class"] == "Display controller"
+    assert g["pci_class"] == "Display controller [0380]"
     assert g["pci_root"] == "0001:d5:00.0"
     assert g["numa_node"] == 1
     # named by a defined (not running) domain only: not a user, free for anyone
     assert g["full_passthrough"]["used_by_vm"] is None
     accel = by_address(cloudstack_doc(handmade_root))["0001:e6:00.0"]
-    assert accel["pci_class"] == "Processing accelerators"
+    assert accel["pci_class"] == "Processing accelerators [1200]"
     assert accel["full_passthrough"]["used_by_vm"] is None
 
 
@@ -205,6 +205,41 @@ def test_device_vanishing_mid_scan(handmade_root: str, monkeypatch: pytest.Monke
     monkeypatch.setattr(discovery, "list_addresses", listing_then_vanish)
     doc = cloudstack_doc(handmade_root)
     assert "ca:00.0" in by_address(doc) and "82:00.0" in by_address(doc)
+
+
+def _pci_ids_subclasses(path: Path) -> dict[int, str]:
+    """The class names of a pci.ids file (`C 03` then `\t02  3D controller`),
+    the database lspci names classes from: 16-bit code -> name."""
+    out: dict[int, str] = {}
+    base: Optional[int] = None
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("C "):
+            base = int(line[2:4], 16)
+        elif base is not None and line.startswith("\t") and not line.startswith("\t\t"):
+            code, _, name = line[1:].partition("  ")
+            out[(base << 8) | int(code, 16)] = name.strip()
+        elif line and not line.startswith(("\t", "#")):
+            base = None
+    return out
+
+
+def test_pci_class_is_written_as_the_stock_script_writes_it(handmade_root: str) -> None:
+    """The class field of `lspci -nnm` (the stock gpudiscovery.sh copies it):
+    the class's name from pci.ids and its 4 hex digits in brackets."""
+    assert cloudstack.pci_class(0x0302) == "3D controller [0302]"
+    assert cloudstack.pci_class(0x0300) == "VGA compatible controller [0300]"
+    assert cloudstack.pci_class(0xFF00) == "Class [ff00]"  # lspci's word for no name
+    ids = Path("/usr/share/misc/pci.ids")
+    if ids.exists():  # the names are pci.ids' (lspci's database) for every GPU class
+        names = _pci_ids_subclasses(ids)
+        for code in (0x0300, 0x0301, 0x0302, 0x0380, 0x1200):
+            assert cloudstack.pci_class(code) == f"{names[code]} [{code:04x}]"
+    for address, g in by_address(cloudstack_doc(handmade_root)).items():
+        full = address if address.count(":") == 2 else f"0000:{address}"
+        with open(os.path.join(handmade_root, "sys/bus/pci/devices", full, "class")) as fh:
+            code = int(fh.read(), 16) >> 8
+        assert g["pci_class"] == cloudstack.pci_class(code), address
+        assert re.fullmatch(r".+ \[[0-9a-f]{4}\]", g["pci_class"]), g["pci_class"]
 
 
 # -- golden output of the sample host -----------------------------------------------------

@@ -329,7 +329,7 @@ def test_agent_rules() -> None:
     good_address = {"domain": "0x0000", "bus": "0x3b", "slot": "0x00", "function": "0x0"}
     gpu: dict[str, Any] = {
         "pci_address": "3b:00.0", "vendor_id": "10de", "device_id": "2484", "vendor": "NVIDIA",
-        "device": "GA104", "driver": "vfio-pci", "pci_class": "VGA compatible controller",
+        "device": "GA104", "driver": "vfio-pci", "pci_class": "VGA compatible controller [0300]",
         "iommu_group": "12", "pci_root": "0000:3a:00.0", "numa_node": 0, "sriov_totalvfs": 0,
         "sriov_numvfs": 0, "max_instances": None, "video_ram": None, "max_heads": None,
         "max_resolution_x": None, "max_resolution_y": None,
