@@ -8,6 +8,14 @@ null). NVIDIA vendor-specific VFs carry the profile numbers the agent added
 for them (max_instances, video_ram, max_heads, max_resolution_x/y): NVIDIA's
 tool's where `nvidiasmi.attach` found them, else null but for the frame
 buffer a profile's name tells.
+
+No device is dropped for a passing reason: the management server marks a
+device missing from a report Error and Unmanaged, and one listed again Free
+but still Unmanaged, out of allocation until an administrator runs
+`manageGpuDevice` (GpuServiceImpl.addGpuDevicesToHost). An instance that
+cannot be given now and that no VM holds is reported used by `UNAVAILABLE`,
+which the management server marks Error and keeps managed: Free again at the
+first report that names no VM.
 """
 
 from __future__ import annotations
@@ -33,6 +41,11 @@ AGENT_HOOKS_DIR = "etc/cloudstack/agent/hooks"
 TRANSFORMER_HOOK = "libvirt-vm-xml-transformer.sh"
 STATE_CHANGE_HOOK = "libvirt-vm-state-change.sh"
 STOCK_DISCOVERY_SCRIPT = "usr/share/cloudstack-common/scripts/vm/hypervisor/kvm/gpudiscovery.sh"
+# `used_by_vm` of an instance that no VM holds and that cannot be given now
+# (its GPU cannot make it, its state cannot be read): a name no CloudStack
+# instance can have (":" is in no host name), so the management server finds
+# no such VM and marks the device Error, keeping it managed.
+UNAVAILABLE = "gpulib:unavailable"
 
 
 def agent_hooks_dir(ctx: Context) -> str:
@@ -71,12 +84,22 @@ def _numbers(d: Optional[Description]) -> dict[str, Optional[int]]:
     }
 
 
+def _user(used_by: Optional[str], available: bool) -> Optional[str]:
+    """`used_by_vm` of an instance: the VM holding it; for one no VM holds
+    that cannot be given now, `UNAVAILABLE` (the management server then
+    marks it Error, not free, and Free again when a later report names no
+    VM: dropping it instead would take it out of allocation for good)."""
+    if used_by is None and not available:
+        return UNAVAILABLE
+    return used_by
+
+
 def _vf_entry(vf: VirtualFunction, numbers: dict[int, TypeNumbers]) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "vf_pci_address": vf.address.lspci,
         "vf_profile": vf.device_name or f"Device {vf.fn.device_id:04x}",
         "libvirt_address": vf.address.libvirt(),
-        "used_by_vm": vf.used_by,
+        "used_by_vm": _user(vf.used_by, vf.available),
     }
     nv = vf.nvidia
     if nv is not None:
@@ -130,11 +153,13 @@ def gpu_entry(gpu: Gpu) -> dict[str, Any]:
                 "profile_name": v.mdev_type.profile_name,
                 **_type_numbers(v.mdev_type),
                 "libvirt_address": v.parent.libvirt(),
-                "used_by_vm": v.used_by,
+                "used_by_vm": _user(v.used_by, v.available),
             }
-            for v in gpu.offered_vgpus
+            for v in gpu.reported_vgpus
         ],
-        "vf_instances": [_vf_entry(vf, gpu.nvidia_numbers) for vf in gpu.offered_vfs],
+        "vf_instances": [_vf_entry(vf, gpu.nvidia_numbers)
+                         for vf in sorted([*gpu.reported_vfs, *gpu.unread_vfs],
+                                          key=lambda vf: vf.index)],
     }
 
 

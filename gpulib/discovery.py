@@ -1,13 +1,17 @@
 """A typed model of a host's GPUs, built from sysfs and libvirt's files.
 
 Discovery never writes sysfs. A device that cannot be read fully is still
-listed with what could be read and the error noted: the CloudStack agent marks
-every device missing from a report as failed, so a partial failure must never
-empty the report. Faults are kept to what they touch: a PCI function whose
-identity cannot be read is left out, a VF whose vGPU state cannot be read is
-left out of its GPU's VFs, an mdev type whose `name` or `description` cannot
-be read is left out of the offered types (its live vGPUs stay listed), and
-the GPU carries the paths and reasons in `errors`.
+listed with what could be read and the error noted: the CloudStack management
+server takes every device missing from a report out of allocation until an
+administrator manages it again, so a passing failure must never drop a device.
+Faults are kept to what they touch: a PCI function whose identity (class,
+vendor: kept in the kernel's memory) cannot be read is not known to be a GPU
+and is left out; an NVIDIA vendor VF whose vGPU state cannot be read is set
+apart (`Gpu.unread_vfs`: reported when gpulib records a type for it or a VM
+holds it, never free, and given or judged from by nothing); an mdev type whose
+`name` or `description` cannot be read is left out of the offered types (its
+live vGPUs stay listed); and the GPU carries the paths and reasons in
+`errors`.
 
 What counts as a GPU: display-class functions (0x03xx: VGA, XGA, 3D, Display
 controller) that are not BMC or emulated adapters, and processing accelerators
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from gpulib import logger, mdev, nvidia
 from gpulib.config import Config, Match
-from gpulib.errors import DeviceError, GpulibError
+from gpulib.errors import GpulibError
 from gpulib.occupancy import (
     ACTIVE,
     Hold,
@@ -109,6 +113,11 @@ class VirtualFunction:
         # False: no VM holds it, yet a start naming it would be refused (its
         # GPU cannot give it its recorded type now): not offered (`Occupancy.offer`).
         self.available = True
+        # A killed start's typed VF, which the next start clears (the
+        # journal's undo): not reported at all (`Gpu.reported_vfs`).
+        self.doomed = False
+        # Why its vGPU state could not be read (`Gpu.unread_vfs`), else None.
+        self.unread: Optional[str] = None
         self.device_name = ""
         self._types: Optional[list[mdev.MdevType]] = []
         # Until the types are asked for: the offered type ids, the same types
@@ -219,18 +228,22 @@ class Vgpu:
     """A vGPU on a GPU (on the PF or one of its VFs): live, or gpulib's to
     recreate when a VM starts."""
 
-    __slots__ = ("available", "live", "mdev_type", "parent", "used_by", "uuid")
+    __slots__ = ("available", "doomed", "live", "mdev_type", "parent", "used_by", "uuid")
 
     def __init__(self, uuid: str, parent: PciAddress, mdev_type: mdev.MdevType,
-                 used_by: Optional[str], live: bool = True, available: bool = True) -> None:
+                 used_by: Optional[str], live: bool = True, available: bool = True,
+                 doomed: bool = False) -> None:
         self.uuid = uuid
         self.parent = parent
         self.mdev_type = mdev_type
         self.used_by = used_by
         self.live = live
         # False: no VM holds it, yet a start naming it would be refused (its
-        # GPU cannot recreate it now): not offered (`Occupancy.offer`).
+        # GPU cannot recreate it now): not offered free (`Occupancy.offer`).
         self.available = available
+        # A killed start's vGPU, which the next start removes (the journal's
+        # undo): not reported at all (`Gpu.reported_vgpus`).
+        self.doomed = doomed
 
 
 class Gpu:
@@ -241,6 +254,10 @@ class Gpu:
         self.sriov_totalvfs = 0
         self.sriov_numvfs = 0
         self.vfs: list[VirtualFunction] = []
+        # NVIDIA vendor VFs whose vGPU state cannot be read, that gpulib
+        # records a type for or a VM holds: in no other list (nothing may be
+        # given or judged from them), yet still reported (`VirtualFunction.unread`).
+        self.unread_vfs: list[VirtualFunction] = []
         self.mdev_parent = False
         self.mdev_types: list[mdev.MdevType] = []
         self.vgpus: list[Vgpu] = []
@@ -277,13 +294,17 @@ class Gpu:
         return "passthrough"
 
     @property
-    def offered_vfs(self) -> list[VirtualFunction]:
-        """VFs offered as instances: a VF whose capacity is offered as mdev
-        types is not also a free VF (its mdevs are the instances), and an
-        NVIDIA vendor VF is offered only with a type it will really get (its
-        current type, or the one gpulib's registry gives it at VM start, when
-        its GPU can give it that type now): the hooks refuse the others."""
-        return [vf for vf in self.vfs if not vf.mdev_parent and vf.available
+    def reported_vfs(self) -> list[VirtualFunction]:
+        """VFs reported as instances, free or not (`available`): a VF whose
+        capacity is offered as mdev types is not also a VF instance (its
+        mdevs are the instances), and an NVIDIA vendor VF only with a type it
+        has or gpulib records for it. A report must not drop a device for a
+        passing reason (the CloudStack management server takes a device
+        missing from one report out of allocation for good, ARCHITECTURE.md,
+        The agent's discovery JSON), so one whose recorded type its GPU cannot
+        give now is reported, not free; only what a killed start made, which
+        the next start undoes, is left out."""
+        return [vf for vf in self.vfs if not vf.mdev_parent and not vf.doomed
                 and (vf.nvidia is None or vf.nvidia.profile_type)]
 
     def mdev_offers(self) -> list[tuple[PciAddress, list[tuple[str, mdev.MdevType]],
@@ -317,10 +338,10 @@ class Gpu:
                 self.errors.append(note)
 
     @property
-    def offered_vgpus(self) -> list[Vgpu]:
-        """vGPUs offered as instances: all but those no VM holds that a start
-        would be refused (a registry vGPU its GPU cannot recreate now)."""
-        return [v for v in self.vgpus if v.available]
+    def reported_vgpus(self) -> list[Vgpu]:
+        """vGPUs reported as instances, free or not (`available`): all but a
+        killed start's, which the next start removes (see `reported_vfs`)."""
+        return [v for v in self.vgpus if not v.doomed]
 
     @property
     def whole_refusal(self) -> Optional[str]:
@@ -510,7 +531,8 @@ class Discovery:
                     found = mdev.MdevType(self.sysfs, m.parent, m.type_id)
                     found.load()
                 used_by, available = usage.offer("mdev", m.uuid)
-                gpu.vgpus.append(Vgpu(m.uuid, m.parent, found, used_by, m.live, available))
+                gpu.vgpus.append(Vgpu(m.uuid, m.parent, found, used_by, m.live, available,
+                                      not available and m.uuid in usage.undone))
 
     def _names(self, gpu: Gpu) -> None:
         fn = gpu.fn
@@ -560,14 +582,19 @@ class Discovery:
                            vf_types)
         if gpu.fn.vendor_id == nvidia.NVIDIA_VENDOR and nvidia.is_vendor_vf(sysfs, address):
             # Offering a VF whose vGPU state is unknown could hand a VM a VF
-            # that already has a vGPU: such a VF is left out instead.
+            # that already has a vGPU: such a VF is set apart (`unread`).
             current_rel = nvidia.vf_rel(address) + "/current_vgpu_type"
             raw = sysfs.read_result(current_rel)
+            current = None
             if isinstance(raw, ReadFailure):
-                raise DeviceError(f"{raw.path}: {raw.reason}")
-            current = decimal(raw.decode("utf-8", "replace").strip(), nvidia.TYPE_ID_DIGITS)
+                vf.unread = f"{raw.path}: {raw.reason}"
+            else:
+                current = decimal(raw.decode("utf-8", "replace").strip(),
+                                  nvidia.TYPE_ID_DIGITS)
+                if current is None:
+                    vf.unread = f"{sysfs.path(current_rel)}: not a vGPU type id"
             if current is None:
-                raise DeviceError(f"{sysfs.path(current_rel)}: not a vGPU type id")
+                return self._unread_vf(vf, usage, names)
             creatable = nvidia.creatable_types(sysfs, address)
             for tid, name in creatable.items():
                 if names.get(tid) != name:
@@ -582,6 +609,22 @@ class Discovery:
             # The occupancy judges whether its GPU can type it from what was just read.
             usage.tree.seed_vf(str(address), current, creatable)
         vf.used_by, vf.available = usage.offer("pci", str(address))
+        vf.doomed = not vf.available and str(address) in usage.undone
+        return vf
+
+    def _unread_vf(self, vf: VirtualFunction, usage: Occupancy,
+                   names: dict[int, str]) -> VirtualFunction:
+        """A vendor VF whose vGPU state cannot be read: what is known of it
+        (its record, who holds it), never free."""
+        address = str(vf.address)
+        vf.nvidia = NvidiaVf(0, {}, None)
+        recorded = self.vf_types.get(address)
+        if recorded is not None:
+            vf.nvidia.recorded_type = recorded[0]
+            if recorded[1]:
+                names.setdefault(recorded[0], recorded[1])
+        vf.used_by, _ = usage.offer("pci", address)
+        vf.available = False
         return vf
 
     def _vfs(self, gpu: Gpu, usage: Occupancy) -> None:
@@ -600,6 +643,14 @@ class Discovery:
                 gpu.errors.append(f"VF {address} left out: {reason}")
                 log.warning("GPU %s: VF %s left out: %s", gpu.address, address, reason)
                 continue
+            if vf.unread is not None:
+                gpu.errors.append(f"VF {address} not offered: {vf.unread}")
+                log.warning("GPU %s: VF %s not offered: %s", gpu.address, address, vf.unread)
+                assert vf.nvidia is not None
+                if vf.nvidia.recorded_type or vf.used_by is not None:
+                    nvidia_vfs.append(vf)
+                    gpu.unread_vfs.append(vf)
+                continue
             if vf.nvidia is not None:
                 nvidia_vfs.append(vf)
             gpu.vfs.append(vf)
@@ -609,10 +660,10 @@ class Discovery:
                 vf.nvidia.current_name = names.get(vf.nvidia.current_type)
             elif vf.nvidia.recorded_type:
                 vf.nvidia.recorded_name = names.get(vf.nvidia.recorded_type)
-        if gpu.vfs:
+        if gpu.vfs or gpu.unread_vfs:
             # VFs of one device id share a name; look it up once.
             cache: dict[tuple[int, int], str] = {}
-            for vf in gpu.vfs:
+            for vf in [*gpu.vfs, *gpu.unread_vfs]:
                 ids = (vf.fn.vendor_id or gpu.fn.vendor_id, vf.fn.device_id or gpu.fn.device_id)
                 if ids not in cache:
                     cache[ids] = self.names.device(ids[0], ids[1], vf.address)

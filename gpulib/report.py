@@ -15,8 +15,8 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
         "vgpus": [{"uuid", "parent", "type_id", "profile", "used_by",
                    "live" (false: in gpulib's registry, recreated at VM start),
                    "available" (false: its GPU cannot make it ready now and no
-                   VM's devices are what keep it; left out of the CloudStack
-                   report, refused at VM start)}],
+                   VM's devices are what keep it; reported to CloudStack used
+                   by "gpulib:unavailable", refused at VM start)}],
         "vfs": [{"index", "address", "device", "driver", "iommu_group", "used_by",
                  "available" (as for vGPUs: a recorded type its GPU cannot give now),
                  "mdev_parent", "nvidia": {"current_type", "current_name",
@@ -149,9 +149,10 @@ def _instances(gpu: Gpu) -> str:
     if gpu.vgpus or gpu.mode in ("mdev", "sriov-mdev"):
         return _counted(len(gpu.vgpus), "vGPU", sum(1 for v in gpu.vgpus if v.used_by),
                         sum(1 for v in gpu.vgpus if not v.available))
-    vfs = gpu.offered_vfs
+    vfs = [*gpu.reported_vfs, *gpu.unread_vfs]
     if vfs:
-        return _counted(len(vfs), "VF", sum(1 for vf in vfs if vf.used_by), 0)
+        return _counted(len(vfs), "VF", sum(1 for vf in vfs if vf.used_by),
+                        sum(1 for vf in vfs if not vf.available and not vf.used_by))
     return "-"
 
 

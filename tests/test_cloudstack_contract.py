@@ -205,3 +205,116 @@ def test_a_whole_gpu_rendered_by_a_421_agent_is_still_repaired(
                                monkeypatch, capfd)
     assert (code, err) == (0, "")
     assert source_addresses(out) == [spare]
+
+
+# -- no device dropped for a passing reason -------------------------------------------------------
+
+class ManagementServer:
+    """What the management server keeps of a host's GPU devices, by bus address
+    (the PCI address of a GPU or VF, an mdev's UUID), as
+    GpuServiceImpl.addGpuDevicesToHost and setStateAndVmName keep it: a device
+    in the report is updated (a VM it cannot find: Error; no VM: Free); one
+    missing from it becomes Error and Unmanaged, and nothing but an
+    administrator's manageGpuDevice makes it Managed again. Allocation takes
+    Free and Managed devices only (GpuDeviceDao.listDevicesForAllocation)."""
+
+    def __init__(self, vms: set[str]) -> None:
+        self.vms = vms
+        self.rows: dict[str, dict[str, Any]] = {}
+
+    def report(self, doc: dict[str, Any]) -> None:
+        seen = set()
+        for g in doc["gpus"]:
+            for bus, vm in [(g["pci_address"], g["full_passthrough"]["used_by_vm"]),
+                            *((v["mdev_uuid"], v["used_by_vm"]) for v in g["vgpu_instances"]),
+                            *((v["vf_pci_address"], v["used_by_vm"])
+                              for v in g["vf_instances"])]:
+                row = self.rows.setdefault(bus, {"state": "Free", "managed": True, "vm": None})
+                if vm:
+                    if vm in self.vms:
+                        row.update(state="Allocated", vm=vm)
+                    else:
+                        row["state"] = "Error"
+                else:
+                    row.update(state="Free", vm=None)
+                seen.add(bus)
+        for bus, row in self.rows.items():
+            if bus not in seen:
+                row.update(state="Error", managed=False)
+
+    def allocatable(self, bus: str) -> bool:
+        row = self.rows[bus]
+        return row["state"] == "Free" and row["managed"]
+
+
+def test_a_device_that_cannot_be_given_for_a_while_is_never_dropped(tmp_path: Path) -> None:
+    """A pool's vGPU (not live after a reboot) that a stray vGPU of another
+    type keeps from being created, and an A10 VF with gpulib's recorded type
+    whose vGPU state cannot be read: while so, each is reported used by
+    `gpulib:unavailable` (Error, not allocated), never left out (Error and
+    Unmanaged for good); once the cause is gone it is Free and Managed again
+    without an administrator. Left out, CloudStack's rule would have kept
+    them from allocation."""
+    from gpulib import cloudstack
+    from gpulib.config import Config
+    from gpulib.context import Context
+    from gpulib.runtime import discover_host
+    from gpulib.sim import faults
+    from gpulib.sim.hosts import add_sriov_gpu
+
+    m = models()
+    host = FakeHost(str(tmp_path / "host"))
+    t4, pooled, stray = "0000:af:00.0", "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c00", \
+        "5b2e8c1d-3a4f-4b6c-8d7e-9f0a1b2c3d4e"
+    add_model(host, m["t4"], t4, 1)
+    host.populate_mdev_parent(t4, m["t4"]["mdev_types"])
+    vfs = add_sriov_gpu(host, m["a10"], "0000:41:00.0", 0, None, 2)
+    types = {int(k): v for k, v in m["a10"]["nvidia_vf_types"].items()}
+    for vf in vfs:
+        host.add_nvidia_vf_types(vf, types)
+    host.write_file("var/lib/gpulib/state.json", json.dumps({
+        "version": 2, "allocations": {},
+        "vgpus": {pooled: {"parent": t4, "type_id": "nvidia-232", "pool": "desk",
+                           "on_demand": False, "created": "2026-01-01T00:00:00Z"}},
+        "vf_types": {vfs[0]: {"type_id": A10_6Q, "name": "NVIDIA A10-6Q", "pool": None,
+                              "on_demand": False}}}), 0o600)
+    ctx = Context.for_root(host.root, simulate=True)
+    current = f"sys/bus/pci/devices/{vfs[0]}/nvidia/current_vgpu_type"
+
+    def report() -> dict[str, Any]:
+        # A context of its own, as each `gpulib discover` (it reads the faults).
+        fresh = Context.for_root(host.root, simulate=True)
+        doc = cloudstack.render(discover_host(fresh, Config(), learn=False))
+        check_agent_document(doc)
+        return doc
+
+    server = ManagementServer(vms=set())
+    vf = lspci(vfs[0])
+    server.report(report())
+    assert server.allocatable(pooled) and server.allocatable(vf)
+    # A T4-1B no VM holds keeps the T4-4Q from being made; the VF cannot be read.
+    ctx.sysfs.write(f"sys/class/mdev_bus/{t4}/mdev_supported_types/nvidia-222/create", stray)
+    faults.inject(host.root, current, "eio")
+    doc = report()
+    instances = {v["mdev_uuid"]: v["used_by_vm"]
+                 for g in doc["gpus"] for v in g["vgpu_instances"]}
+    assert instances == {pooled: cloudstack.UNAVAILABLE, stray: None}
+    [a10] = [g for g in doc["gpus"] if g["pci_address"] == "41:00.0"]
+    assert [(v["vf_pci_address"], v["vf_profile"], v["used_by_vm"])
+            for v in a10["vf_instances"]] == [(vf, "NVIDIA A10-6Q", cloudstack.UNAVAILABLE)]
+    server.report(doc)
+    assert not server.allocatable(pooled) and not server.allocatable(vf)
+    assert server.rows[pooled]["managed"] and server.rows[vf]["managed"]
+    # The causes gone: both allocatable again, nobody had to manage them.
+    ctx.sysfs.write(f"sys/bus/mdev/devices/{stray}/remove", "1")
+    Path(host.root, faults.FAULTS_FILE).unlink()
+    server.report(report())
+    assert server.allocatable(pooled) and server.allocatable(vf)
+    # The rule the report keeps to: a device left out of one report stays
+    # out of allocation when it is listed again.
+    doc = report()
+    for g in doc["gpus"]:
+        g["vgpu_instances"] = [v for v in g["vgpu_instances"] if v["mdev_uuid"] != pooled]
+    server.report(doc)
+    server.report(report())
+    assert server.rows[pooled]["state"] == "Free" and not server.allocatable(pooled)

@@ -228,6 +228,10 @@ class Ownership(RuleBasedStateMachine):
             return
         if used_by is None:
             assert error is None, f"{kind} {ident} offered free, refused: {error}"
+        elif used_by == cloudstack.UNAVAILABLE:
+            # Reported so (not dropped) while its GPU cannot make it: refused.
+            assert error is not None and "is not available" in error.message, \
+                f"{kind} {ident} reported unavailable, start: {error}"
         elif used_by != vm:
             assert error is not None and "in use by" in error.message, \
                 f"{kind} {ident} reported used by {used_by}, accepted for {vm}"
@@ -393,13 +397,15 @@ REGISTRY_T4_4Q = "6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c00"
 def test_registry_vgpu_kept_by_vgpus_no_vm_holds_is_not_offered(keeper: str) -> None:
     """A T4-1B no VM holds (a stray nobody knows, or a pool member nobody was
     given) keeps the registry's T4-4Q from being recreated, and there is no VM
-    to report it used by: it is left out of the report, and a VM naming it is
+    to report it used by: it is reported used by `gpulib:unavailable` (the
+    management server marks it Error, not free, and keeps it managed; dropped
+    from the report it would stay unmanaged for good), and a VM naming it is
     refused before any write. The T4-1B itself is offered free. Once it is
     gone, the T4-4Q is offered free again and a start recreates it."""
     machine = _machine(t4=True, stray=STRAY_VGPU if keeper == STRAY_T4 else STRAY_POOL_VGPU)
     try:
         offered = _offered(machine, "mdev")
-        assert REGISTRY_T4_4Q not in offered
+        assert offered[REGISTRY_T4_4Q] == cloudstack.UNAVAILABLE
         assert offered[keeper] is None
         # gpulib's own report keeps it, marked as what it is.
         inventory = discover_host(machine.ctx, machine.config, learn=False)
@@ -432,8 +438,9 @@ def test_registry_vgpu_kept_by_vgpus_no_vm_holds_is_not_offered(keeper: str) -> 
 def test_registry_vgpu_its_parent_cannot_recreate_is_not_offered(parent: str, type_id: str,
                                                                  why: str) -> None:
     """A registry vGPU whose parent no longer offers its type (the driver
-    changed, the record was edited) or is gone (its VFs were disabled): not
-    in the report, refused by name; the GPU's other vGPUs are still offered."""
+    changed, the record was edited): reported unavailable; whose parent is
+    gone (its VFs were disabled): under no GPU, so in no report. Both are
+    refused by name; the GPU's other vGPUs are still offered."""
     machine = _machine(t4=True)
     try:
         path = machine.ctx.path("var/lib/gpulib/state.json")
@@ -445,7 +452,11 @@ def test_registry_vgpu_its_parent_cannot_recreate_is_not_offered(parent: str, ty
         with open(path, "w") as fh:
             json.dump(doc, fh)
         offered = _offered(machine, "mdev")
-        assert gone not in offered and offered[REGISTRY_T4_4Q] is None
+        if parent == T4:
+            assert offered[gone] == cloudstack.UNAVAILABLE
+        else:
+            assert gone not in offered
+        assert offered[REGISTRY_T4_4Q] is None
         error = machine._prepare(_xml("vm-1", _hostdev("mdev", gone)))
         assert error is not None
         assert error.message.startswith(f"mdev {gone} is not available: ")
@@ -457,15 +468,15 @@ def test_registry_vgpu_its_parent_cannot_recreate_is_not_offered(parent: str, ty
 def test_recorded_vf_type_its_gpu_cannot_give_is_offered_only_as_used() -> None:
     """An A10 runs one vGPU type at a time. With an A10-8Q set on its third VF,
     the A10-6Q gpulib records for the first two cannot be set: with no VM on
-    the A10-8Q they are left out and refused before any write; with a VM on
-    it, they are reported used by that VM and refused naming it. Cleared,
-    they are offered free and accepted."""
+    the A10-8Q they are reported unavailable and refused before any write;
+    with a VM on it, they are reported used by that VM and refused naming
+    it. Cleared, they are offered free and accepted."""
     machine = _machine(a10_vfs=3, typed_vfs=2, stray=STRAY_VF_TYPE)
     try:
         recorded, stray = _a10_vf(machine.ctx, 0), _a10_vf(machine.ctx, 2)
         current = machine.ctx.path(f"sys/bus/pci/devices/{recorded}/nvidia/current_vgpu_type")
         offered = _offered(machine, "vf")
-        assert recorded not in offered and offered[stray] is None
+        assert offered[recorded] == cloudstack.UNAVAILABLE and offered[stray] is None
         error = machine._prepare(_xml("vm-1", _hostdev("vf", recorded)))
         assert error is not None
         assert error.message.startswith(f"PCI device {recorded} is not available: ")

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpulib import cloudstack as cloudstack_mod
 from gpulib import usage
 from gpulib.config import Config
 from gpulib.context import LOG_FAILURES_FILE, Context
@@ -379,7 +380,8 @@ def type_vfs(root: str, vfs: tuple[str, ...], type_id: int = 594) -> None:
 def test_one_bad_vf_hides_no_other(host: str, baseline: set[str], kind: str) -> None:
     type_vfs(host, A10_VFS)
     # gpulib's record types the bad VF too: a VF whose vGPU state cannot be
-    # read is not offered on the strength of the record either.
+    # read is not offered free on the strength of the record either, but it
+    # is reported (with its recorded profile), not dropped.
     state = Path(host, "var/lib/gpulib/state.json")
     doc = json.loads(state.read_text())
     doc["vf_types"]["0000:41:00.5"] = dict(doc["vf_types"]["0000:41:00.4"])
@@ -392,8 +394,15 @@ def test_one_bad_vf_hides_no_other(host: str, baseline: set[str], kind: str) -> 
     doc = cloudstack(host)
     assert {g["pci_address"] for g in doc["gpus"]} == baseline
     a10 = next(g for g in doc["gpus"] if g["pci_address"] == lspci(A10))
-    vfs = [v["vf_pci_address"] for v in a10["vf_instances"]]
-    assert vfs == [lspci(a) for a in A10_VFS if a != "0000:41:00.5"]
+    vfs = {v["vf_pci_address"]: v for v in a10["vf_instances"]}
+    assert list(vfs) == [lspci(a) for a in A10_VFS]
+    bad = vfs[lspci("0000:41:00.5")]
+    assert bad["used_by_vm"] == cloudstack_mod.UNAVAILABLE
+    assert bad["vf_profile"] == vfs[lspci("0000:41:00.4")]["vf_profile"] == "NVIDIA A10-6Q"
+    assert all(v["used_by_vm"] is None for a, v in vfs.items() if a != lspci("0000:41:00.5"))
+    native = json.loads(gpulib(host, "discover", "--format", "json").stdout)
+    [g] = [g for g in native["gpus"] if g["address"] == A10]
+    assert any(e.startswith("VF 0000:41:00.5 not offered: ") for e in g["errors"])
 
 
 # -- item 6: configuration ------------------------------------------------------------------------
