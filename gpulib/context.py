@@ -50,6 +50,9 @@ LIBVIRT_HOOK = LIBVIRT_HOOKS_DIR + "/50-gpulib"
 LIBVIRT_DAEMONS = (("libvirtd", "run/libvirtd.pid"), ("virtqemud", "run/virtqemud.pid"))
 # gpulib setup's record of what it applied and in which boot.
 SETUP_JOURNAL = STATE_DIR + "/setup.json"
+# At the root of an unpacked `gpulib snapshot`: what it is, and the change
+# times of files that the doctor compares (a tarball keeps no ctime).
+SNAPSHOT_MANIFEST = "gpulib-snapshot.json"
 
 
 class Context:

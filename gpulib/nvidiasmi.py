@@ -335,48 +335,67 @@ def numbers(root: str, gpus: list[PciAddress], timeout: float = DEFAULT_TIMEOUT,
             now: Optional[float] = None) -> Numbers:
     """The numbers of the types of `gpus` (NVIDIA PFs with vendor-specific VFs),
     from the cache or nvidia-smi; a GPU nothing is known of is left out."""
-    if not gpus:
-        return {}
+    found, cache, changed = lookup(root, gpus, timeout, now)
+    if changed:
+        _save(os.path.join(root, CACHE_FILE), cache)
+    return found
+
+
+def lookup(root: str, gpus: list[PciAddress], timeout: float = DEFAULT_TIMEOUT,
+           now: Optional[float] = None) -> tuple[Numbers, Cache, bool]:
+    """`numbers`' answer, the cache as that answer leaves it and whether that
+    differs from the file (to be saved), without writing anything: `gpulib
+    snapshot` puts the cache in its tarball, so a replay, which has no tool,
+    reports the same numbers."""
     now = time.time() if now is None else now
-    path = os.path.join(root, CACHE_FILE)
     driver = _driver(root)
-    cache = Cache.load(path)
+    cache = Cache.load(os.path.join(root, CACHE_FILE))
+    if not gpus:
+        return {}, cache or Cache(driver), False
     if cache is not None and cache.driver == driver:
         if all(cache.gpus.get(g) for g in gpus):
-            return cache.gpus
+            return cache.gpus, cache, False
         if cache.incomplete_at is not None and 0 <= now - cache.incomplete_at < RETRY_SECONDS:
-            return cache.gpus  # asked lately (a failure was logged then): not again yet
+            # asked lately (a failure was logged then): not again yet
+            return cache.gpus, cache, False
     else:
         cache = Cache(driver)
     tool = tool_path(root)
     if tool is None:
         # No vGPU manager's tool on this host: nothing to ask, nothing failed.
         log.debug("no nvidia-smi below %s: NVIDIA vGPU type numbers unknown", root)
-        return cache.gpus
+        return cache.gpus, cache, False
     try:
         found = parse(run_tool(tool, timeout))
     except ToolFailed as exc:
         log.warning("NVIDIA vGPU type numbers unknown (reported as null): %s; not asked "
                     "again for %d s", exc, int(RETRY_SECONDS))
         cache.incomplete_at = now
-        _save(path, cache)
-        return cache.gpus
+        return cache.gpus, cache, True
     # A GPU the tool does not list (not in vGPU mode yet) is asked about again
     # later, not at every report.
     unlisted = [g for g in gpus if not found.get(g)]
     if unlisted:
         log.info("nvidia-smi lists no vGPU types of %s: their numbers are null",
                  ", ".join(map(str, unlisted)))
-    _save(path, Cache(driver, found, now if unlisted else None))
-    return found
+    return found, Cache(driver, found, now if unlisted else None), True
+
+
+def wanted(inventory: Inventory) -> list[PciAddress]:
+    """The GPUs whose types' numbers a report asks for: those with NVIDIA
+    vendor-specific VFs."""
+    return [g.address for g in inventory.gpus
+            if any(vf.nvidia is not None for vf in [*g.vfs, *g.unread_vfs])]
 
 
 def attach(inventory: Inventory, root: str, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Give each GPU with vendor-specific VFs the numbers of its types
     (`Gpu.nvidia_numbers`); the others are not asked about."""
-    wanted = [g for g in inventory.gpus if any(vf.nvidia is not None for vf in g.vfs)]
-    if not wanted:
+    gpus = wanted(inventory)
+    if not gpus:
         return
-    found = numbers(root, [g.address for g in wanted], timeout)
-    for g in wanted:
-        g.nvidia_numbers = found.get(g.address, {})
+    found = numbers(root, gpus, timeout)
+    asked = set(gpus)
+    for g in inventory.gpus:
+        if g.address in asked:
+            g.nvidia_numbers = found.get(g.address, {})

@@ -24,7 +24,14 @@ even be created and removed in it). What goes in:
 * `etc/os-release`, `etc/default/grub`, modprobe configuration, gpulib's
   configuration and state, libvirt's domain files (running and defined),
   gpulib's hooks, the `agent.hooks.*` lines of the CloudStack agent's
-  properties, `pci.ids` and udev's entries for the functions included.
+  properties, `pci.ids` and udev's entries for the functions included;
+* what the reports read beyond the host's own files, so a replay reports
+  the same: the numbers of NVIDIA vendor-VF types (`nvidia-vgpu-types.json`,
+  for the loaded driver, whose `sys/module/nvidia/version` goes in too; the
+  host's `nvidia-smi` is asked, as a report would, when they are not cached
+  yet, and its answer goes into the tarball only) and the hooks' counters
+  (their totals, as one folded `counters.json`: a replay's files are new
+  inodes, so the event files would count again).
 
 Secrets are scrubbed from every file outside sysfs: VNC/SPICE `passwd`
 attributes, `<secret>` usage and uuid values, anything named like a password,
@@ -61,6 +68,7 @@ from gpulib.context import (
     PROC_CPUINFO,
     PROC_STAT,
     RUNNING_DOMAINS,
+    SNAPSHOT_MANIFEST,
     STATE_FILE,
     Context,
 )
@@ -82,7 +90,7 @@ from gpulib.validate import decimal, is_uuid
 log = logger.get(__name__)
 
 FORMAT = 1
-MANIFEST = "gpulib-snapshot.json"
+MANIFEST = SNAPSHOT_MANIFEST
 SCRUBBED = "SCRUBBED"
 ATTR_MAX = 64 * 1024
 FILE_MAX = 16 * 1024 * 1024
@@ -206,6 +214,7 @@ class Collector:
         self.sysfs = ctx.sysfs
         self.entries: dict[str, Entry] = {}
         self.functions: list[PciAddress] = []  # captured in full
+        self.ctimes: dict[str, float] = {}  # what the doctor compares: see _manifest
         self.identities: list[PciAddress] = []  # the others: identity files and links only
 
     # -- low level ----------------------------------------------------------------------
@@ -443,7 +452,10 @@ class Collector:
         self.copy_host_file(STATE_FILE)
         self.copy_files_in(RUNNING_DOMAINS, ".xml")
         self.copy_files_in(DEFINED_DOMAINS, ".xml")
-        self.copy_host_file(LIBVIRT_HOOK)
+        if self.copy_host_file(LIBVIRT_HOOK):
+            st = self._lstat(LIBVIRT_HOOK)
+            if st is not None:
+                self.ctimes[LIBVIRT_HOOK] = st.st_ctime
         if self.sysfs.isdir("etc/cloudstack/agent"):
             self.add_dir("etc/cloudstack/agent")
             self.copy_host_file(AGENT_PROPERTIES,
@@ -473,9 +485,36 @@ class Collector:
             else:
                 del self.entries[rel]
 
+    # -- what gpulib's reports keep beside the host's files -----------------------------
+    def copy_gpulib_caches(self) -> None:
+        from gpulib import counters, nvidiasmi
+        from gpulib.runtime import discover_host
+
+        now = time.time()
+        config = Config.load(self.ctx.config_path, lenient=True)
+        try:
+            inventory = discover_host(self.ctx, config, learn=False)
+        except GpulibError as exc:
+            log.warning("snapshot: NVIDIA vGPU type numbers left out: %s", exc.message)
+            gpus = []
+        else:
+            gpus = nvidiasmi.wanted(inventory)
+        version = nvidiasmi.DRIVER_VERSION
+        st = self._lstat(version)
+        if st is not None and stat.S_ISREG(st.st_mode):
+            self.copy_attr(version, st)
+        if gpus:
+            _, cache, _ = nvidiasmi.lookup(
+                self.ctx.root, gpus, config.get_float("discovery", "nvidia_smi_timeout"))
+            self.add_file(nvidiasmi.CACHE_FILE, cache.dumps(), 0o644, now)
+        totals = counters.read(self.ctx.root)
+        if totals:
+            self.add_file(counters.TOTALS_FILE, counters.Totals(totals).to_bytes(), 0o644, now)
+
     def collect(self) -> dict[str, Entry]:
         self.copy_sysfs()
         self.copy_host()
+        self.copy_gpulib_caches()
         self.settle_links()
         return self.entries
 
@@ -553,6 +592,9 @@ def _manifest(ctx: Context, collector: Collector, now: float) -> bytes:
         "hostname": hostname(ctx),
         "functions": [str(a) for a in collector.functions],
         "identity_only": [str(a) for a in collector.identities],
+        # Unpacked, a file's ctime is the time it was unpacked: the doctor's
+        # `libvirt` check takes the qemu hook's from here in a replay.
+        "ctimes": collector.ctimes,
         "use": "unpack, then GPULIB_ROOT=<dir> GPULIB_SIMULATE=1 gpulib discover",
     }
     return (json.dumps(doc, indent=1) + "\n").encode()

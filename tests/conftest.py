@@ -37,6 +37,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="rewrite golden files from the current output instead of comparing")
 
 
+@pytest.fixture(scope="session")
+def simulated_hosts(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Every simulated host of `tests.simhosts`, each built when first asked
+    for and kept for the session (the large ones take a while)."""
+    from tests.simhosts import Built
+
+    return Built(tmp_path_factory)
+
+
 @pytest.fixture
 def regen_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--regen-golden")) or \

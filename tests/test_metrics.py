@@ -33,11 +33,11 @@ from gpulib.context import Context
 from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import build_demo, build_large, build_pool64
+from gpulib.sim.hosts import build_demo
 from gpulib.state import Allocation, Device, State, StateStore, VgpuRecord, dumps
 from tests.hookrun import BIN, STATE_CHANGE, as_agent, hook_env, mdev_xml
-from tests.hosts import a10_host, empty_host, healthy_host, t4_farm, t4_host, two_t4_host
-from tests.test_realhosts import REAL_HOSTS
+from tests.hosts import a10_host, empty_host, healthy_host, t4_host
+from tests.simhosts import HOSTS, Built
 
 ROOT = Path(__file__).resolve().parent.parent
 ETC = ROOT / "etc"
@@ -129,32 +129,11 @@ def native(root: str) -> dict:  # type: ignore[type-arg]
 
 # -- every simulated host -------------------------------------------------------------------
 
-HOSTS: dict[str, Callable[[str], FakeHost]] = {
-    "empty": empty_host,
-    "demo": lambda tmp: build_demo(os.path.join(tmp, "demo")),
-    "healthy": healthy_host,
-    "large": lambda tmp: build_large(os.path.join(tmp, "large")),
-    "pool64": lambda tmp: build_pool64(os.path.join(tmp, "pool64")),
-    "t4": lambda tmp: t4_host(tmp, live=(U1,)),
-    "a10": a10_host,
-    "t4-farm": t4_farm,
-    "two-t4": lambda tmp: two_t4_host(os.path.join(tmp, "host")),
-}
-# The layouts of real machines (odd VF numbering, VFs past the root bus,
-# types without a name, shared IOMMU groups, PCI domains 000f and 10000).
-HOSTS.update({f"real-{name}": (lambda tmp, build=build: build(os.path.join(tmp, "host")))
-              for name, build in REAL_HOSTS.items()})
 
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Every simulated host, built once, with its metrics (the large one
-    takes a while)."""
-    out = {}
-    for name, build in HOSTS.items():
-        host = build(str(tmp_path_factory.mktemp(name)))
-        out[name] = host.root
-    return out
+@pytest.fixture
+def built(simulated_hosts: Built) -> Built:
+    """Every simulated host (`tests.simhosts`), built once a session."""
+    return simulated_hosts
 
 
 @needs_promtool

@@ -9,20 +9,23 @@ import json
 import os
 import posixpath
 import stat
+import subprocess
 import tarfile
 from typing import Any
 
 import pytest
 
-from gpulib import cli, mdev, report
+from gpulib import cli, counters, mdev, nvidiasmi, report
 from gpulib import doctor as dr
 from gpulib import snapshot as snap
 from gpulib.context import Context
 from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
-from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import DEMO_T4, build_demo
-from tests.hosts import LIBVIRTD_PID, healthy_host, tree_state
+from gpulib.sim.fakehost import NVIDIA_SMI_CALLS, FakeHost
+from gpulib.sim.hosts import DEMO_T4, build_demo, install_nvidia_smi
+from tests.hookrun import BIN, hook_env
+from tests.hosts import LIBVIRTD_PID, a10_host, healthy_host, tree_state
+from tests.simhosts import HOSTS
 
 PASSWORD = "s3cr3t-Pw"
 RTX = "0000:3b:00.0"
@@ -189,8 +192,17 @@ def test_write_only_and_unreadable_attributes(tmp_path: Any) -> None:
 
 
 def test_snapshot_never_writes_below_the_root(demo_snapshot: Any) -> None:
+    """Not even the NVIDIA numbers it asked the host's nvidia-smi for (they go
+    into the tarball). The simulated tool's own record of its calls aside."""
     host, _, info = demo_snapshot
-    assert tree_state(host.root) == info["before"]
+    tool_log = (NVIDIA_SMI_CALLS, os.path.dirname(NVIDIA_SMI_CALLS))
+
+    def written(state: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in state.items() if k not in tool_log}
+
+    assert written(tree_state(host.root)) == written(info["before"])
+    assert host.nvidia_smi_calls() == ["vgpu -s -v"]
+    assert not os.path.exists(os.path.join(host.root, nvidiasmi.CACHE_FILE))
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -238,3 +250,65 @@ def test_cli_writes_to_stdout(tmp_path: Any, monkeypatch: Any, capsysbinary: Any
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tf:
         assert "proc/cmdline" in tf.getnames()
     assert not any(name.endswith(".tar.gz") for name in os.listdir(tmp_path))
+
+
+# -- every simulated host replays to the same reports ---------------------------------------
+
+def _reports(root: str) -> dict[str, str]:
+    """What the agent, an administrator and Prometheus read of a host:
+    `gpulib discover` in its three formats and `gpulib metrics`, the last
+    without the series that are times (the state file's mtime, an age)."""
+    out = {}
+    for name, args in (("cloudstack", ["discover", "--format", "cloudstack"]),
+                       ("json", ["discover", "--format", "json"]),
+                       ("table", ["discover", "--format", "table"]),
+                       ("metrics", ["metrics"])):
+        r = subprocess.run([str(BIN / "gpulib"), *args], capture_output=True, text=True,
+                           env=hook_env(root), timeout=120)
+        assert r.returncode == 0 and r.stderr == "", (name, r.stderr)
+        out[name] = r.stdout
+    out["metrics"] = "".join(
+        line for line in out["metrics"].splitlines(keepends=True)
+        if not line.split("{")[0].split(" ")[0].endswith(("_timestamp_seconds", "_age_seconds"))
+        or line.startswith("#"))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(HOSTS))
+def test_every_simulated_host_replays_to_the_same_reports(simulated_hosts: Any, name: str,
+                                                          tmp_path: Any) -> None:
+    """A host's snapshot, unpacked, gives the reports the host gives: the
+    CloudStack, native and table forms of `gpulib discover` and `gpulib
+    metrics` less its timestamps (NVIDIA vendor VFs' type numbers included,
+    which a replay without nvidia-smi has only from the cache in the
+    tarball, and the hooks' counters)."""
+    root = simulated_hosts[name]
+    _reports(root)  # what the agent's first discovery learns and caches, done
+    counters.note(root, "starts_refused", hook="qemu", reason="device")
+    tarball = str(tmp_path / "host.tar.gz")
+    snap.create(Context.for_root(root), tarball)
+    host = _reports(root)
+    replay = _reports(unpack(tarball, str(tmp_path / "replay")))
+    for fmt in host:
+        assert replay[fmt] == host[fmt], fmt
+    assert 'gpulib_starts_refused_total{hook="qemu",reason="device"} ' in host["metrics"]
+
+
+def test_a_host_never_discovered_replays_with_its_nvidia_type_numbers(tmp_path: Any) -> None:
+    """No cache of NVIDIA's numbers yet (the agent never ran discovery): the
+    snapshot asks the host's nvidia-smi, as a report would, and puts the
+    answer in the tarball, not on the host; the replay reports the numbers."""
+    host = a10_host(str(tmp_path / "h"))
+    install_nvidia_smi(host)
+    cache = os.path.join(host.root, nvidiasmi.CACHE_FILE)
+    assert not os.path.exists(cache)
+    tarball = str(tmp_path / "host.tar.gz")
+    snap.create(Context.for_root(host.root), tarball)
+    assert not os.path.exists(cache) and host.nvidia_smi_calls() == ["vgpu -s -v"]
+    members = member_bytes(tarball)
+    assert nvidiasmi.CACHE_FILE in members and nvidiasmi.DRIVER_VERSION in members
+    replayed = _reports(unpack(tarball, str(tmp_path / "replay")))
+    assert replayed == _reports(host.root)
+    numbers = [t["max_instances"] for g in json.loads(replayed["json"])["gpus"]
+               for t in g["nvidia_types"]]
+    assert numbers and None not in numbers

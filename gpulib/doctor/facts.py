@@ -14,7 +14,7 @@ import time
 from gpulib import bootconfig, logger
 from gpulib.bootconfig import DEFAULT_GRUB
 from gpulib.config import Config
-from gpulib.context import PROC_CMDLINE, STATE_DIR, STATE_FILE, Context
+from gpulib.context import PROC_CMDLINE, SNAPSHOT_MANIFEST, STATE_DIR, STATE_FILE, Context
 from gpulib.discovery import Gpu, Inventory
 from gpulib.doctor.actions import render
 from gpulib.doctor.core import (
@@ -233,6 +233,20 @@ class Doctor:
                 text = self.sysfs.read(DEFAULT_GRUB) or ""
                 self._configured = [t for t in text.split() if "=" in t]
         return self._configured
+
+    def snapshot_ctime(self, rel: str) -> Optional[float]:
+        """The ctime `rel` had on the host of which the root is a replay
+        (`gpulib snapshot`'s manifest; None on a host itself)."""
+        text = self.sysfs.read(SNAPSHOT_MANIFEST)
+        if not text:
+            return None
+        try:
+            ctimes = json.loads(text).get("ctimes")
+        except (ValueError, AttributeError):
+            return None
+        value = ctimes.get(rel) if isinstance(ctimes, dict) else None
+        return float(value) if isinstance(value, (int, float)) and \
+            not isinstance(value, bool) else None
 
     def boot_id(self) -> Optional[str]:
         text = self.sysfs.read(BOOT_ID)

@@ -77,8 +77,9 @@ def check(d: Doctor) -> list[Result]:
                          "not run gpulib's hook", [RestartService("libvirtd")])]
     # When the link appeared on this host: its ctime (set when it is made,
     # renamed into place or changed). Never the mtime: dpkg and rpm give it
-    # the package's build time, long before libvirtd's start.
-    appeared = st.st_ctime
+    # the package's build time, long before libvirtd's start. A snapshot's
+    # replay has the host's (unpacked, the file's ctime is that moment).
+    appeared = d.snapshot_ctime(LIBVIRT_HOOK) or st.st_ctime
     if appeared > started + _START_SLACK:
         return [d.result(cid, FAIL, hook,
                          f"{daemon} started at {_when(started)}, before the qemu hook "
