@@ -36,7 +36,7 @@ from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo
 from gpulib.state import Allocation, Device, State, StateStore, VgpuRecord, dumps
 from tests.hookrun import BIN, STATE_CHANGE, as_agent, hook_env, mdev_xml
-from tests.hosts import a10_host, empty_host, healthy_host, t4_host
+from tests.hosts import P1, P2, a10_host, empty_host, healthy_host, t4_host, two_t4_host
 from tests.simhosts import HOSTS, Built
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -954,6 +954,27 @@ def _t4_exhausted(tmp: Path) -> Scenario:
     }, None
 
 
+def _unmanaged_spare(tmp: Path) -> Scenario:
+    """Two T4s: the first's four T4-4Q all held, the second unmanaged (`gpulib
+    device unmanage`) with room for four. gpulib gives nothing of an
+    unmanaged GPU: its capacity does not count, the type is exhausted."""
+    host = two_t4_host(str(tmp))
+    for n, u in enumerate((U1, U2, U3, U4)):
+        host.add_mdev(u, P1, "nvidia-232")
+        host.add_running_domain(f"i-6-{n}-VM", f"6a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6{n}",
+                                mdevs=(u,), pid=4500 + n)
+    _gpulib(host.root, "device", "unmanage", P2)
+    series = scrape(host.root)
+    assert value(series, "gpulib_gpu_managed", pci_bus_id=bus(P2)) == 0
+    assert value(series, "gpulib_vgpu_creatable_instances", pci_bus_id=bus(P2),
+                 type="nvidia-232", profile="GRID T4-4Q") == 4
+    return series, {
+        "GpulibVgpuTypeExhausted": [_base("warning", type="nvidia-232",
+                                          profile="GRID T4-4Q")],
+        "GpulibReadinessCheckFailing": _failing_checks(series),
+    }, None
+
+
 def _a10(tmp: Path, held: int) -> Scenario:
     """An A10's two VFs given NVIDIA A10-4Q by hand (`gpulib vf set-type`),
     `held` of them by running VMs: with both held the profile is exhausted
@@ -1022,6 +1043,8 @@ SCENARIOS: dict[str, tuple[Callable[[Path], Scenario], set[str]]] = {
                                "GpulibReadinessCheckFailing"}),
     "t4-exhausted": (_t4_exhausted, {"GpulibVgpuTypeExhausted", "GpulibPendingAllocationStuck",
                                      "GpulibPoolExhausted", "GpulibReadinessCheckFailing"}),
+    "t4-unmanaged-spare": (_unmanaged_spare, {"GpulibVgpuTypeExhausted",
+                                              "GpulibReadinessCheckFailing"}),
     "a10-one-held": (lambda tmp: _a10(tmp, held=1), {"GpulibReadinessCheckFailing"}),
     "a10-exhausted": (lambda tmp: _a10(tmp, held=2), {"GpulibNvidiaVfProfileExhausted",
                                                       "GpulibReadinessCheckFailing"}),
@@ -1049,6 +1072,48 @@ def test_alert_rules_on_gpulib_output(tmp_path: Path, name: str) -> None:
     series, expect, extra = build(tmp_path / "host")
     assert {alert for alert, labels in expect.items() if labels} == fires
     rule_test(tmp_path, series, expect, extra)
+
+
+def test_unmanaged_gpus_and_vfs_are_told_apart(tmp_path: Path) -> None:
+    """`gpulib device unmanage` of a GPU, or of one VF: the GPU's managed
+    series and its count of VFs gpulib leaves alone say so."""
+    host = a10_host(str(tmp_path), numvfs=3)
+    a10 = bus("0000:41:00.0")
+    series = scrape(host.root)
+    assert value(series, "gpulib_gpu_managed", pci_bus_id=a10) == 1
+    assert value(series, "gpulib_gpu_unmanaged_vfs", pci_bus_id=a10) == 0
+    _gpulib(host.root, "device", "unmanage", "0000:41:00.5")
+    series = scrape(host.root)
+    assert value(series, "gpulib_gpu_managed", pci_bus_id=a10) == 1
+    assert value(series, "gpulib_gpu_unmanaged_vfs", pci_bus_id=a10) == 1
+    _gpulib(host.root, "device", "unmanage", "0000:41:00.0")
+    series = scrape(host.root)
+    assert value(series, "gpulib_gpu_managed", pci_bus_id=a10) == 0
+    assert value(series, "gpulib_gpu_unmanaged_vfs", pci_bus_id=a10) == 3
+    _gpulib(host.root, "device", "manage", "0000:41:00.0")
+    _gpulib(host.root, "device", "manage", "0000:41:00.5")
+    series = scrape(host.root)
+    assert value(series, "gpulib_gpu_managed", pci_bus_id=a10) == 1
+    assert value(series, "gpulib_gpu_unmanaged_vfs", pci_bus_id=a10) == 0
+
+
+def test_handmade_devices_are_counted_apart_and_in_no_pool(tmp_path: Path) -> None:
+    """`gpulib mdev create` and `gpulib vf set-type` record their devices as
+    hand-made: counted as such, never as a pool's members (so a full pool
+    alert never fires for them)."""
+    host = t4_host(str(tmp_path))
+    made = subprocess.run([GPULIB, "mdev", "create", "--parent", T4, "--type", "nvidia-232"],
+                          capture_output=True, text=True, env=hook_env(host.root), check=True)
+    uuid = made.stdout.strip()
+    host.add_running_domain("i-2-10-VM", DOMAIN_UUID, mdevs=(uuid,))
+    series = scrape(host.root)
+    assert value(series, "gpulib_handmade_devices", kind="mdev") == 1
+    assert value(series, "gpulib_handmade_devices", kind="vf") == 0
+    assert not matching(series, "gpulib_pool_members")
+    assert value(series, "gpulib_vgpu_pool_instances", pci_bus_id=T4_BUS, type="nvidia-232",
+                 profile="GRID T4-4Q") == 0
+    assert value(series, "gpulib_vgpu_held_instances", pci_bus_id=T4_BUS, type="nvidia-232",
+                 profile="GRID T4-4Q") == 1
 
 
 def test_a_config_that_stops_the_hooks_fails_the_config_check(tmp_path: Path) -> None:
