@@ -330,7 +330,8 @@ class Collector:
             return False
         if keep is not None:
             text = keep(text)
-        # The link's own mtime: the doctor compares when a hook appeared.
+        # The link's own mtime, as the host shows it (when a hook appeared,
+        # its ctime, goes into the manifest: `Collector.ctimes`).
         self.add_file(rel, scrub(text).encode("utf-8"), stat.S_IMODE(st.st_mode), own.st_mtime)
         return True
 
