@@ -70,7 +70,7 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
         "passthrough": ("", "device-list"),
     },
     "metrics": {
-        "per_parent": ("no", "bool"),
+        "parent_series": ("no", "bool"),
     },
 }
 POOL_KEYS = {"parents", "type", "profile", "count", "per_parent"}

@@ -15,7 +15,7 @@ NVIDIA's tools write it (`00000000:3B:00.0`, dcgm-exporter's label), so its
 series join with the GPU's telemetry; `gpulib_gpu_info` also gives the
 address as gpulib's commands take it. vGPU series are per GPU and type: a
 large host's VFs each offer every type with room for one vGPU or none, and
-per (VF, type) that is thousands of series of 0 or 1 (`[metrics] per_parent
+per (VF, type) that is thousands of series of 0 or 1 (`[metrics] parent_series
 = yes` gives them, with a `parent` label). The live, held and pooled
 instances are given only where the GPU has a vGPU of that type (a missing
 series is 0).
@@ -33,7 +33,7 @@ Series (labels in braces; `gpu` below is `pci_bus_id`):
   gpulib_gpu_in_use{gpu}                     1 when a VM holds the GPU whole
   gpulib_gpu_whole_offered{gpu}              1 when it may be given whole
   gpulib_gpu_read_errors{gpu}                files of the GPU that could not be read
-  gpulib_vgpu_creatable_instances{gpu,type,profile} (per_parent: also parent)
+  gpulib_vgpu_creatable_instances{gpu,type,profile} (parent_series: also parent)
   gpulib_vgpu_live_instances{...}, gpulib_vgpu_held_instances{...},
   gpulib_vgpu_pool_instances{...}
   gpulib_nvidia_vfs{gpu}, gpulib_nvidia_vfs_typed{gpu}, gpulib_nvidia_vfs_held{gpu}
@@ -319,7 +319,7 @@ def _vgpus_per_gpu(fams: _GpuFamilies, gpu: Gpu, gpu_set: str,
 
 def _vgpus_per_parent(fams: _GpuFamilies, gpu: Gpu, bus_id: str,
                       records: dict[str, VgpuRecord]) -> None:
-    """The GPU's vGPU series per parent and type (`[metrics] per_parent`):
+    """The GPU's vGPU series per parent and type (`[metrics] parent_series`):
     the instances left of every type of every parent, the live, held and
     pooled vGPUs where the parent has some."""
     counts = _held_counts(gpu, records, True)
@@ -536,7 +536,7 @@ def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
     exp = Exposition()
     state = _state(exp, ctx, config)
     inventory = discover_host(ctx, config, state=state, learn=False, keep_domains=True)
-    _gpus(exp, inventory, state, config.get_bool("metrics", "per_parent"))
+    _gpus(exp, inventory, state, config.get_bool("metrics", "parent_series"))
     _allocations(exp, ctx, state, inventory, config)
     _readiness(exp, ctx, config, inventory)
     _counters(exp, counters.fold(ctx.root) if fold else counters.read(ctx.root))

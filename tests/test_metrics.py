@@ -1141,7 +1141,7 @@ def test_large_host_series_are_per_gpu_and_type_unless_asked(built: dict[str, st
                                                             tmp_path: Path) -> None:
     """The large host (8 GPUs x 16 VFs x 24 types, 64 VMs): one creatable
     series per GPU and type, the sum of its 16 VFs' counts; one held vGPU
-    per running VM. `[metrics] per_parent = yes` gives the 3072 series per
+    per running VM. `[metrics] parent_series = yes` gives the 3072 series per
     VF and type, whose sums by GPU and type are the same."""
     series = scrape(built["large"])
     creatable = matching(series, "gpulib_vgpu_creatable_instances")
@@ -1152,7 +1152,7 @@ def test_large_host_series_are_per_gpu_and_type_unless_asked(built: dict[str, st
     assert len(series) < 700  # bounded: no series per (VF, type)
 
     conf = tmp_path / "gpulib.conf"
-    conf.write_text("[metrics]\nper_parent = yes\n")
+    conf.write_text("[metrics]\nparent_series = yes\n")
     ctx = Context.for_root(built["large"], simulate=True)
     detail = parse(metrics.render(ctx, Config.load(str(conf)), fold=False))
     per_parent = matching(detail, "gpulib_vgpu_creatable_instances")
