@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 
+import gpulib
 from gpulib import logger
 from gpulib.errors import InputError, StateError
 from gpulib.statetext import render_json
@@ -494,8 +495,12 @@ def _migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
 REBUILT_FROM_KEY = "rebuilt_from"
 """Top-level key of a rebuilt state: where what it knows came from."""
 
+WRITER_KEY = "writer"
+"""Top-level key: the gpulib release that wrote the file last ("gpulib 0.1.0.433"),
+for the administrator and for a refusal of a file a newer release wrote."""
+
 _KNOWN_KEYS = frozenset({"version", "vgpus", "vf_types", "type_names", "allocations",
-                         "unmanaged", "intents"})
+                         "unmanaged", "intents", WRITER_KEY})
 
 
 class State(_Record):
@@ -535,6 +540,7 @@ class State(_Record):
             "allocations": {k: _allocation_to_json(v) for k, v in self.allocations.items()},
             "unmanaged": sorted(self.unmanaged),
             "intents": [_intent_to_json(i) for i in self.intents],
+            WRITER_KEY: f"gpulib {gpulib.version()}",
         })
         return doc
 
@@ -550,9 +556,12 @@ class State(_Record):
         if isinstance(version, bool) or not isinstance(version, int):
             raise CorruptStateError(f"version: expected an integer, got {_typename(version)}")
         if version > SCHEMA_VERSION:
+            writer = d.get(WRITER_KEY)
+            by = f" (written by {writer})" if isinstance(writer, str) and len(writer) < 80 \
+                and writer.isprintable() else ""
             raise StateVersionError(
-                f"state is version {version}, this gpulib understands up to "
-                f"{SCHEMA_VERSION}: upgrade gpulib")
+                f"state is version {version}{by}, this gpulib ({gpulib.version()}) understands "
+                f"up to {SCHEMA_VERSION}: upgrade gpulib")
         if version < 1:
             raise CorruptStateError(f"version: {version} is not a state version")
         if version == 1:
