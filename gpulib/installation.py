@@ -8,6 +8,13 @@ for the unpack. A run that starts during an upgrade waits for it to end and
 then starts again from the new files (it has read nothing yet), or gives up
 with exit 3 (run again) after `HOLD_WAIT` seconds.
 
+Whether the files changed meanwhile is told by the build's version file,
+`gpulib/_version.py` (`stamp`): every installation of a build writes it
+anew (dpkg and rpm rename it into place, pip writes it) and nothing else
+touches it, so Python writing byte code beside the modules (`__pycache__`)
+is no upgrade. A removal (dpkg's and rpm's scripts hold the lock for it too)
+leaves no such file: a run that waited for one says so and exits 3.
+
 The lock is two flocks on the package's own directories, a turnstile:
 `gpulib/` is the gate, taken exclusively for an instant by each run and for
 the whole upgrade by the package; `gpulib/hooks/` is the hall, shared by the
@@ -33,6 +40,9 @@ if TYPE_CHECKING:
 # an upgrade would only turn exit 3 into the agent's timeout.
 HOLD_WAIT = 20.0
 
+# Written by the build (packaging/version), replaced by every installation.
+VERSION_FILE = "_version.py"
+
 _held: list[int] = []          # the hall's descriptor, open until the process exits
 _stamp_at_start: list[tuple[int, ...]] = []
 
@@ -43,16 +53,16 @@ def package_dir() -> str:
 
 
 def stamp() -> tuple[int, ...]:
-    """The ctime of the directories holding gpulib's modules: installing a new
-    version (dpkg, rpm, pip) renames files into them, which changes it."""
-    base = package_dir()
-    found = []
-    for directory in (base, os.path.join(base, "hooks")):
-        try:
-            found.append(os.stat(directory).st_ctime_ns)
-        except OSError:
-            found.append(0)
-    return tuple(found)
+    """The identity of the installed build: device, inode, mtime and size of
+    its version file, which an installation replaces (a new inode) and nothing
+    else changes (not byte code being written, not a relabel: no ctime, no
+    directory). () when there is none: the package was removed, or this is a
+    source tree never built."""
+    try:
+        st = os.stat(os.path.join(package_dir(), VERSION_FILE))
+    except OSError:
+        return ()
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def started_with() -> tuple[int, ...]:
@@ -81,6 +91,8 @@ def hold(program: str, wait: float = HOLD_WAIT) -> None:
     flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECTORY", 0)
     try:
         gate = os.open(base, flags)
+    except FileNotFoundError:
+        _gone(program)  # removed since this module was read
     except OSError:
         _stamp_at_start.append(before)
         return
@@ -101,6 +113,8 @@ def hold(program: str, wait: float = HOLD_WAIT) -> None:
     finally:
         os.close(gate)
     if deadline is not None and stamp() != before:
+        if before and not stamp():
+            _gone(program)  # it waited for a removal
         # It waited for an upgrade that replaced the files: what this process
         # imported so far is the old release. Start over from the new one.
         if hall >= 0:
@@ -175,9 +189,17 @@ def _held_by_trusted(fd: int) -> bool:
 
 
 def _busy(program: str, wait: float) -> NoReturn:
+    _exit_3(f"{program}: gpulib is being upgraded and the upgrade did not end within "
+            f"{wait:g} s: nothing was done; run it again")
+
+
+def _gone(program: str) -> NoReturn:
+    _exit_3(f"{program}: gpulib was removed while this run waited for it: nothing was done")
+
+
+def _exit_3(line: str) -> NoReturn:
     try:
-        sys.stderr.write(f"{program}: gpulib is being upgraded and the upgrade did not end "
-                         f"within {wait:g} s: nothing was done; run it again\n")
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):
         pass

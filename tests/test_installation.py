@@ -5,6 +5,7 @@ the gpulib package, as the maintainer scripts take it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -23,11 +24,19 @@ pytestmark = pytest.mark.skipif(shutil.which("flock") is None,
                                 reason="flock(1) (util-linux) missing")
 
 
+def _install(site: Path) -> None:
+    """gpulib's modules under `site` as an installation without byte code has
+    them (pip install --no-compile, an rpm built without it): no __pycache__,
+    and the version file every build writes."""
+    shutil.copytree(os.path.dirname(gpulib.__file__), site / "gpulib",
+                    ignore=shutil.ignore_patterns("__pycache__", "_version.py"))
+    (site / "gpulib" / "_version.py").write_text('VERSION = "0.1.0.1"\n', encoding="utf-8")
+
+
 @pytest.fixture
 def site(tmp_path: Path) -> Path:
     site = tmp_path / "site"
-    shutil.copytree(os.path.dirname(gpulib.__file__), site / "gpulib",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    _install(site)
     return site
 
 
@@ -137,12 +146,15 @@ def test_the_cli_takes_hold_first() -> None:
     """`gpulib` (the console script's main) and each hook executable hold the
     installation before they import anything else of gpulib."""
     cli = (TOP / "gpulib" / "cli" / "__init__.py").read_text(encoding="utf-8")
-    body = cli.split("def main(", 1)[1]
+    body = cli.split("def _main(", 1)[1]
     assert body.index('hold("gpulib")') < body.index("from gpulib.cli import inventory")
     for exe in (TOP / "hooks").iterdir():
         text = exe.read_text(encoding="utf-8")
-        imports = [line for line in text.splitlines()
-                   if line.startswith(("from gpulib", "import gpulib"))]
+        imports = [line.strip() for line in text.splitlines()
+                   if line.strip().startswith(("from gpulib", "import gpulib"))]
+        if exe.name == "gpulib":  # gpulib.cli, then main() as above
+            assert imports == ["from gpulib.cli import run"]
+            continue
         assert imports[0] == "from gpulib.installation import hold", exe.name
         assert text.index(f'hold("{exe.name}")') < text.index(imports[1]), exe.name
 
@@ -159,8 +171,7 @@ def test_a_lock_another_user_holds_keeps_no_hook_waiting() -> None:
     try:
         top.chmod(0o755)
         site = top / "site"
-        shutil.copytree(os.path.dirname(gpulib.__file__), site / "gpulib",
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        _install(site)
         holder = subprocess.Popen(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "flock", "-x",
              str(site / "gpulib"), "sh", "-c", "echo held; exec sleep 60"],
@@ -181,3 +192,98 @@ def test_a_lock_another_user_holds_keeps_no_hook_waiting() -> None:
         assert took < 4
     finally:
         shutil.rmtree(top)
+
+
+def test_byte_code_written_by_the_first_runs_is_no_upgrade(site: Path, tmp_path: Path) -> None:
+    """Reproduction: installed without byte code (pip install --no-compile, an
+    rpm built without it), the first hooks write __pycache__ beside the
+    modules; the upgrade guard compared the directories' ctime, so 1 to 3 of
+    12 concurrent first starts exited 3 "gpulib was upgraded while this hook
+    waited". The guard looks at the build's version file only."""
+    from gpulib.sim import hosts
+
+    root = tmp_path / "root"
+    hosts.build("demo", str(root))
+    env = {**_env(site, tmp_path), "GPULIB_SIMULATE": "1"}
+    del env["PYTHONDONTWRITEBYTECODE"]  # as on a host: the runs write byte code
+    xml = (TOP / "tests" / "data" / "cloudstack-xml" / "vgpu-mdev.xml").read_text(encoding="utf-8")
+    runs = [subprocess.Popen([sys.executable, str(TOP / "hooks" / "libvirt-vm-xml-transformer"),
+                              "transform", xml], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=env, cwd=tmp_path)
+            for _ in range(12)]
+    results = [(p.communicate(timeout=60)[1].decode(), p.returncode) for p in runs]
+    assert [rc for _, rc in results] == [0] * 12, results
+    assert list((site / "gpulib").glob("__pycache__/*.pyc")), "no run wrote byte code"
+
+
+def test_the_stamp_is_the_builds_version_file(site: Path, tmp_path: Path) -> None:
+    """Byte code, a relabel (ctime) or a new file beside the modules is no
+    upgrade; a version file renamed into place (dpkg, rpm) is, and none at
+    all is a removal."""
+    code = ("import json, os, sys\n"
+            "from gpulib import installation\n"
+            "print(json.dumps(installation.stamp()))\n")
+
+    def stamp() -> list[int]:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=_env(site, tmp_path), cwd=tmp_path, timeout=30, check=True)
+        return list(json.loads(r.stdout))
+
+    pkg = site / "gpulib"
+    before = stamp()
+    assert len(before) == 4
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "state.cpython-39.pyc").write_bytes(b"\0" * 16)
+    (pkg / "hooks" / "__pycache__").mkdir()
+    os.chmod(pkg / "_version.py", 0o600)
+    assert stamp() == before
+    new = pkg / "_version.py.dpkg-new"
+    new.write_text('VERSION = "0.1.0.1"\n', encoding="utf-8")
+    os.replace(new, pkg / "_version.py")
+    assert stamp() != before
+    (pkg / "_version.py").unlink()
+    assert stamp() == []
+
+
+def test_a_run_that_waited_for_a_removal_says_so_in_one_line(site: Path, tmp_path: Path) -> None:
+    """Remove and purge hold the installation as an upgrade does: a hook that
+    started meanwhile waits, then finds the package gone and exits 3 with one
+    line, never with an ImportError of a module the removal took."""
+    marker = tmp_path / "released"
+    holder = _upgrade_lock(site, marker)
+    try:
+        hook = subprocess.Popen(
+            [sys.executable, str(TOP / "hooks" / "libvirt-vm-state-change"), "onStop", "vm1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(site, tmp_path))
+        time.sleep(0.5)
+        assert hook.poll() is None, "the hook did not wait for the removal"
+        shutil.rmtree(site / "gpulib")
+    finally:
+        marker.touch()
+        holder.wait(timeout=10)
+    out, err = hook.communicate(timeout=30)
+    assert (hook.returncode, out) == (3, b"")
+    assert err.decode() == ("libvirt-vm-state-change: gpulib was removed while this run waited "
+                            "for it: nothing was done\n")
+
+
+@pytest.mark.parametrize("exe,gone", [("libvirt-vm-xml-transformer", "installation.py"),
+                                      ("gpulib-qemu-hook", "installation.py"),
+                                      ("libvirt-vm-state-change", "installation.py"),
+                                      ("gpulib", "cli")])
+def test_an_executable_whose_modules_are_gone_says_so(site: Path, tmp_path: Path, exe: str,
+                                                      gone: str) -> None:
+    """dpkg removes the modules before /usr/bin/gpulib: a run started in
+    between finds the executable without its modules. One line, exit 3."""
+    path = site / "gpulib" / gone
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    # -S: without site-packages, whose editable-install finder would find the
+    # module in the source tree.
+    r = subprocess.run([sys.executable, "-S", str(TOP / "hooks" / exe), "status"],
+                       capture_output=True,
+                       text=True, env=_env(site, tmp_path), cwd=tmp_path, timeout=30)
+    assert (r.returncode, r.stdout) == (3, "")
+    assert r.stderr == f"{exe}: gpulib is being removed: nothing was done\n"

@@ -120,17 +120,100 @@ def test_shipped_config_is_the_previous_releases_byte_for_byte() -> None:
     assert md5 == hashlib.md5(shipped).hexdigest()
 
 
-def test_downgrade_refusal_knows_its_version() -> None:
-    """preinst and prerm compare with the package's own version, which
-    debian/rules writes in (a placeholder left in a built script would make
-    every version compare wrong)."""
-    rules = (DEBIAN / "rules").read_text(encoding="utf-8")
+def _built_maintainer_scripts(tmp_path: Path, version: str, state: Path) -> dict[str, Path]:
+    """gpulib's preinst and prerm as debian/rules makes them for `version`
+    (its own make target: the shared installation-lock.sh put in place, the
+    version written in), with `state` as the state directory. Only ever run
+    where they stop before touching the machine (a refusal; prerm upgrade)."""
+    if shutil.which("make") is None or shutil.which("dpkg") is None:
+        pytest.skip("make and dpkg are needed to build the maintainer scripts")
+    shutil.copytree(DEBIAN, tmp_path / "debian")
+    built = tmp_path / "debian" / "gpulib" / "DEBIAN"
+    built.mkdir(parents=True)
     for name in ("preinst", "prerm"):
-        text = (DEBIAN / f"gpulib.{name}").read_text(encoding="utf-8")
-        assert re.search(r"^VERSION=@GPULIB_VERSION@$", text, re.M), name
-        assert f"debian/gpulib/DEBIAN/{name}" in rules, name
-        assert "refusing to replace gpulib" in text, name
-    assert "! grep -l '@GPULIB_VERSION@' debian/gpulib/DEBIAN/*" in rules
+        shutil.copy(DEBIAN / f"gpulib.{name}", built / name)
+    r = subprocess.run(["make", "-s", "-f", "debian/rules", "execute_after_dh_installdeb",
+                        f"DEB_VERSION={version}"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    scripts = {}
+    for name in ("preinst", "prerm"):
+        text = (built / name).read_text(encoding="utf-8")
+        assert "@GPULIB_VERSION@" not in text and "#GPULIB_INSTALLATION_LOCK#" not in text
+        assert re.search(rf"^VERSION={re.escape(version)}$", text, re.M), name
+        assert text.count("\nrefuse_downgrade() {") == 1, name
+        assert subprocess.run(["sh", "-n"], input=text, text=True).returncode == 0, name
+        # Runnable here: stop after the refusal, before the machine is touched.
+        runnable = text.replace("STATEDIR=/var/lib/gpulib", f"STATEDIR={state}")
+        runnable = re.sub(r'^(\s+refuse_downgrade "\$\{2:-\}" "\$VERSION")$', r"\1; exit 0",
+                          runnable, flags=re.M)
+        runnable = runnable.replace("hold_installation || true", "exit 0")
+        scripts[name] = tmp_path / name
+        scripts[name].write_text(runnable, encoding="utf-8")
+    assert "; exit 0" in scripts["preinst"].read_text(encoding="utf-8")
+    assert "hold_installation ||" not in scripts["prerm"].read_text(encoding="utf-8")
+    return scripts
+
+
+def test_downgrade_refusal_says_the_way_back(tmp_path: Path) -> None:
+    """Reproduction: `dpkg -i` of an older gpulib was refused, and so was the
+    way back its message gave (remove, move /var/lib/gpulib aside, install
+    the older one): the older preinst looked only at the version whose
+    configuration files the remove kept. A downgrade is refused while there
+    is a state (the older gpulib may not read it), by the newer prerm and the
+    older preinst alike; once the state is moved aside it goes through. Going
+    back to a release from before the version scheme (whose preinst refuses
+    any install over a newer one's kept files) takes a purge, and the message
+    says how to keep /etc/gpulib through it."""
+    newer, older = "0.1.0.440", "0.1.0.439"
+    state = tmp_path / "var-lib-gpulib"
+    scripts = _built_maintainer_scripts(tmp_path, older, state)
+    prerm_of_newer = _built_maintainer_scripts(tmp_path / "newer", newer, state)["prerm"]
+
+    def run(script: Path, *args: str) -> tuple[int, str]:
+        r = subprocess.run(["sh", str(script), *args], capture_output=True, text=True,
+                           timeout=60, stdin=subprocess.DEVNULL)
+        return r.returncode, r.stdout + r.stderr
+
+    def refused(*args: str) -> tuple[int, str]:
+        """The shared refusal alone (preinst goes on to change the machine)."""
+        r = subprocess.run(["sh", "-c", f'. "$1"; STATEDIR={state}; shift; refuse_downgrade "$@"',
+                            "sh", str(DEBIAN / "installation-lock.sh"), *args],
+                           capture_output=True, text=True, timeout=60)
+        return r.returncode, r.stdout + r.stderr
+
+    # No state: going back goes through (the documented way back).
+    assert refused(newer, older) == (0, "")
+    assert run(prerm_of_newer, "upgrade", older) == (0, "")
+    for kept in ("state.json", "state.json.bak"):
+        state.mkdir(exist_ok=True)
+        (state / kept).write_text("{}")
+        rc, out = run(prerm_of_newer, "upgrade", older)
+        assert rc == 1
+        assert out.splitlines() == [
+            f"gpulib: refusing to replace gpulib {newer} with the older {older}: {older} may "
+            f"not read the state",
+            f"gpulib: {newer} keeps in {state}, and would then bring no vGPU back at boot.",
+            f"gpulib: To go back anyway (your /etc/gpulib stays): apt-get remove gpulib; "
+            f"mv {state} {state}.{newer}; then install {older}."]
+        assert run(scripts["preinst"], "install", newer) == (1, out)
+        assert run(scripts["preinst"], "upgrade", newer) == (1, out)
+        # dpkg then asks the older prerm, which refuses too, without a word.
+        assert run(scripts["prerm"], "failed-upgrade", newer) == (1, "")
+        (state / kept).unlink()
+    state.mkdir(exist_ok=True)
+    (state / "state.json").write_text("{}")
+    # Upgrades and reinstalls are no downgrade.
+    assert run(scripts["prerm"], "upgrade", newer) == (0, "")
+    assert run(prerm_of_newer, "upgrade", newer) == (0, "")
+    assert refused(older, newer) == (0, "") and refused(newer, newer) == (0, "")
+    assert run(scripts["prerm"], "failed-upgrade", older) == (0, "")
+    # A release from before the version scheme ("0.1.0"): the way back purges.
+    rc, out = run(prerm_of_newer, "upgrade", "0.1.0")
+    assert rc == 1
+    assert out.splitlines()[-1] == (
+        f"gpulib: To go back anyway (your /etc/gpulib stays): mv /etc/gpulib /etc/gpulib.keep; "
+        f"mv {state} {state}.{newer}; apt-get purge gpulib; install 0.1.0; then rm -r "
+        f"/etc/gpulib; mv /etc/gpulib.keep /etc/gpulib.")
 
 
 def test_shipped_config_loads_as_defaults(tmp_path: Path) -> None:

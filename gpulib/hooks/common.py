@@ -25,7 +25,7 @@ MAX_INPUT_BYTES = 8 * 1024 * 1024
 
 
 def installation_stamp() -> tuple[int, ...]:
-    """The ctime of the directories holding gpulib's modules (gpulib.installation)."""
+    """The identity of the installed build's version file (gpulib.installation)."""
     from gpulib.installation import stamp
 
     return stamp()
