@@ -62,6 +62,15 @@ def current_type(sysfs: Sysfs, vf: PciAddress) -> Optional[int]:
                           high=10 ** TYPE_ID_DIGITS - 1)
 
 
+def gpu_instance(sysfs: Sysfs, vf: PciAddress) -> Optional[int]:
+    """The MIG GPU instance a typed VF's vGPU runs on (`nvidia/gpu_instance_id`,
+    which newer drivers have); None without the file or for any other value
+    (an idle VF's, a time-sliced vGPU's)."""
+    # Not read_int: another value is no fault of the VF's to report.
+    text = sysfs.read(vf_rel(vf) + "/gpu_instance_id")
+    return decimal(text.strip(), 4) if text is not None else None
+
+
 def creatable_types(sysfs: Sysfs, vf: PciAddress) -> dict[int, str]:
     return parse_creatable(sysfs.read(vf_rel(vf) + "/creatable_vgpu_types"))
 

@@ -34,7 +34,13 @@ every supported type as a block of `key : value` lines:
             Maximum Y Resolution              : 4320
 
 (other keys omitted). The type id is the decimal one of
-`creatable_vgpu_types` written in hex.
+`creatable_vgpu_types` written in hex. A MIG-backed type (`NVIDIA
+H100-1-10C`) names the GPU instance profile it runs on (`GPU Instance
+Profile ID : 19`; `N/A` for a time-sliced type): `gpulib.mig`, `pools` and
+the doctor take it from here.
+
+`run` is the bounded way to run the tool, for the other questions gpulib
+asks it (`gpulib.migtool`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from gpulib.validate import decimal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any, NamedTuple, Optional
 
     from gpulib.discovery import Inventory
@@ -62,7 +69,7 @@ TOOL_PATHS = ("usr/bin/nvidia-smi", "usr/sbin/nvidia-smi")
 ARGS = ("vgpu", "-s", "-v")
 CACHE_FILE = "var/lib/gpulib/nvidia-vgpu-types.json"
 DRIVER_VERSION = "sys/module/nvidia/version"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the GPU instance profile of MIG-backed types
 # After a failure the tool is left alone this long (the agent asks for a
 # report every minute or so: a hanging tool must not cost each one its bound).
 RETRY_SECONDS = 600.0
@@ -81,9 +88,12 @@ if TYPE_CHECKING:
         framebuffer_mb: Optional[int]
         num_heads: Optional[int]
         max_resolution: Optional[tuple[int, int]]
+        # The GPU instance profile a MIG-backed type runs on (None: time-sliced).
+        gi_profile: Optional[int]
 else:  # without typing (see gpulib.pci.PciAddress)
     _TypeNumbersFields = namedtuple("_TypeNumbersFields", (
-        "name", "max_instances", "framebuffer_mb", "num_heads", "max_resolution"))
+        "name", "max_instances", "framebuffer_mb", "num_heads", "max_resolution",
+        "gi_profile"), defaults=(None,))
 
 
 class TypeNumbers(_TypeNumbersFields):
@@ -94,7 +104,8 @@ class TypeNumbers(_TypeNumbersFields):
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "max_instances": self.max_instances,
                 "framebuffer_mb": self.framebuffer_mb, "num_heads": self.num_heads,
-                "max_resolution": list(self.max_resolution) if self.max_resolution else None}
+                "max_resolution": list(self.max_resolution) if self.max_resolution else None,
+                "gi_profile": self.gi_profile}
 
     @classmethod
     def from_json(cls, data: object) -> Optional[TypeNumbers]:
@@ -111,7 +122,8 @@ class TypeNumbers(_TypeNumbersFields):
 
         return cls(name if isinstance(name, str) else None, number("max_instances"),
                    number("framebuffer_mb"), number("num_heads"),
-                   (int(resolution[0]), int(resolution[1])) if resolution else None)
+                   (int(resolution[0]), int(resolution[1])) if resolution else None,
+                   number("gi_profile"))
 
 
 Numbers = dict[PciAddress, dict[int, TypeNumbers]]
@@ -183,7 +195,8 @@ def _numbers(fields: dict[str, str]) -> TypeNumbers:
     name = fields.get("Name") or None
     return TypeNumbers(name[:256] if name else None, _int(fields.get("Max Instances", "")),
                        _int(fields.get("FB Memory", "")), _int(fields.get("Display Heads", "")),
-                       (x, y) if x and y else None)
+                       (x, y) if x and y else None,
+                       _int(fields.get("GPU Instance Profile ID", "")))
 
 
 def render(gpus: dict[PciAddress, dict[int, tuple[str, TypeNumbers]]]) -> str:
@@ -201,10 +214,11 @@ def render(gpus: dict[PciAddress, dict[int, tuple[str, TypeNumbers]]]) -> str:
             field("vGPU Type ID", f"0x{tid:x}", 4)
             field("Name", n.name)
             field("Class", klass)
-            field("GPU Instance Profile ID", "N/A")
+            mig_backed = n.gi_profile is not None
+            field("GPU Instance Profile ID", n.gi_profile if mig_backed else "N/A")
             field("Max Instances", n.max_instances)
             field("Max Instances Per VM", 1)
-            field("Max Instances Per GI", "N/A")
+            field("Max Instances Per GI", 1 if mig_backed else "N/A")
             field("FB Memory", f"{n.framebuffer_mb} MiB")
             field("Display Heads", n.num_heads)
             if n.max_resolution:
@@ -227,16 +241,23 @@ def tool_path(root: str) -> Optional[str]:
     return None
 
 
-def run_tool(path: str, timeout: float) -> str:
-    """`nvidia-smi vgpu -s -v`'s output; ToolFailed when it fails, says nothing
-    or overruns `timeout` (its whole process group is killed then)."""
+def bounded_timeout(timeout: float) -> float:
+    """gpulib.conf takes any non-negative number (nan and inf too): kept sane."""
+    return min(max(timeout, 0.05), MAX_TIMEOUT) if timeout == timeout else DEFAULT_TIMEOUT
+
+
+def run(path: str, args: Sequence[str], timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `path args`, in its own session, no
+    shell, in the C locale; ToolFailed when it cannot be run, overruns
+    `timeout` (its whole process group is killed then) or prints more than
+    OUTPUT_MAX."""
     import signal
     import subprocess
 
-    # gpulib.conf takes any non-negative number (nan and inf too): kept sane.
-    timeout = min(max(timeout, 0.05), MAX_TIMEOUT) if timeout == timeout else DEFAULT_TIMEOUT
+    timeout = bounded_timeout(timeout)
+    what = f"{path} {' '.join(args)}"
     try:
-        proc = subprocess.Popen([path, *ARGS], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([path, *args], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, close_fds=True,
                                 env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
@@ -254,15 +275,26 @@ def run_tool(path: str, timeout: float) -> str:
             if pipe is not None:
                 pipe.close()
         proc.wait()
-        raise ToolFailed(f"{path} {' '.join(ARGS)} gave no answer within {timeout:g} s "
-                         "(killed)") from None
-    if proc.returncode != 0:
-        said = (err or out).decode("utf-8", "replace").strip().splitlines()
-        raise ToolFailed(f"{path} {' '.join(ARGS)} failed (exit {proc.returncode})"
-                         + (f": {said[0][:200]}" if said else ""))
-    if len(out) > OUTPUT_MAX:
-        raise ToolFailed(f"{path} {' '.join(ARGS)} printed more than {OUTPUT_MAX} bytes")
-    return out.decode("utf-8", "replace")
+        raise ToolFailed(f"{what} gave no answer within {timeout:g} s (killed)") from None
+    if len(out) > OUTPUT_MAX or len(err) > OUTPUT_MAX:
+        raise ToolFailed(f"{what} printed more than {OUTPUT_MAX} bytes")
+    return proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+
+
+def failure(path: str, args: Sequence[str], code: int, out: str, err: str) -> ToolFailed:
+    """The one-line error of a run that exited `code` (its first line said)."""
+    said = (err or out).strip().splitlines()
+    return ToolFailed(f"{path} {' '.join(args)} failed (exit {code})"
+                      + (f": {said[0][:200]}" if said else ""))
+
+
+def run_tool(path: str, timeout: float) -> str:
+    """`nvidia-smi vgpu -s -v`'s output; ToolFailed when it fails, says nothing
+    or overruns `timeout`."""
+    code, out, err = run(path, ARGS, timeout)
+    if code != 0:
+        raise failure(path, ARGS, code, out, err)
+    return out
 
 
 # -- the cache -------------------------------------------------------------------------------

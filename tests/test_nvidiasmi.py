@@ -286,7 +286,7 @@ json_values = st.recursive(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.fixed_dictionaries({"version": st.just(1)}, optional={
+@given(st.fixed_dictionaries({"version": st.just(nvidiasmi.CACHE_VERSION)}, optional={
     "driver": json_values, "incomplete_at": json_values,
     "gpus": json_values | st.dictionaries(
         st.sampled_from(["0000:04:00.0", "00000001:04:00.0", "zz", ""]),
@@ -294,7 +294,8 @@ json_values = st.recursive(
                                       json_values | st.fixed_dictionaries(
                                           {}, optional={k: json_values for k in (
                                               "name", "max_instances", "framebuffer_mb",
-                                              "num_heads", "max_resolution")}),
+                                              "num_heads", "max_resolution",
+                                              "gi_profile")}),
                                       max_size=3), max_size=3)}))
 def test_any_cache_file_loads_as_numbers_in_range_or_not_at_all(data: dict[str, Any]) -> None:
     import tempfile
@@ -309,5 +310,6 @@ def test_any_cache_file_loads_as_numbers_in_range_or_not_at_all(data: dict[str, 
         for tid, n in types.items():
             assert 0 <= tid < 10 ** 9
             assert n.name is None or isinstance(n.name, str)
-            for v in (n.max_instances, n.framebuffer_mb, n.num_heads, *(n.max_resolution or ())):
+            for v in (n.max_instances, n.framebuffer_mb, n.num_heads, n.gi_profile,
+                      *(n.max_resolution or ())):
                 assert v is None or (type(v) is int and 0 <= v <= nvidiasmi.NUMBER_MAX)

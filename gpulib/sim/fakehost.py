@@ -66,6 +66,10 @@ def make_attr_files(mdev_dir: str, type_dir: str) -> None:
         _write(path, "", 0o644)
 
 
+def _sh_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
 def relative_symlink(target_abs: str, link_abs: str) -> None:
     """A relative symlink at link_abs pointing to target_abs, as sysfs has them."""
     os.makedirs(os.path.dirname(link_abs), exist_ok=True)
@@ -331,23 +335,32 @@ class FakeHost:
 
     # -- NVIDIA vendor-specific vGPU -------------------------------------------------
     def add_nvidia_vf_types(self, vf: Addr, types: dict[int, str], current: int = 0,
-                            extra_files: bool = True) -> None:
-        """`nvidia/creatable_vgpu_types` and `current_vgpu_type` on a VF."""
+                            extra_files: bool = True, instance_files: bool = False) -> None:
+        """`nvidia/creatable_vgpu_types` and `current_vgpu_type` on a VF;
+        `instance_files`: also `gpu_instance_id` and `placement_id`, as newer
+        drivers have them (the GPU instance a MIG-backed vGPU runs on)."""
         d = os.path.join(self.device_dir(vf), "nvidia")
         lines = ["ID    : vGPU Name"] + [f"{tid:<5d} : {name}" for tid, name in types.items()]
         _write(os.path.join(d, "creatable_vgpu_types"), "\n".join(lines) + "\n", 0o444)
         _write(os.path.join(d, "current_vgpu_type"), f"{current}\n", 0o644)
         if extra_files:
             _write(os.path.join(d, "vgpu_params"), "", 0o644)
+        if instance_files:
+            from gpulib.sim.migdriver import IDLE_GPU_INSTANCE
+
+            _write(os.path.join(d, "gpu_instance_id"), IDLE_GPU_INSTANCE + "\n", 0o644)
+            _write(os.path.join(d, "placement_id"), "0\n", 0o644)
 
     # -- NVIDIA's tool -----------------------------------------------------------------
     def install_nvidia_smi(self, output: str, behaviour: str = "answer",
                            driver: str = NVIDIA_DRIVER) -> None:
         """`usr/bin/nvidia-smi` as the NVIDIA vGPU manager installs it, and the
         loaded driver's version (`sys/module/nvidia/version`). `answer`: prints
-        `output` for `nvidia-smi vgpu -s -v` (and refuses other arguments);
-        `fail`: what it prints when it cannot reach the driver (exit 9);
-        `hang`: never answers. Each call is appended to NVIDIA_SMI_CALLS."""
+        `output` for `nvidia-smi vgpu -s -v` (and refuses other arguments; on
+        a host with a MIG-capable GPU it is `gpulib.sim.nvidia_smi`, which
+        also answers `-q` and `mig`); `fail`: what it prints when it cannot
+        reach the driver (exit 9); `hang`: never answers. Each call is
+        appended to NVIDIA_SMI_CALLS."""
         if behaviour not in NVIDIA_SMI_BEHAVIOURS:
             raise ValueError(f"unknown nvidia-smi behaviour {behaviour!r} "
                              f"(known: {', '.join(NVIDIA_SMI_BEHAVIOURS)})")
@@ -367,10 +380,28 @@ class FakeHost:
                      "and running.\"\nexit 9\n"),
             "hang": "exec sleep 120\n",
         }[behaviour]
+        if behaviour == "answer" and self.mig_gpus():
+            # The simulator's tool, in the interpreter (and gpulib) that built the host.
+            import sys
+
+            import gpulib
+
+            package_dir = os.path.dirname(os.path.dirname(os.path.abspath(gpulib.__file__)))
+            body = (f"PYTHONPATH={_sh_quote(package_dir)}\nexport PYTHONPATH\n"
+                    f"exec {_sh_quote(sys.executable)} -m gpulib.sim.nvidia_smi "
+                    '"$root" "$@"\n')
         _write(self.p(NVIDIA_SMI), "#!/bin/sh\n"
                "# nvidia-smi as gpulib's simulator fakes it (FakeHost.install_nvidia_smi).\n"
                'root=$(cd "$(dirname "$0")/../.." && pwd)\n'
                f'echo "$*" >> "$root/{NVIDIA_SMI_CALLS}"\n' + body, 0o755)
+
+    def mig_gpus(self) -> list[str]:
+        """The physical functions with the simulator's MIG state (`gpulib.sim.migdriver`)."""
+        from gpulib.sim.migdriver import STATE_FILE
+
+        base = self.p("sys/bus/pci/devices")
+        return [a for a in sorted(os.listdir(base))
+                if os.path.exists(os.path.join(base, a, STATE_FILE))]
 
     def nvidia_smi_calls(self) -> list[str]:
         """The arguments of each call of the fake nvidia-smi so far."""

@@ -12,6 +12,11 @@
   discovery budget is measured on; `large-nvidia` the same size with NVIDIA's
   vendor-specific VFs and its tool (`nvidia-smi`).
 * `pool64`: four T4s with a declared pool of 64 vGPUs, for the concurrency budget.
+* `mig`: two H100 PCIe 80GB with NVIDIA's vendor-specific vGPU VFs, one in
+  MIG mode (MIG-backed types, no GPU instance yet), one not (time-sliced
+  types), NVIDIA's tool answering MIG's questions, and a declared pool of two
+  `NVIDIA H100-1-10C` vGPUs that `gpulib pool apply` makes (GPU instances,
+  then VF types).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from gpulib.nvidiasmi import TypeNumbers
 from gpulib.nvidiasmi import render as render_nvidia_smi
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
+from gpulib.sim.migdriver import MigGpu
 
 _DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -76,6 +82,19 @@ _SERIES = {"Q": ("Quadro", 4, (7680, 4320)), "B": ("NVS", 4, (5120, 2880)),
            "A": ("NVS", 1, (1280, 1024)), "C": ("Compute", 1, (4096, 2160))}
 
 
+def mig_type_numbers(model: dict[str, Any], name: str, profile_id: int
+                     ) -> tuple[str, TypeNumbers]:
+    """(class, numbers) of a MIG-backed VF type (`NVIDIA H100-1-10C`): its frame
+    buffer from the name, as many instances as its GPU instance profile has,
+    one head at 4096x2160 (a compute type), the profile it runs on."""
+    from gpulib.lazyre import lazy
+
+    m = lazy(r"-\d+-(\d+)[A-Z]+$").search(name)
+    gb = int(m.group(1)) if m else 1
+    total = next((p["total"] for p in model["mig_profiles"] if p["id"] == profile_id), 1)
+    return "Compute", TypeNumbers(name, total, gb * 1024, 1, (4096, 2160), profile_id)
+
+
 def vf_type_numbers(model: dict[str, Any], name: str) -> tuple[str, TypeNumbers]:
     """(class, numbers) of a vendor-specific VF type of a catalog model, as
     `nvidia-smi vgpu -s -v` reports them: the frame buffer from the name
@@ -86,7 +105,7 @@ def vf_type_numbers(model: dict[str, Any], name: str) -> tuple[str, TypeNumbers]
     klass, heads, res = _SERIES.get(series, ("NVS", 1, (1280, 1024)))
     if series == "Q" and gb == 1:
         res = (5120, 2880)
-    return klass, TypeNumbers(name, model["framebuffer_gb"] // gb, gb * 1024, heads, res)
+    return klass, TypeNumbers(name, model["framebuffer_gb"] // gb, gb * 1024, heads, res, None)
 
 
 def nvidia_smi_output(host: FakeHost) -> str:
@@ -110,6 +129,13 @@ def nvidia_smi_output(host: FakeHost) -> str:
         vendor_vfs = [v for v in os.listdir(d) if v.startswith("virtfn")
                       and os.path.isdir(os.path.join(d, v, "nvidia"))]
         if model is None or not vendor_vfs:
+            continue
+        gpu = MigGpu.load(d)
+        if gpu is not None and gpu.enabled:
+            # In MIG mode the driver supports the MIG-backed types only.
+            gpus[PciAddress.parse(name)] = {
+                int(tid): mig_type_numbers(model, tname, pid)
+                for tid, (tname, pid) in model["nvidia_mig_vf_types"].items()}
             continue
         gpus[PciAddress.parse(name)] = {
             int(tid): vf_type_numbers(model, tname)
@@ -339,9 +365,55 @@ def build_pool64(root: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:
     return host
 
 
+MIG_GPU = "0000:41:00.0"
+PLAIN_H100 = "0000:c1:00.0"
+MIG_POOL = ("[pool mig]\nparents = all\nprofile = NVIDIA H100-1-10C\ncount = 2\n")
+
+
+def add_h100(host: FakeHost, address: str, root_port: str, numa: int, numvfs: int,
+             mig_mode: bool) -> list[str]:
+    """An H100 PCIe 80GB behind its own root port, on the NVIDIA vGPU host
+    driver with `numvfs` vendor-specific VFs; in MIG mode its VFs offer the
+    MIG-backed types of its free GPU instances (none yet), else the
+    time-sliced ones."""
+    model = models()["h100"]
+    host.add_bridge(root_port, numa_node=numa, iommu_group=host.new_iommu_group())
+    vfs = add_sriov_gpu(host, model, address, numa, root_port, numvfs)
+    mig_types = {k: [v[0], v[1]] for k, v in model["nvidia_mig_vf_types"].items()}
+    gpu = MigGpu.create(host.device_dir(address), model["mig_profiles"], mig_types, mig_mode)
+    types = {} if mig_mode else {int(k): v for k, v in model["nvidia_vf_types"].items()}
+    for vf in vfs:
+        host.add_nvidia_vf_types(vf, types, instance_files=True)
+    gpu.refresh()
+    return vfs
+
+
+def build_mig(root: str, numvfs: int = 8) -> FakeHost:
+    """Two H100 PCIe 80GB on an Ubuntu 24.04 host (kernel 6.8: NVIDIA's
+    vendor-specific VFIO framework), `MIG_GPU` in MIG mode and `PLAIN_H100`
+    not, each with `numvfs` VFs (from .4, as the agent's fixtures name them);
+    NVIDIA's tool installed; the pool `mig` declared, not made."""
+    host = FakeHost(root)
+    host.add_iommu_unit("dmar0")
+    for mod in ("vfio", "vfio_pci", "vfio_pci_core", "vfio_iommu_type1", "nvidia", "kvm",
+                "kvm_intel"):
+        host.load_module(mod)
+    host.write_file("etc/modprobe.d/blacklist-nouveau.conf",
+                    "blacklist nouveau\noptions nouveau modeset=0\n")
+    host.write_file("etc/os-release", 'ID=ubuntu\nVERSION_ID="24.04"\n'
+                                      'PRETTY_NAME="Ubuntu 24.04 LTS"\n')
+    add_h100(host, MIG_GPU, "0000:40:03.1", 0, numvfs, mig_mode=True)
+    add_h100(host, PLAIN_H100, "0000:c0:01.1", 1, numvfs, mig_mode=False)
+    install_nvidia_smi(host)
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "# MIG-backed vGPUs: two 1g.10gb GPU instances, two VFs typed for them.\n"
+                    + MIG_POOL)
+    return host
+
+
 SAMPLE_HOSTS: dict[str, Callable[[str], FakeHost]] = {
     "demo": build_demo, "large": build_large, "large-nvidia": build_large_nvidia,
-    "pool64": build_pool64}
+    "pool64": build_pool64, "mig": build_mig}
 
 
 def build(name: str, root: str) -> FakeHost:

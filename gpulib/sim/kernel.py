@@ -17,7 +17,9 @@ Handled attributes and their effects:
   values the driver accepts): EINVAL for any other value, ENOENT for a file
   the device does not have.
 * `<VF>/nvidia/current_vgpu_type`: set (from the VF's creatable list) or clear
-  (`0`); the creatable lists of the VF and its siblings shrink and grow.
+  (`0`); the creatable lists of the VF and its siblings shrink and grow. On
+  a GPU in MIG mode (`gpulib.sim.migdriver`) a MIG-backed type takes a free
+  GPU instance of its profile and 0 gives it back.
 * `<PF>/sriov_numvfs`: VFs appear or vanish (EBUSY when changed without
   going through 0, as the kernel does).
 Errors are raised as OSError with the errno the kernel returns: EEXIST for a
@@ -40,6 +42,7 @@ from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
 from gpulib.pci import group_number
 from gpulib.sim.fakehost import make_attr_files, mdev_attr_spec, relative_symlink
+from gpulib.sim.migdriver import MigGpu
 from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, read_text
 from gpulib.validate import decimal
 
@@ -313,7 +316,11 @@ class SimulatedKernel:
         if wanted is None:
             raise _err(errno.EINVAL, f"{nv}/current_vgpu_type")
         current = int(_read(os.path.join(nv, "current_vgpu_type"), "0") or 0)
-        _, vfs = self._siblings(vf_dir)
+        pf, vfs = self._siblings(vf_dir)
+        gpu = MigGpu.load(pf) if pf is not None else None
+        if gpu is not None and gpu.enabled:
+            self._set_mig_type(gpu, vf_dir, current, wanted)
+            return
         catalogs = {d: self._catalog(d) for d in vfs}
         # Remember every sibling's full list before the first change.
         for d in vfs:
@@ -332,6 +339,25 @@ class SimulatedKernel:
                 raise _err(errno.EINVAL, f"{nv}/current_vgpu_type")
             _write(os.path.join(nv, "current_vgpu_type"), f"{wanted}\n")
         self._recompute_creatable(vfs, catalogs)
+
+    @staticmethod
+    def _set_mig_type(gpu: MigGpu, vf_dir: str, current: int, wanted: int) -> None:
+        nv = os.path.join(vf_dir, "nvidia")
+        vf = os.path.basename(vf_dir)
+        if wanted == 0:
+            if current == 0:
+                return
+            gpu.unbind(vf)
+            _write(os.path.join(nv, "current_vgpu_type"), "0\n")
+        else:
+            if current != 0:
+                raise _err(errno.EBUSY, f"{nv}/current_vgpu_type")
+            if wanted not in parse_creatable(_read(os.path.join(nv, "creatable_vgpu_types"))):
+                raise _err(errno.EINVAL, f"{nv}/current_vgpu_type")
+            gpu.bind(vf, wanted)
+            _write(os.path.join(nv, "current_vgpu_type"), f"{wanted}\n")
+        gpu.save()
+        gpu.refresh()
 
     def _recompute_creatable(self, vfs: list[str], catalogs: dict[str, dict[int, str]]) -> None:
         active = {}

@@ -1,0 +1,278 @@
+"""The NVIDIA driver's MIG state in the simulator: a GPU's instances and the
+GPU instances its VFs' MIG-backed vGPUs run on.
+
+The real driver keeps this in its memory; the simulator keeps it in a
+hidden file of the physical function's directory (`.sim-mig.json`), so it
+goes with sysfs at a reboot, as GPU instances do (MIG mode itself is the
+GPU's setting and survives: the host builder writes it again). Two parts of
+the simulator change it and both end with `refresh()`:
+
+* the simulated kernel (`gpulib.sim.kernel`), when a VF's
+  `nvidia/current_vgpu_type` is written: a MIG-backed type takes a free GPU
+  instance of its profile (the lowest id), 0 gives it back;
+* the simulated `nvidia-smi` (`gpulib.sim.nvidia_smi`): `mig -cgi`, `-cci`,
+  `-dci`, `-dgi`, `-mig`.
+
+`refresh()` rewrites every VF's `creatable_vgpu_types` the way the driver
+shows it: an idle VF lists each MIG-backed type whose profile has a GPU
+instance that has a compute instance and runs no vGPU; a typed VF lists
+nothing; and `gpu_instance_id` names the instance a typed VF runs on
+(`-1` when idle: the idle value was not seen on a real host).
+
+GPU instance ids follow the placement, as on A100 and H100 (the captures in
+tests/data/nvidia-smi show 7 + start for 1-slice instances, 3 + start / 2
+for 2-slice ones, 1 + start / 4 for 4-slice ones, 0 for the whole GPU); an
+instance created without a placement goes to the highest free start, as the
+driver placed the 1g instances of those captures from slice 6 down.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from typing import Any, Optional
+
+from gpulib import mig
+
+STATE_FILE = ".sim-mig.json"
+IDLE_GPU_INSTANCE = "-1"
+# nvidia-smi's exit codes (its man page): not found, in use, insufficient resources.
+NOT_FOUND = 6
+IN_USE = 19
+INSUFFICIENT = 23
+
+
+class MigError(Exception):
+    """A MIG operation the driver refuses: the tool's exit code and NVML's words."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _write(path: str, text: str) -> None:
+    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+    tmp = f"{path}.sim-tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def instance_id(start: int, size: int) -> int:
+    """The id the driver gives the instance at `start:size` (see the module's notes)."""
+    base = {8: 0, 4: 1, 2: 3, 1: 7}.get(size)
+    return base + start // size if base is not None else 100 + start
+
+
+class MigGpu:
+    """One GPU's MIG state (see the module's notes)."""
+
+    def __init__(self, pf_dir: str, data: dict[str, Any]) -> None:
+        self.pf_dir = pf_dir
+        self.data = data
+
+    # -- the file ---------------------------------------------------------------------------
+    @staticmethod
+    def path(pf_dir: str) -> str:
+        return os.path.join(pf_dir, STATE_FILE)
+
+    @classmethod
+    def load(cls, pf_dir: str) -> Optional[MigGpu]:
+        """The GPU's MIG state, None for a GPU without MIG (no state file)."""
+        try:
+            with open(cls.path(pf_dir), encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            return None
+        return cls(pf_dir, data) if isinstance(data, dict) else None
+
+    @classmethod
+    def create(cls, pf_dir: str, profiles: list[dict[str, Any]],
+               types: dict[str, list[Any]], enabled: bool = True) -> MigGpu:
+        """A MIG-capable GPU: its profiles (models.json's `mig_profiles`), the
+        MIG-backed vGPU types of its driver ({type id: [name, profile id]}), MIG
+        mode on or off (current and pending alike), no instance."""
+        mode = mig.ENABLED if enabled else mig.DISABLED
+        gpu = cls(pf_dir, {"current": mode, "pending": mode, "profiles": profiles,
+                           "types": types, "instances": [], "bound": {}})
+        gpu.save()
+        return gpu
+
+    def save(self) -> None:
+        path = self.path(self.pf_dir)
+        if not os.path.exists(path):
+            with open(path, "w", encoding="utf-8"):
+                pass
+        _write(path, json.dumps(self.data, indent=1, sort_keys=True) + "\n")
+
+    # -- what it holds ------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return bool(self.data.get("current") == mig.ENABLED)
+
+    @property
+    def current(self) -> str:
+        return str(self.data.get("current", mig.DISABLED))
+
+    @property
+    def pending(self) -> str:
+        return str(self.data.get("pending", mig.DISABLED))
+
+    def set_pending(self, enabled: bool) -> None:
+        self.data["pending"] = mig.ENABLED if enabled else mig.DISABLED
+
+    def profile(self, ident: str) -> Optional[dict[str, Any]]:
+        """A profile by id (`19`) or name (`1g.10gb`, `MIG 1g.10gb`)."""
+        for p in self.data.get("profiles", []):
+            if ident.isdigit() and int(ident) == p["id"]:
+                return p  # type: ignore[no-any-return]
+            if ident in (p["name"], mig.short_name(p["name"])):
+                return p  # type: ignore[no-any-return]
+        return None
+
+    def types(self) -> dict[int, tuple[str, int]]:
+        return {int(k): (str(v[0]), int(v[1])) for k, v in self.data.get("types", {}).items()}
+
+    def instances(self) -> list[dict[str, Any]]:
+        return list(self.data.get("instances", []))
+
+    def instance(self, gi: int) -> Optional[dict[str, Any]]:
+        return next((i for i in self.data["instances"] if i["id"] == gi), None)
+
+    def bound(self) -> dict[str, int]:
+        return dict(self.data.get("bound", {}))
+
+    def model(self) -> tuple[list[mig.Profile], list[mig.Instance]]:
+        """The profiles (with what is free now) and instances, as gpulib.mig models them."""
+        names = {p["id"]: p["name"] for p in self.data.get("profiles", [])}
+        used = [mig.Instance(i["id"], i["profile"], names.get(i["profile"], "?"), i["start"],
+                             i["size"], i["cis"]) for i in self.data["instances"]]
+        profiles = []
+        for p in self.data.get("profiles", []):
+            prof = mig.Profile(p["id"], p["name"], 0, p["total"], p["memory_gib"], "No",
+                               p["sm"], p["dec"], p["enc"], p["ce"], p["jpeg"], p["ofa"],
+                               p["placements"], p["size"])
+            same = sum(1 for i in used if i.profile_id == prof.id)
+            prof.free = mig.free_count(prof, used, same) if self.enabled else 0
+            profiles.append(prof)
+        return profiles, sorted(used, key=lambda i: i.start)
+
+    # -- the driver's operations -------------------------------------------------------------
+    def create_gi(self, ident: str, start: Optional[int] = None) -> tuple[int, dict[str, Any]]:
+        """A new GPU instance of the profile `ident`, at `start` or where the driver puts it."""
+        p = self.profile(ident)
+        if p is None:
+            raise MigError(2, "Invalid profile")
+        profiles, used = self.model()
+        prof = next(x for x in profiles if x.id == p["id"])
+        free = mig.free_placements(prof, used)
+        if sum(1 for i in used if i.profile_id == prof.id) >= prof.total:
+            free = []
+        if start is None:
+            start = max(free) if free else None
+        elif start not in prof.placements:
+            raise MigError(2, "Invalid Argument")
+        if start is None or start not in free:
+            raise MigError(INSUFFICIENT, "Insufficient Resources")
+        gi = instance_id(start, p["size"])
+        self.data["instances"].append({"id": gi, "profile": p["id"], "start": start,
+                                       "size": p["size"], "cis": []})
+        return gi, p
+
+    def create_ci(self, gi: int) -> tuple[int, int]:
+        """The default compute instance of GPU instance `gi` (all its slices):
+        (compute instance id, its profile id)."""
+        inst = self.instance(gi)
+        if inst is None:
+            raise MigError(NOT_FOUND, "Not Found")
+        if inst["cis"]:
+            raise MigError(INSUFFICIENT, "Insufficient Resources")
+        p = self.profile(str(inst["profile"]))
+        inst["cis"] = [0]
+        return 0, int(p["ci_profile"]) if p else 0
+
+    def _in_use(self, gi: int) -> bool:
+        return gi in self.data.get("bound", {}).values()
+
+    def destroy_ci(self, gi: int, ci: Optional[int] = None) -> list[int]:
+        inst = self.instance(gi)
+        if inst is None:
+            raise MigError(NOT_FOUND, "Not Found")
+        if self._in_use(gi):
+            raise MigError(IN_USE, "In use by another client")
+        gone = [c for c in inst["cis"] if ci is None or c == ci]
+        if ci is not None and not gone:
+            raise MigError(NOT_FOUND, "Not Found")
+        inst["cis"] = [c for c in inst["cis"] if c not in gone]
+        return gone
+
+    def destroy_gi(self, gi: int) -> None:
+        inst = self.instance(gi)
+        if inst is None:
+            raise MigError(NOT_FOUND, "Not Found")
+        if self._in_use(gi) or inst["cis"]:
+            raise MigError(IN_USE, "In use by another client")
+        self.data["instances"].remove(inst)
+
+    def free_instance(self, profile_id: int) -> Optional[int]:
+        """The lowest-id GPU instance of the profile that has a compute
+        instance and runs no vGPU."""
+        busy = set(self.data.get("bound", {}).values())
+        ids = [i["id"] for i in self.data["instances"]
+               if i["profile"] == profile_id and i["cis"] and i["id"] not in busy]
+        return min(ids) if ids else None
+
+    def bind(self, vf: str, type_id: int) -> int:
+        """A VF's vGPU of MIG-backed type `type_id` takes a free GPU instance."""
+        found = self.types().get(type_id)
+        if found is None:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), vf)
+        gi = self.free_instance(found[1])
+        if gi is None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), vf)
+        self.data.setdefault("bound", {})[vf] = gi
+        return gi
+
+    def unbind(self, vf: str) -> None:
+        self.data.setdefault("bound", {}).pop(vf, None)
+
+    # -- what the VFs show --------------------------------------------------------------------
+    def vf_dirs(self) -> list[str]:
+        out = []
+        for name in sorted(os.listdir(self.pf_dir), key=lambda n: (len(n), n)):
+            if name.startswith("virtfn"):
+                d = os.path.realpath(os.path.join(self.pf_dir, name))
+                if os.path.isdir(os.path.join(d, "nvidia")):
+                    out.append(d)
+        return out
+
+    def refresh(self) -> None:
+        """Every VF's creatable list and GPU instance, from the state (see the
+        notes); nothing while MIG mode is off (time-sliced types then)."""
+        if not self.enabled:
+            return
+        types = self.types()
+        bound = self.bound()
+        offered = {tid: name for tid, (name, pid) in sorted(types.items())
+                   if self.free_instance(pid) is not None}
+        for d in self.vf_dirs():
+            nv = os.path.join(d, "nvidia")
+            vf = os.path.basename(d)
+            typed = _read(os.path.join(nv, "current_vgpu_type")) not in ("", "0")
+            lines = ["ID    : vGPU Name"] + ([] if typed else
+                                             [f"{k:<5d} : {v}" for k, v in offered.items()])
+            _write(os.path.join(nv, "creatable_vgpu_types"), "\n".join(lines) + "\n")
+            gi_file = os.path.join(nv, "gpu_instance_id")
+            if os.path.exists(gi_file):
+                _write(gi_file, f"{bound[vf]}\n" if vf in bound else IDLE_GPU_INSTANCE + "\n")
