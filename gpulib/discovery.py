@@ -54,6 +54,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Callable, Optional
 
+    from gpulib import mig
     from gpulib.nvidiasmi import TypeNumbers
 
 log = logger.get(__name__)
@@ -82,13 +83,17 @@ def is_gpu_function(fn: PciFunction, include: Optional[Match] = None,
 class NvidiaVf:
     """A VF's vendor-specific vGPU state."""
 
-    __slots__ = ("creatable", "current_name", "current_type", "recorded_name", "recorded_type")
+    __slots__ = ("creatable", "current_name", "current_type", "gpu_instance", "recorded_name",
+                 "recorded_type")
 
     def __init__(self, current_type: int, creatable: dict[int, str],
-                 current_name: Optional[str]) -> None:
+                 current_name: Optional[str], gpu_instance: Optional[int] = None) -> None:
         self.current_type = current_type
         self.creatable = creatable
         self.current_name = current_name
+        # The MIG GPU instance its vGPU runs on (`nvidia/gpu_instance_id` of
+        # a typed VF, on drivers that have the file), else None.
+        self.gpu_instance = gpu_instance
         # The type gpulib's registry gives this VF when a VM starts (0 = none).
         self.recorded_type = 0
         self.recorded_name: Optional[str] = None
@@ -270,6 +275,9 @@ class Gpu:
         # The numbers of its NVIDIA vendor-specific VF types by type id, from
         # NVIDIA's tool (`nvidiasmi.attach`; discovery itself runs nothing).
         self.nvidia_numbers: dict[int, TypeNumbers] = {}
+        # Its MIG mode and instances, from NVIDIA's tool (`migtool.attach`);
+        # None: not asked, or the GPU has no MIG.
+        self.mig: Optional[mig.Layout] = None
         self.errors: list[str] = []
         # Where its files are read: a file read after discovery (the
         # instances left of its types, `mdev_offers`) that cannot be read is
@@ -600,7 +608,8 @@ class Discovery:
                 if names.get(tid) != name:
                     names[tid] = name
                     self.new_names.setdefault(key, {})[str(tid)] = name
-            vf.nvidia = NvidiaVf(current, creatable, None)
+            vf.nvidia = NvidiaVf(current, creatable, None,
+                                 nvidia.gpu_instance(sysfs, address) if current else None)
             recorded = self.vf_types.get(str(address))
             if recorded is not None:
                 vf.nvidia.recorded_type = recorded[0]

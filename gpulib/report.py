@@ -20,11 +20,25 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
         "vfs": [{"index", "address", "device", "driver", "iommu_group", "used_by",
                  "available" (as for vGPUs: a recorded type its GPU cannot give now),
                  "mdev_parent", "nvidia": {"current_type", "current_name",
-                                           "creatable": {id: name}} | null}],
+                                           "creatable": {id: name},
+                                           "gpu_instance" (the MIG GPU instance
+                                           its vGPU runs on, or null)} | null}],
         "nvidia_types": [{"type_id", "name", "max_instances", "framebuffer_mb",
-                          "num_heads", "max_resolution"}] (the types of its
-                         NVIDIA vendor-specific VFs: supported, creatable or
-                         given; the numbers NVIDIA's tool's, null without it),
+                          "num_heads", "max_resolution",
+                          "gpu_instance_profile" (a MIG-backed type's, else
+                          null)}] (the types of its NVIDIA vendor-specific VFs:
+                         supported, creatable or given; the numbers NVIDIA's
+                         tool's, null without it),
+        "mig": {"mode": {"current", "pending"},
+                "profiles": [{"id", "name", "free", "total", "memory_mb",
+                              "slices", "placements", "size"}],
+                "gpu_instances": [{"id", "profile_id", "profile",
+                                   "placement": {"start", "size"},
+                                   "compute_instances": [ids],
+                                   "vf" (the VF whose vGPU runs on it, or null),
+                                   "used_by" (that VF's VM, or null)}]}
+               | null (no MIG, or NVIDIA's tool did not say; from
+               `gpulib.migtool`, cached),
         "errors": [...]}]}
 """
 
@@ -103,8 +117,24 @@ def nvidia_types(gpu: Gpu) -> list[dict[str, Any]]:
                     "max_instances": n.max_instances if n else None,
                     "framebuffer_mb": n.framebuffer_mb if n else None,
                     "num_heads": n.num_heads if n else None,
-                    "max_resolution": _resolution(n.max_resolution) if n else None})
+                    "max_resolution": _resolution(n.max_resolution) if n else None,
+                    "gpu_instance_profile": n.gi_profile if n else None})
     return out
+
+
+def mig_document(gpu: Gpu) -> Optional[dict[str, Any]]:
+    """The GPU's MIG layout, each GPU instance with the VF whose vGPU runs on
+    it and that VF's VM (None without a layout)."""
+    if gpu.mig is None:
+        return None
+    doc = gpu.mig.as_json()
+    bound = {vf.nvidia.gpu_instance: vf for vf in gpu.vfs
+             if vf.nvidia is not None and vf.nvidia.gpu_instance is not None}
+    for gi in doc["gpu_instances"]:
+        vf = bound.get(gi["id"])
+        gi["vf"] = str(vf.address) if vf is not None else None
+        gi["used_by"] = vf.used_by if vf is not None else None
+    return doc
 
 
 def gpu_document(gpu: Gpu) -> dict[str, Any]:
@@ -134,9 +164,11 @@ def gpu_document(gpu: Gpu) -> dict[str, Any]:
             "nvidia": None if vf.nvidia is None else {
                 "current_type": vf.nvidia.current_type,
                 "current_name": vf.nvidia.current_name,
-                "creatable": {str(k): v for k, v in vf.nvidia.creatable.items()}},
+                "creatable": {str(k): v for k, v in vf.nvidia.creatable.items()},
+                "gpu_instance": vf.nvidia.gpu_instance},
         } for vf in gpu.vfs],
         "nvidia_types": nvidia_types(gpu),
+        "mig": mig_document(gpu),
         "errors": list(gpu.errors),
     }
 
@@ -150,10 +182,40 @@ def _instances(gpu: Gpu) -> str:
         return _counted(len(gpu.vgpus), "vGPU", sum(1 for v in gpu.vgpus if v.used_by),
                         sum(1 for v in gpu.vgpus if not v.available))
     vfs = [*gpu.reported_vfs, *gpu.unread_vfs]
+    gis = f", {len(gpu.mig.instances)} GI" if gpu.mig is not None and gpu.mig.enabled else ""
     if vfs:
         return _counted(len(vfs), "VF", sum(1 for vf in vfs if vf.used_by),
-                        sum(1 for vf in vfs if not vf.available and not vf.used_by))
-    return "-"
+                        sum(1 for vf in vfs if not vf.available and not vf.used_by)) + gis
+    return gis[2:] or "-"
+
+
+def _mode(gpu: Gpu) -> str:
+    return gpu.mode + ("+mig" if gpu.mig is not None and gpu.mig.enabled else "")
+
+
+def mig_lines(inventory: Inventory) -> list[str]:
+    """The table's MIG section: per GPU with a layout, its mode, then a row
+    per GPU instance (profile, placement, compute instances, the VF on it
+    and its VM)."""
+    lines = []
+    for g in inventory.gpus:
+        doc = mig_document(g)
+        if doc is None:
+            continue
+        mode = doc["mode"]
+        pending = "" if mode["pending"] == mode["current"] else \
+            f", {mode['pending']} after a reset"
+        lines.append(f"MIG {g.address}: {mode['current']}{pending}; "
+                     f"{len(doc['gpu_instances'])} GPU instance(s)")
+        rows = [("GI", "PROFILE", "PLACEMENT", "CI", "VF", "USED BY")]
+        for gi in doc["gpu_instances"]:
+            rows.append((str(gi["id"]), gi["profile"],
+                         f"{gi['placement']['start']}:{gi['placement']['size']}",
+                         ",".join(map(str, gi["compute_instances"])) or "-",
+                         gi["vf"] or "-", gi["used_by"] or "-"))
+        if len(rows) > 1:
+            lines += ["  " + line.rstrip() for line in columns(rows)]
+    return lines
 
 
 def _counted(total: int, what: str, used: int, unavailable: int) -> str:
@@ -176,11 +238,14 @@ def table(inventory: Inventory, width: Optional[int] = None) -> str:
         users = sorted({u for u in [g.used_by, *(v.used_by for v in g.vgpus),
                                     *(vf.used_by for vf in g.vfs)] if u})
         device = g.device_name if len(g.device_name) <= 34 else g.device_name[:33] + "…"
-        rows.append((str(g.address), device, g.fn.driver or "-", g.mode,
+        rows.append((str(g.address), device, g.fn.driver or "-", _mode(g),
                      str(g.fn.numa_node), str(g.fn.iommu_group if g.fn.iommu_group is not None
                                                else "-"),
                      _instances(g), ", ".join(users) or "-"))
     lines = [line.rstrip() for line in columns(rows)]
     if not inventory.gpus:
         lines.append("(no GPUs found)")
+    migs = mig_lines(inventory)
+    if migs:
+        lines += ["", *migs]
     return "\n".join(lines) + "\n"

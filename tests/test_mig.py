@@ -283,3 +283,95 @@ def test_the_tool_lists_the_types_of_each_gpus_mode(host: FakeHost) -> None:
     plain = found[PciAddress.parse(PLAIN_H100)]
     assert all(n.gi_profile is None for n in plain.values())
     assert {n.name for n in plain.values()} == set(models()["h100"]["nvidia_vf_types"].values())
+
+
+# -- discovery and the reports ----------------------------------------------------------------
+
+def gpulib(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], root: str,
+           *args: str) -> tuple[int, str]:
+    from gpulib import cli
+
+    monkeypatch.setenv("GPULIB_ROOT", root)
+    monkeypatch.setenv("GPULIB_SIMULATE", "1")
+    capsys.readouterr()
+    code = cli.main(list(args))
+    return code, capsys.readouterr().out
+
+
+def test_discovery_shows_the_mig_layout_and_the_cloudstack_report_the_typed_vf(
+        host: FakeHost, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from tests.test_cloudstack_contract import check_agent_document
+
+    assert tool(host, "mig", "-i", "0", "-cgi", "19:6", "-C").returncode == 0
+    code, _ = gpulib(monkeypatch, capsys, host.root, "vf", "set-type", "0000:41:00.4",
+                     "NVIDIA H100-1-10C")
+    assert code == 0
+    code, out = gpulib(monkeypatch, capsys, host.root, "discover", "--format", "json")
+    assert code == 0
+    gpus = {g["address"]: g for g in json.loads(out)["gpus"]}
+    layout = gpus[MIG_GPU]["mig"]
+    assert layout["mode"] == {"current": "Enabled", "pending": "Enabled"}
+    assert layout["gpu_instances"] == [{
+        "id": 13, "profile_id": 19, "profile": "MIG 1g.10gb",
+        "placement": {"start": 6, "size": 1}, "compute_instances": [0],
+        "vf": "0000:41:00.4", "used_by": None}]
+    by_profile = {p["id"]: (p["free"], p["total"]) for p in layout["profiles"]}
+    assert by_profile[19] == (6, 7) and by_profile[5] == (1, 1) and by_profile[0] == (0, 1)
+    vf = next(v for v in gpus[MIG_GPU]["vfs"] if v["address"] == "0000:41:00.4")
+    assert vf["nvidia"]["gpu_instance"] == 13
+    types = {t["name"]: t for t in gpus[MIG_GPU]["nvidia_types"]}
+    assert (types["NVIDIA H100-1-10C"]["gpu_instance_profile"],
+            types["NVIDIA H100-1-10C"]["framebuffer_mb"]) == (19, 10240)
+    assert gpus[PLAIN_H100]["mig"]["mode"] == {"current": "Disabled", "pending": "Disabled"}
+    assert gpus[PLAIN_H100]["mig"]["gpu_instances"] == []
+    code, table = gpulib(monkeypatch, capsys, host.root, "discover", "--format", "table")
+    assert code == 0
+    assert "nvidia-vf+mig" in table and "MIG 0000:41:00.0: Enabled; 1 GPU instance(s)" in table
+    assert any(line.split()[:5] == ["13", "MIG", "1g.10gb", "6:1", "0"] and
+               "0000:41:00.4" in line for line in table.splitlines())
+    code, out = gpulib(monkeypatch, capsys, host.root, "discover", "--format", "cloudstack")
+    doc = json.loads(out)
+    check_agent_document(doc)
+    h100 = {g["pci_address"]: g for g in doc["gpus"]}["41:00.0"]
+    assert h100["full_passthrough"]["enabled"] == 0
+    assert [(v["vf_pci_address"], v["vf_profile"], v["video_ram"], v["max_instances"])
+            for v in h100["vf_instances"]] == [("41:00.4", "NVIDIA H100-1-10C", 10240, 7)]
+
+
+def test_the_reports_ask_the_tool_again_only_when_the_layout_may_have_changed(
+        host: FakeHost, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def mig_calls() -> list[str]:
+        return [c for c in host.nvidia_smi_calls() if c.startswith(("mig", "-q"))]
+
+    assert gpulib(monkeypatch, capsys, host.root, "discover", "--format", "json")[0] == 0
+    first = mig_calls()
+    # -q for both GPUs, the four listings for the one in MIG mode.
+    assert first == ["-q", "mig -i 00000000:41:00.0 -lgip", "mig -i 00000000:41:00.0 -lgipp",
+                     "mig -i 00000000:41:00.0 -lgi", "mig -i 00000000:41:00.0 -lci"]
+    assert gpulib(monkeypatch, capsys, host.root, "discover", "--format", "json")[0] == 0
+    assert mig_calls() == first
+    # A GPU instance made by hand shows on the VFs: asked again.
+    assert tool(host, "mig", "-i", "0", "-cgi", "9:0", "-C").returncode == 0
+    code, out = gpulib(monkeypatch, capsys, host.root, "discover", "--format", "json")
+    assert code == 0 and len(mig_calls()) == len(first) * 2 + 1
+    assert '"profile": "MIG 3g.40gb"' in out
+
+
+def test_a_failing_tool_leaves_the_report_whole(host: FakeHost, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from gpulib.sim.hosts import install_nvidia_smi
+
+    install_nvidia_smi(host, "fail")
+    code, out = gpulib(monkeypatch, capsys, host.root, "discover", "--format", "json")
+    assert code == 0
+    gpus = json.loads(out)["gpus"]
+    assert [g["mig"] for g in gpus] == [None, None] and len(gpus[0]["vfs"]) == 8
+    calls = len(host.nvidia_smi_calls())
+    assert gpulib(monkeypatch, capsys, host.root, "discover", "--format", "json")[0] == 0
+    assert len(host.nvidia_smi_calls()) == calls, "a failure is not asked again at once"

@@ -230,14 +230,18 @@ def test_discover_reports_the_tools_numbers_for_every_domain(
     assert {t["type_id"]: (t["max_instances"], t["framebuffer_mb"], t["num_heads"],
                            t["max_resolution"]) for t in a10["nvidia_types"]}[A10_6Q] == (
         4, 6144, 4, "7680x4320")
+    # An A10 has no MIG (`MIG Mode: N/A`): asked once for this driver, never again.
+    assert a10["mig"] is None
+    assert cli.main(["discover", "--format", "json"]) == 0
+    capfd.readouterr()
     vf = f"{domain}:04:00.3"
     assert cli.main(["mdev", "types", "--parent", vf, "--json"]) == 0
     [row] = json.loads(capfd.readouterr().out)
     assert (row["parent"], row["kind"], row["type_id"], row["max_instances"],
             row["framebuffer_mb"], row["num_heads"], row["max_resolution"]) == (
         vf, "nvidia-vf", str(A10_6Q), 4, 6144, 4, "7680x4320")
-    # One run of the tool for the three.
-    assert host.nvidia_smi_calls() == ["vgpu -s -v"]
+    # One run of the tool for the four, and one question of MIG.
+    assert host.nvidia_smi_calls() == ["vgpu -s -v", "-q"]
 
 
 @pytest.mark.parametrize("behaviour", ["fail", "hang"])

@@ -35,13 +35,19 @@ def render(env: Env, fmt: str) -> str:
     # mark every GPU failed): what is bad is left at its defaults and logged.
     config = env.readable_config
     inventory = discover_host(env.ctx, config, keep_domains=True)
+    timeout = config.get_float("discovery", "nvidia_smi_timeout")
+    if fmt != "cloudstack":
+        # MIG mode and GPU instances, from NVIDIA's tool (cached; asked only
+        # on hosts with NVIDIA vendor VFs).
+        from gpulib import migtool
+
+        migtool.attach(inventory, env.ctx.root, timeout)
     if fmt != "table":
         # The numbers of NVIDIA vendor-specific VF types, from NVIDIA's tool
         # (cached; asked only on hosts with such VFs).
         from gpulib import nvidiasmi
 
-        nvidiasmi.attach(inventory, env.ctx.root,
-                         config.get_float("discovery", "nvidia_smi_timeout"))
+        nvidiasmi.attach(inventory, env.ctx.root, timeout)
     if fmt == "cloudstack":
         from gpulib import cloudstack
 

@@ -28,6 +28,7 @@ PCI_IDS_HEADER = "# pci.ids subset written by gpulib's fake host builder\n"
 # prints for `vgpu -s -v`, and the record of its calls.
 NVIDIA_SMI = "usr/bin/nvidia-smi"
 NVIDIA_SMI_OUTPUT = "usr/share/gpulib-sim/nvidia-smi-vgpu-s-v.txt"
+NVIDIA_SMI_QUERY = "usr/share/gpulib-sim/nvidia-smi-q.txt"
 NVIDIA_SMI_CALLS = "run/gpulib-sim/nvidia-smi.calls"
 NVIDIA_SMI_BEHAVIOURS = ("answer", "fail", "hang")
 NVIDIA_DRIVER = "580.105.06"
@@ -356,11 +357,11 @@ class FakeHost:
                            driver: str = NVIDIA_DRIVER) -> None:
         """`usr/bin/nvidia-smi` as the NVIDIA vGPU manager installs it, and the
         loaded driver's version (`sys/module/nvidia/version`). `answer`: prints
-        `output` for `nvidia-smi vgpu -s -v` (and refuses other arguments; on
-        a host with a MIG-capable GPU it is `gpulib.sim.nvidia_smi`, which
-        also answers `-q` and `mig`); `fail`: what it prints when it cannot
-        reach the driver (exit 9); `hang`: never answers. Each call is
-        appended to NVIDIA_SMI_CALLS."""
+        `output` for `nvidia-smi vgpu -s -v` and the GPUs' `-q` (MIG mode
+        N/A), and refuses other arguments; on a host with a MIG-capable GPU
+        it is `gpulib.sim.nvidia_smi`, which also answers `mig`); `fail`:
+        what it prints when it cannot reach the driver (exit 9); `hang`:
+        never answers. Each call is appended to NVIDIA_SMI_CALLS."""
         if behaviour not in NVIDIA_SMI_BEHAVIOURS:
             raise ValueError(f"unknown nvidia-smi behaviour {behaviour!r} "
                              f"(known: {', '.join(NVIDIA_SMI_BEHAVIOURS)})")
@@ -370,9 +371,15 @@ class FakeHost:
         if os.path.lexists(version):
             os.unlink(version)  # read-only, as the kernel has it
         _write(version, driver + "\n", 0o444)
+        from gpulib.sim import nvidia_smi
+
+        found = nvidia_smi.gpus(self.root)
+        _write(self.p(NVIDIA_SMI_QUERY), nvidia_smi.query(self.root, found, found))
         body = {
             "answer": (f'if [ "$*" = "vgpu -s -v" ]; then\n'
                        f'    cat "$root/{NVIDIA_SMI_OUTPUT}"\n    exit 0\nfi\n'
+                       f'if [ "$*" = "-q" ]; then\n'
+                       f'    cat "$root/{NVIDIA_SMI_QUERY}"\n    exit 0\nfi\n'
                        "echo \"Invalid combination of input arguments. Please run "
                        "'nvidia-smi -h' for help.\"\nexit 2\n"),
             "fail": ("echo \"NVIDIA-SMI has failed because it couldn't communicate with the "

@@ -32,7 +32,7 @@ from gpulib.pci import PciAddress
 from gpulib.sim.migdriver import NOT_FOUND, MigError, MigGpu
 
 INVALID = ("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.")
-OUTPUT = "usr/share/gpulib-sim/nvidia-smi-vgpu-s-v.txt"
+OUTPUT = "usr/share/gpulib-sim/nvidia-smi-vgpu-s-v.txt"  # fakehost.NVIDIA_SMI_OUTPUT
 
 
 class Gpu:
