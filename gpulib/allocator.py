@@ -430,7 +430,9 @@ def release(sysfs: Sysfs, state: State, vm: str, liveness: Liveness,
     `force` (an administrator's --force) releases a running VM's devices, with
     a warning. On-demand devices are destroyed through the journal: the
     allocation's end and a removal intent per device are written
-    (`checkpoint`) before the first removal (journal.release_devices)."""
+    (`checkpoint`) before the first removal (journal.release_devices). A
+    MIG-backed pool VF is returned the same way, its type cleared and its GPU
+    instance kept for the pool."""
     from gpulib.journal import release_devices
 
     alloc = state.allocations.get(vm)
@@ -452,6 +454,12 @@ def release(sysfs: Sysfs, state: State, vm: str, liveness: Liveness,
             continue
         rec_m = state.vgpus.get(dev.id) if dev.kind == "mdev" else None
         rec_v = state.vf_types.get(dev.id) if dev.kind == "vf" else None
+        if rec_v is not None and rec_v.gi_profile is not None and not dev.on_demand:
+            # A MIG-backed member gives its GPU instance back to the pool: its
+            # type is cleared (the record stays; the next start types it again
+            # while a GPU instance of its profile is free).
+            doomed.append(Device("vf", dev.id, on_demand=False))
+            continue
         actions.append(f"returned {dev.kind} {dev.id}" + (" to its pool" if
                                                           (rec_m or rec_v) else ""))
     # A forced release of a running VM: its own status file does not keep

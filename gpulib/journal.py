@@ -47,7 +47,15 @@ from typing import TYPE_CHECKING, Callable, Optional
 from gpulib import logger, mdev, nvidia
 from gpulib.errors import DeviceError, GpulibError
 from gpulib.pci import PciAddress
-from gpulib.state import REMOVALS, Device, Intent, State, VgpuRecord, utc_now
+from gpulib.state import (
+    GPU_INSTANCE_ACTIONS,
+    REMOVALS,
+    Device,
+    Intent,
+    State,
+    VgpuRecord,
+    utc_now,
+)
 
 if TYPE_CHECKING:
     from gpulib.liveness import Liveness
@@ -74,7 +82,8 @@ class Journal:
         self._undo: list[tuple[str, Callable[[], object]]] = []
         self._intents: list[Intent] = []
         # The intents a killed start of this VM left (see settle(keep=...)).
-        self._orphans = [i for i in state.intents if i.vm == vm and i.action not in REMOVALS]
+        self._orphans = [i for i in state.intents if i.vm == vm and i.action not in REMOVALS
+                         and i.action not in GPU_INSTANCE_ACTIONS]
         self._held_by_other = held_by_other or self._allocated_to_other
 
     def _allocated_to_other(self, device: str) -> bool:
@@ -241,6 +250,8 @@ def release_devices(sysfs: Sysfs, state: State, vm: str, devices: Sequence[Devic
     before the first removal. A device that goes is forgotten and its intent
     dropped; one that cannot go yet (busy: NVIDIA needs a moment after QEMU
     exits) keeps its intent, which the next run settles. One line per device.
+    A VF given that is not on demand (a MIG-backed pool member returning its
+    GPU instance) has its type cleared and keeps its record.
     `ignore_vm`: a VM whose status file does not count (a forced release)."""
     todo = []
     for dev in devices:
@@ -249,7 +260,8 @@ def release_devices(sysfs: Sysfs, state: State, vm: str, devices: Sequence[Devic
         rec_m = state.vgpus.get(dev.id) if dev.kind == "mdev" else None
         action = "remove-mdev" if dev.kind == "mdev" else "clear-vf-type"
         intent = Intent(action, dev.id, vm, rec_m.parent if rec_m is not None else None,
-                        rec_m.type_id if rec_m is not None else None, on_demand=True)
+                        rec_m.type_id if rec_m is not None else None,
+                        on_demand=dev.on_demand or dev.kind == "mdev")
         state.intents.append(intent)
         todo.append(intent)
     if todo and checkpoint is not None:
@@ -284,7 +296,11 @@ def _finish_removal(sysfs: Sysfs, state: State, intent: Intent, liveness: Livene
             vf = PciAddress.parse(intent.id)
             if nvidia.current_type(sysfs, vf):
                 nvidia.clear_type(sysfs, vf, retry_seconds=retry_seconds)
-            state.vf_types.pop(intent.id, None)
+            if intent.on_demand:
+                state.vf_types.pop(intent.id, None)
+            else:
+                state.intents.remove(intent)
+                return f"returned the GPU instance of vf {intent.id} (its type cleared)"
     except (GpulibError, OSError) as exc:
         reason = exc.message if isinstance(exc, GpulibError) else str(exc)
         log.error("releasing %s %s of %s failed (the next run tries again): %s", kind,
@@ -304,11 +320,13 @@ def settle(sysfs: Sysfs, state: State, liveness: Liveness, keep: Optional[str] =
     them is void (the device stays, for that start). A removal is finished
     (journal.release_devices); a start's change is undone unless an
     allocation of its VM names the device. Nothing a running domain names is
-    removed or cleared."""
+    removed or cleared. A GPU instance's intents are left to the commands
+    that may run NVIDIA's tool (`pools.settle_instances`)."""
     if not state.intents:
         return []
     out = []
-    todo = [i for i in state.intents if only is None or any(i is o for o in only)]
+    todo = [i for i in state.intents if (only is None or any(i is o for o in only))
+            and i.action not in GPU_INSTANCE_ACTIONS]
     for intent in todo:
         if intent.action in REMOVALS:
             if intent.id in reuse:

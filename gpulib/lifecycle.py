@@ -295,7 +295,8 @@ class Outcome:
 
 def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
             autostart_wait: Optional[float] = None, destroy_on_demand: bool = True,
-            checkpoint: Optional[Callable[[State], None]] = None) -> list[Outcome]:
+            checkpoint: Optional[Callable[[State], None]] = None,
+            tool_timeout: float = 10.0) -> list[Outcome]:
     """Start the vGPUs that should exist and set recorded VF types.
 
     First, before anything is made: what interrupted runs left is settled and
@@ -311,8 +312,13 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
     udev rule starts `auto` definitions itself, restore first gives it
     `autostart_wait` seconds, so that one tool starts a vGPU, not both; a vGPU
     the other tool made meanwhile is reported "already live", not an error.
+
+    The MIG GPU instances gpulib made for pools are made again at their
+    placements (with NVIDIA's tool, each call bounded by `tool_timeout`)
+    before the recorded VF types are set: a MIG-backed type needs its
+    instance (`gpulib.migpool.restore`).
     """
-    from gpulib import mdev, mdevctl, nvidia
+    from gpulib import mdev, mdevctl, migpool, nvidia
 
     sysfs = ctx.sysfs
     liveness = Liveness(sysfs)
@@ -358,6 +364,7 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
                                    (f" with {len(attrs)} attrs" if attrs else "")))
         except GpulibError as exc:
             out.append(Outcome("mdev", uuid, "recreate", False, exc.message))
+    out += migpool.restore(ctx, state, tool_timeout, checkpoint)
     for addr, vrec in sorted(state.vf_types.items()):
         try:
             vf = PciAddress.parse(addr)
@@ -507,7 +514,8 @@ def release_stale(ctx: Context, state: State, liveness: Liveness, config: Config
 def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
               grace: float = PENDING_GRACE_SECONDS,
               running: Optional[list[DomainDevices]] = None,
-              checkpoint: Optional[Callable[[State], None]] = None) -> list[Outcome]:
+              checkpoint: Optional[Callable[[State], None]] = None,
+              tool_timeout: float = 10.0) -> list[Outcome]:
     from gpulib import mdev
     from gpulib.occupancy import Occupancy
 
@@ -515,6 +523,11 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
     domains = running_domains(sysfs) if running is None else running
     liveness = Liveness(sysfs, domains)
     out = settle_intents(ctx, state, liveness)
+    if any(i.action in ("create-gi", "destroy-gi") for i in state.intents):
+        from gpulib import migpool, migtool
+
+        out += migpool.settle_instances(ctx, state, migtool.Tool.find(ctx.root, tool_timeout),
+                                        checkpoint)
     out += release_not_running(ctx, state, liveness, destroy_on_demand, grace,
                                checkpoint=checkpoint)
     occ = Occupancy.build(sysfs, state, domains)

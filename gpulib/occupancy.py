@@ -42,7 +42,7 @@ from gpulib import logger, mdev, nvidia
 from gpulib.errors import GpulibError, InputError
 from gpulib.pci import PciAddress, group_number, physical_function
 from gpulib.profiles import serves
-from gpulib.records import REMOVALS
+from gpulib.records import GPU_INSTANCE_ACTIONS, REMOVALS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -277,7 +277,8 @@ class Occupancy:
                     {a: r.type_id for a, r in state.vf_types.items()})
         occ = cls(tree)
         occ.undone = frozenset(
-            i.id for i in state.intents if i.action not in REMOVALS and not any(
+            i.id for i in state.intents if i.action not in REMOVALS
+            and i.action not in GPU_INSTANCE_ACTIONS and not any(
                 d.id == i.id for d in getattr(state.allocations.get(i.vm), "devices", ())))
         running = list(running)
         clock: Optional[tuple[Optional[str], float]] = None

@@ -86,14 +86,23 @@ def _targets(pool: PoolConfig, parents: list[str]) -> dict[str, int]:
 
 
 def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
-          dry_run: bool = False) -> list[Outcome]:
+          dry_run: bool = False, checkpoint: Optional[Callable[[State], None]] = None
+          ) -> list[Outcome]:
     """Bring every pool to its declared size; returns the changes (made or planned).
 
     A member anyone holds (the occupancy model: allocations, running domains,
-    a conflicting node of its tree) is never removed or cleared."""
+    a conflicting node of its tree) is never removed or cleared. A pool whose
+    type is MIG-backed on its GPUs is `gpulib.migpool`'s: its GPU instances,
+    then its VFs, through the journal (`checkpoint` writes each intent)."""
+    from gpulib import migpool
+
     # Members the operator undefined in mdevctl are no longer members.
     out: list[Outcome] = [] if dry_run else follow_definitions(ctx, state)
+    mig_pools, tool = migpool.mig_backed(config, inventory, state, ctx.root,
+                                         config.get_float("discovery", "nvidia_smi_timeout"))
     for name, pool in sorted(config.pools.items()):
+        if name in mig_pools:
+            continue
         p = plan(pool, inventory, frozenset(state.unmanaged))
         if not p.mdev_parents and not p.vf_parents:
             out.append(Outcome("pool", name, "plan", False,
@@ -104,6 +113,8 @@ def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
             out += _apply_mdev(ctx, state, name, pool, p, dry_run, inventory.occupancy)
         else:
             out += _apply_vf(ctx, state, name, pool, p, dry_run, inventory.occupancy)
+    if tool is not None:
+        out += migpool.apply(ctx, config, state, inventory, mig_pools, tool, dry_run, checkpoint)
     return out
 
 

@@ -38,8 +38,13 @@ if TYPE_CHECKING:
 
 log = logger.get("gpulib.state")
 
-SCHEMA_VERSION = 3
-"""3: intents may also announce removals (`remove-mdev`, `clear-vf-type`: a
+SCHEMA_VERSION = 4
+"""4: MIG GPU instances gpulib made for pools (`gpu_instances`), the GPU
+instance profile of a VF's MIG-backed type (`gpu_instance_profile` of a
+`vf_types` record), and intents that announce a GPU instance's creation or
+destruction (`create-gi`, `destroy-gi`), which an older gpulib would read as
+a corrupt file; a version 3 file needs no change.
+3: intents may also announce removals (`remove-mdev`, `clear-vf-type`: a
 stop's or a retried start's write-ahead record before it destroys a device),
 which an older gpulib would read as a corrupt file and rebuild; a version 2
 file needs no change.
@@ -51,8 +56,12 @@ write-ahead records of sysfs changes a start is making."""
 
 
 DEVICE_KINDS = ("mdev", "vf", "pci")
-INTENT_ACTIONS = ("create-mdev", "set-vf-type", "remove-mdev", "clear-vf-type")
+INTENT_ACTIONS = ("create-mdev", "set-vf-type", "remove-mdev", "clear-vf-type", "create-gi",
+                  "destroy-gi")
 REMOVALS = ("remove-mdev", "clear-vf-type")
+# A GPU instance's creation or destruction: only commands that may run NVIDIA's
+# tool settle them (never a hook: gpulib.migtool).
+GPU_INSTANCE_ACTIONS = ("create-gi", "destroy-gi")
 ALLOCATION_STATUSES = ("pending", "active")
 
 # The `pool` of a vGPU or VF type an administrator made by hand (`gpulib mdev
@@ -134,14 +143,39 @@ class VgpuRecord(_Record):
 class VfRecord(_Record):
     """The NVIDIA vendor-specific vGPU type gpulib gave a VF."""
 
-    __slots__ = ("name", "on_demand", "pool", "type_id")
+    __slots__ = ("gi_profile", "name", "on_demand", "pool", "type_id")
 
     def __init__(self, type_id: int, name: Optional[str] = None, pool: Optional[str] = None,
-                 on_demand: bool = False) -> None:
+                 on_demand: bool = False, gi_profile: Optional[int] = None) -> None:
         self.type_id = type_id  # the numeric `current_vgpu_type`
         self.name = name  # its name, e.g. 'NVIDIA A10-4Q', when known
         self.pool = pool
         self.on_demand = on_demand
+        # The MIG GPU instance profile a MIG-backed type runs on (None: a
+        # time-sliced type). Such a pool member gives its GPU instance back
+        # when its VM stops: its type is cleared, the record stays.
+        self.gi_profile = gi_profile
+
+
+class GpuInstanceRecord(_Record):
+    """A MIG GPU instance gpulib made (with its compute instance) for a pool,
+    so it is made again at the same placement after a reboot."""
+
+    __slots__ = ("gi", "gpu", "pool", "profile", "size", "start")
+
+    def __init__(self, gpu: str, profile: int, start: int, size: int,
+                 gi: Optional[int] = None, pool: Optional[str] = None) -> None:
+        self.gpu = gpu  # the GPU's PCI address
+        self.profile = profile  # the GPU instance profile id (19: MIG 1g.10gb on an H100)
+        self.start = start  # its placement: the first memory slice ...
+        self.size = size  # ... and how many it takes
+        self.gi = gi  # the id the driver gave it when last made
+        self.pool = pool
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """One instance per placement start on a GPU."""
+        return (self.gpu, self.start)
 
 
 class Device(_Record):
@@ -181,7 +215,12 @@ class Intent(_Record):
     A start's (`create-mdev`, `set-vf-type`): the next run completes it (the
     allocation that names the device exists: the change is that allocation's)
     or undoes it. A release's (`remove-mdev`, `clear-vf-type`): the next run
-    finishes it unless a VM holds the device again (journal.settle).
+    finishes it unless a VM holds the device again (journal.settle); a
+    `clear-vf-type` that is not on demand clears a MIG-backed pool member's
+    type and keeps its record. A GPU instance's (`create-gi`, `destroy-gi`:
+    `id` the GPU, `type_id` `<profile>@<start>`, `vm` `pool:<name>`): the
+    next command that may run NVIDIA's tool completes or undoes it
+    (`pools.settle_instances`).
     """
 
     __slots__ = ("action", "id", "on_demand", "parent", "type_id", "vm")
@@ -363,17 +402,49 @@ def _vf_from_json(value: Any, path: str) -> VfRecord:
     type_id = _as_int(_get(d, "type_id", path), _where(path, "type_id"))
     if type_id < 0:
         raise CorruptStateError(f"{_where(path, 'type_id')}: negative vGPU type {type_id}")
+    gi_profile = _get(d, "gpu_instance_profile", path, None)
+    if gi_profile is not None:
+        gi_profile = _as_int(gi_profile, _where(path, "gpu_instance_profile"))
+        if not 0 <= gi_profile < 10 ** 4:
+            raise CorruptStateError(f"{_where(path, 'gpu_instance_profile')}: not a GPU "
+                                    f"instance profile: {gi_profile}")
     return VfRecord(
         type_id=type_id,
         name=_as_opt_str(_get(d, "name", path, None), _where(path, "name")),
         pool=_as_opt_str(_get(d, "pool", path, None), _where(path, "pool")),
         on_demand=_as_bool(_get(d, "on_demand", path, False), _where(path, "on_demand")),
+        gi_profile=gi_profile,
     )
 
 
 def _vf_to_json(r: VfRecord) -> dict[str, Any]:
-    return {"type_id": r.type_id, "name": r.name, "pool": r.pool,
-            "on_demand": r.on_demand}
+    out = {"type_id": r.type_id, "name": r.name, "pool": r.pool, "on_demand": r.on_demand}
+    if r.gi_profile is not None:  # only MIG-backed types have one
+        out["gpu_instance_profile"] = r.gi_profile
+    return out
+
+
+def _gi_from_json(value: Any, path: str) -> GpuInstanceRecord:
+    d = _as_dict(value, path)
+    numbers = {}
+    for key in ("profile", "start", "size"):
+        n = _as_int(_get(d, key, path), _where(path, key))
+        if not 0 <= n < 10 ** 4:
+            raise CorruptStateError(f"{_where(path, key)}: out of range: {n}")
+        numbers[key] = n
+    gi = _get(d, "gi", path, None)
+    if gi is not None:
+        gi = _as_int(gi, _where(path, "gi"))
+        if not 0 <= gi < 10 ** 4:
+            raise CorruptStateError(f"{_where(path, 'gi')}: out of range: {gi}")
+    return GpuInstanceRecord(_as_pci(_get(d, "gpu", path), _where(path, "gpu")),
+                             numbers["profile"], numbers["start"], numbers["size"], gi,
+                             _as_opt_str(_get(d, "pool", path, None), _where(path, "pool")))
+
+
+def _gi_to_json(r: GpuInstanceRecord) -> dict[str, Any]:
+    return {"gpu": r.gpu, "profile": r.profile, "start": r.start, "size": r.size, "gi": r.gi,
+            "pool": r.pool}
 
 
 def _choice_and_id(d: dict[str, Any], path: str, key: str, allowed: tuple[str, ...],
@@ -439,6 +510,9 @@ def _intent_from_json(value: Any, path: str) -> Intent:
                                    ("create-mdev", "remove-mdev"))
     parent = _get(d, "parent", path, None)
     type_id = _get(d, "type_id", path, None)
+    if action in GPU_INSTANCE_ACTIONS and placement_of(type_id) is None:
+        raise CorruptStateError(f"{_where(path, 'type_id')}: not a GPU instance's "
+                                f"<profile>@<start>: {show(type_id)}")
     return Intent(action, ident, _as_vm(_get(d, "vm", path), _where(path, "vm")),
                   parent=None if parent is None else _as_component(parent,
                                                                    _where(path, "parent")),
@@ -446,6 +520,17 @@ def _intent_from_json(value: Any, path: str) -> Intent:
                                                                      _where(path, "type_id")),
                   on_demand=_as_bool(_get(d, "on_demand", path, False),
                                      _where(path, "on_demand")))
+
+
+def placement_of(text: object) -> Optional[tuple[int, int]]:
+    """(profile, start) of a GPU instance intent's `type_id` (`19@6`), else None."""
+    if not isinstance(text, str):
+        return None
+    profile, sep, start = text.partition("@")
+    if sep and 0 < len(profile) <= 4 and 0 < len(start) <= 2 and \
+            _DIGITS.issuperset(profile) and _DIGITS.issuperset(start):
+        return int(profile), int(start)
+    return None
 
 
 def _intent_to_json(i: Intent) -> dict[str, Any]:
@@ -500,7 +585,7 @@ WRITER_KEY = "writer"
 for the administrator and for a refusal of a file a newer release wrote."""
 
 _KNOWN_KEYS = frozenset({"version", "vgpus", "vf_types", "type_names", "allocations",
-                         "unmanaged", "intents", WRITER_KEY})
+                         "unmanaged", "intents", WRITER_KEY, "gpu_instances"})
 
 
 class State(_Record):
@@ -510,8 +595,8 @@ class State(_Record):
     tool that annotates the file) so that a rewrite does not drop them.
     """
 
-    __slots__ = ("allocations", "extra", "intents", "type_names", "unmanaged", "vf_types",
-                 "vgpus")
+    __slots__ = ("allocations", "extra", "gpu_instances", "intents", "type_names", "unmanaged",
+                 "vf_types", "vgpus")
 
     def __init__(self, vgpus: Optional[dict[str, VgpuRecord]] = None,
                  vf_types: Optional[dict[str, VfRecord]] = None,
@@ -519,7 +604,8 @@ class State(_Record):
                  allocations: Optional[dict[str, Allocation]] = None,
                  unmanaged: Optional[set[str]] = None,
                  extra: Optional[dict[str, Any]] = None,
-                 intents: Optional[list[Intent]] = None) -> None:
+                 intents: Optional[list[Intent]] = None,
+                 gpu_instances: Optional[list[GpuInstanceRecord]] = None) -> None:
         self.vgpus: dict[str, VgpuRecord] = vgpus or {}  # mdev uuid -> record
         self.vf_types: dict[str, VfRecord] = vf_types or {}  # VF address -> record
         # 'vvvv:dddd' of the GPU model -> {numeric vGPU type id: name}
@@ -528,6 +614,8 @@ class State(_Record):
         self.unmanaged: set[str] = unmanaged or set()  # PCI addresses the operator unmanaged
         self.extra: dict[str, Any] = extra or {}
         self.intents: list[Intent] = intents or []  # write-ahead records, oldest first
+        # MIG GPU instances gpulib made for pools, by GPU and placement.
+        self.gpu_instances: list[GpuInstanceRecord] = gpu_instances or []
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document (plain dicts, lists and scalars)."""
@@ -542,6 +630,9 @@ class State(_Record):
             "intents": [_intent_to_json(i) for i in self.intents],
             WRITER_KEY: f"gpulib {gpulib.version()}",
         })
+        if self.gpu_instances:  # a host without MIG keeps the file it had
+            doc["gpu_instances"] = [_gi_to_json(r) for r in sorted(
+                self.gpu_instances, key=lambda r: r.key)]
         return doc
 
     @classmethod
@@ -603,6 +694,16 @@ class State(_Record):
         if not isinstance(intents, list):
             raise CorruptStateError(f"intents: expected a list, got {_typename(intents)}")
         state.intents = [_intent_from_json(x, f"intents[{i}]") for i, x in enumerate(intents)]
+        gis = d.get("gpu_instances", [])
+        if not isinstance(gis, list):
+            raise CorruptStateError(f"gpu_instances: expected a list, got {_typename(gis)}")
+        state.gpu_instances = [_gi_from_json(x, f"gpu_instances[{i}]") for i, x in enumerate(gis)]
+        seen: set[tuple[str, int]] = set()
+        for i, r in enumerate(state.gpu_instances):
+            if r.key in seen:
+                raise CorruptStateError(f"gpu_instances[{i}]: a second GPU instance at {r.gpu} "
+                                        f"start {r.start}")
+            seen.add(r.key)
         state.extra = {k: v for k, v in d.items() if k not in _KNOWN_KEYS}
         return state
 
@@ -625,6 +726,7 @@ def dumps(state: State) -> str:
 __all__ = [
     "ALLOCATION_STATUSES",
     "DEVICE_KINDS",
+    "GPU_INSTANCE_ACTIONS",
     "INTENT_ACTIONS",
     "REBUILT_FROM_KEY",
     "REMOVALS",
@@ -632,11 +734,13 @@ __all__ = [
     "Allocation",
     "CorruptStateError",
     "Device",
+    "GpuInstanceRecord",
     "Intent",
     "State",
     "StateVersionError",
     "VfRecord",
     "VgpuRecord",
     "dumps",
+    "placement_of",
     "utc_now",
 ]

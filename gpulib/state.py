@@ -57,6 +57,7 @@ from gpulib.errors import LockTimeout, StateError
 from gpulib.records import (
     ALLOCATION_STATUSES,
     DEVICE_KINDS,
+    GPU_INSTANCE_ACTIONS,
     INTENT_ACTIONS,
     REBUILT_FROM_KEY,
     REMOVALS,
@@ -64,12 +65,14 @@ from gpulib.records import (
     Allocation,
     CorruptStateError,
     Device,
+    GpuInstanceRecord,
     Intent,
     State,
     StateVersionError,
     VfRecord,
     VgpuRecord,
     dumps,
+    placement_of,
     utc_now,
 )
 from gpulib.statetext import render_json
@@ -707,6 +710,7 @@ __all__ = [
     "ALLOCATION_STATUSES",
     "DEFAULT_LOCK_TIMEOUT",
     "DEVICE_KINDS",
+    "GPU_INSTANCE_ACTIONS",
     "HOOK_LOCK_TIMEOUT_CAP",
     "INTENT_ACTIONS",
     "REBUILT_FROM_KEY",
@@ -715,6 +719,7 @@ __all__ = [
     "Allocation",
     "CorruptStateError",
     "Device",
+    "GpuInstanceRecord",
     "Intent",
     "Repair",
     "State",
@@ -723,6 +728,7 @@ __all__ = [
     "VfRecord",
     "VgpuRecord",
     "dumps",
+    "placement_of",
     "render_json",
     "utc_now",
 ]

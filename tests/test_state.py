@@ -223,7 +223,7 @@ def test_round_trip_through_the_file(store: StateStore) -> None:
     assert store.load() == sample_state()
     assert make_store(Path(store.state_path).parents[3]).load() == sample_state()
     doc = json.loads(read_bytes(store.state_path) or b"")
-    assert doc["version"] == SCHEMA_VERSION == 3
+    assert doc["version"] == SCHEMA_VERSION == 4
     assert doc["unmanaged"] == ["0000:01:00.0", "0000:03:00.0"]
     assert doc["allocations"]["i-2-10-VM"]["devices"][1] == {
         "kind": "vf", "id": "0000:41:00.5", "on_demand": True}
@@ -999,7 +999,7 @@ def test_v1_state_migrates_losing_nothing(store: StateStore) -> None:
     with store.transaction() as state:
         pass  # the first use writes the upgrade even when nothing else changes
     doc = json.loads(read_bytes(store.state_path) or b"{}")
-    assert doc["version"] == SCHEMA_VERSION == 3
+    assert doc["version"] == SCHEMA_VERSION == 4
     state = store.load()
     # Every vGPU, with its parent, type, pool (pool members) and on-demand flag.
     assert set(state.vgpus) == set(v1["vgpus"])

@@ -36,9 +36,11 @@ def pool_group() -> None:
 @click.pass_obj
 def pool_apply(env: Env, dry_run: bool, as_json: bool) -> None:
     """Create what the pools miss; a second run changes nothing."""
-    with open_store(env.ctx, env.config).transaction() as state:
+    store = open_store(env.ctx, env.config)
+    with store.transaction() as state:
         inventory = discover_host(env.ctx, env.config, state=state, learn=False)
-        outcomes = pools.apply(env.ctx, env.config, state, inventory, dry_run=dry_run)
+        outcomes = pools.apply(env.ctx, env.config, state, inventory, dry_run=dry_run,
+                               checkpoint=None if dry_run else store.checkpoint)
     _report(outcomes, as_json, "pools are complete: nothing to do")
 
 
@@ -72,7 +74,8 @@ def restore_cmd(env: Env, as_json: bool) -> None:
     with store.transaction() as state:
         outcomes = restore(env.ctx, state,
                            destroy_on_demand=env.config.get_bool("release", "destroy_on_demand"),
-                           checkpoint=store.checkpoint)
+                           checkpoint=store.checkpoint,
+                           tool_timeout=env.config.get_float("discovery", "nvidia_smi_timeout"))
     _report(outcomes, as_json, "every known vGPU is live: nothing to do")
 
 
@@ -86,7 +89,9 @@ def reconcile_cmd(env: Env, as_json: bool) -> None:
         outcomes = reconcile(env.ctx, state,
                              destroy_on_demand=env.config.get_bool("release",
                                                                    "destroy_on_demand"),
-                             checkpoint=store.checkpoint)
+                             checkpoint=store.checkpoint,
+                             tool_timeout=env.config.get_float("discovery",
+                                                               "nvidia_smi_timeout"))
     from gpulib import counters
     counters.note(env.ctx.root, "releases", by="reconcile",
                   times=sum(o.action.startswith("released") for o in outcomes))

@@ -1,0 +1,342 @@
+"""MIG-backed vGPU pools end to end on the simulated H100 host: `pool apply`
+makes the GPU instances and types the VFs, the CloudStack report lists
+them, a VM started with one (the agent's VF rendering) holds it and its stop
+gives the instance back, a reboot and the boot unit make the pool again,
+placements leave room for larger profiles, surplus goes only when free, and
+a kill at every write of `pool apply` is settled by the next run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpulib import mig
+from gpulib.pci import PciAddress
+from gpulib.sim.fakehost import FakeHost
+from gpulib.sim.hosts import MIG_GPU, build_mig
+from gpulib.sim.migdriver import MigGpu
+from tests.conftest import DATA
+from tests.hookrun import STATE_CHANGE, as_agent, hook_env, run
+from tests.hosts import reboot
+
+STATE = "var/lib/gpulib/state.json"
+BOOT_ID = "proc/sys/kernel/random/boot_id"
+GPULIB = str(Path(sys.executable).parent / "gpulib")
+REPO = Path(__file__).resolve().parents[1]
+VM = "i-9-77-VM"  # the agent's fixture: the VF 0000:41:00.4, managed='no'
+VF_XML = (DATA / "cloudstack-xml" / "nvidia-vf-vgpu.xml").read_text()
+H100_1_10C = 517
+POOL = "[pool mig]\nparents = all\nprofile = NVIDIA H100-1-10C\ncount = 2\n"
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> FakeHost:
+    h = build_mig(str(tmp_path / "mig"))
+    h.write_file(BOOT_ID, "boot-1\n", 0o444)
+    return h
+
+
+def cli(root: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GPULIB, *args], capture_output=True, text=True,
+                          env=hook_env(root), timeout=120)
+
+
+def state_of(root: str) -> dict[str, Any]:
+    return json.loads(Path(root, STATE).read_text())  # type: ignore[no-any-return]
+
+
+def instances(host: FakeHost) -> list[tuple[int, int]]:
+    """(profile, start) of every GPU instance of the MIG GPU, as the driver has them."""
+    gpu = MigGpu.load(host.device_dir(MIG_GPU))
+    assert gpu is not None
+    return sorted((i["profile"], i["start"]) for i in gpu.instances())
+
+
+def vf_type(host: FakeHost, vf: str) -> int:
+    return int(Path(host.p(f"sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type"))
+               .read_text())
+
+
+def cloudstack_vfs(root: str) -> list[tuple[str, str, Any]]:
+    res = cli(root, "discover", "--format", "cloudstack")
+    assert res.returncode == 0, res.stderr
+    gpus = {g["pci_address"]: g for g in json.loads(res.stdout)["gpus"]}
+    return [(v["vf_pci_address"], v["vf_profile"], v["used_by_vm"])
+            for v in gpus["41:00.0"]["vf_instances"]]
+
+
+def applied(host: FakeHost) -> str:
+    res = cli(host.root, "pool", "apply")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def agent(host: FakeHost, xml: str = VF_XML) -> subprocess.CompletedProcess[bytes]:
+    """The agent's transformer; it never runs NVIDIA's tool."""
+    calls = len(host.nvidia_smi_calls())
+    res = as_agent(host.root, xml)
+    assert len(host.nvidia_smi_calls()) == calls, "a hook ran nvidia-smi"
+    return res
+
+
+def state_change(host: FakeHost, method: str, vm: str = VM) -> None:
+    calls = len(host.nvidia_smi_calls())
+    assert run([STATE_CHANGE, method, vm], host.root).returncode == 0
+    assert len(host.nvidia_smi_calls()) == calls, "a hook ran nvidia-smi"
+
+
+def libvirt_runs(host: FakeHost, vf: str = "0000:41:00.4") -> None:
+    host.add_running_domain(VM, "6a2f4c8e-0d1b-4e3a-9c57-8b6d2f0e4a19", pci=(vf,),
+                            managed=False)
+
+
+def test_pool_apply_makes_the_instances_then_types_the_vfs(host: FakeHost) -> None:
+    out = applied(host)
+    assert out.count("created GPU instance MIG 1g.10gb") == 2
+    assert instances(host) == [(19, 5), (19, 6)]
+    st = state_of(host.root)
+    assert sorted((r["profile"], r["start"], r["pool"]) for r in st["gpu_instances"]) == [
+        (19, 5, "mig"), (19, 6, "mig")]
+    assert {a: (r["type_id"], r["pool"], r["gpu_instance_profile"])
+            for a, r in st["vf_types"].items()} == {
+        "0000:41:00.4": (H100_1_10C, "mig", 19), "0000:41:00.5": (H100_1_10C, "mig", 19)}
+    assert st["intents"] == []
+    assert cloudstack_vfs(host.root) == [("41:00.4", "NVIDIA H100-1-10C", None),
+                                         ("41:00.5", "NVIDIA H100-1-10C", None)]
+    assert "nothing to do" in applied(host)
+    assert instances(host) == [(19, 5), (19, 6)]
+    # `pool list` shows the members.
+    res = cli(host.root, "pool", "list", "--json")
+    assert [m["id"] for m in json.loads(res.stdout)["mig"]] == ["0000:41:00.4", "0000:41:00.5"]
+
+
+def test_a_vm_holds_its_vf_and_its_stop_keeps_the_instance(host: FakeHost) -> None:
+    applied(host)
+    res = agent(host)
+    assert res.returncode == 0, res.stdout
+    assert b'bus="0x41" slot="0x00" function="0x4"' in res.stdout
+    libvirt_runs(host)
+    state_change(host, "onStart")
+    alloc = state_of(host.root)["allocations"][VM]
+    assert alloc["status"] == "active" and [d["id"] for d in alloc["devices"]] == [
+        "0000:41:00.4"]
+    assert cloudstack_vfs(host.root) == [("41:00.4", "NVIDIA H100-1-10C", VM),
+                                         ("41:00.5", "NVIDIA H100-1-10C", None)]
+    # Another VM naming the same VF is refused.
+    other = agent(host, VF_XML.replace(VM, "i-9-78-VM").replace(
+        "6a2f4c8e-0d1b-4e3a-9c57-8b6d2f0e4a19", "7b3f5d9f-1e2c-4f4b-8d68-9c7e3f1f5b2a"))
+    assert other.returncode != 0 and b"in use by" in other.stdout
+    # The stop: the VF is free, its type cleared, its GPU instance kept.
+    host.stop_domain(VM)
+    state_change(host, "onStop")
+    st = state_of(host.root)
+    assert VM not in st["allocations"] and st["intents"] == []
+    assert vf_type(host, "0000:41:00.4") == 0
+    assert st["vf_types"]["0000:41:00.4"]["pool"] == "mig"
+    assert instances(host) == [(19, 5), (19, 6)]
+    assert cloudstack_vfs(host.root) == [("41:00.4", "NVIDIA H100-1-10C", None),
+                                         ("41:00.5", "NVIDIA H100-1-10C", None)]
+    # Started again: the VF takes the free instance again.
+    res = agent(host)
+    assert res.returncode == 0, res.stdout
+    assert vf_type(host, "0000:41:00.4") == H100_1_10C
+    # `pool apply` while it is held changes nothing of it.
+    libvirt_runs(host)
+    state_change(host, "onStart")
+    assert "nothing to do" in applied(host)
+
+
+def test_a_reboot_and_the_boot_unit_make_the_pool_again(host: FakeHost) -> None:
+    applied(host)
+    assert agent(host).returncode == 0
+    libvirt_runs(host)
+    state_change(host, "onStart")
+    before = state_of(host.root)["gpu_instances"]
+
+    host = reboot(host, lambda root: build_mig(root))
+    host.write_file(BOOT_ID, "boot-2\n", 0o444)
+    assert instances(host) == [] and vf_type(host, "0000:41:00.4") == 0
+    # Before the boot unit ran, a start finds no GPU instance: refused, at once.
+    early = agent(host)
+    assert early.returncode != 0 and len(early.stdout.splitlines()) == 1, early.stdout
+    assert b"not available" in early.stdout
+    # The boot unit: gpulib restore, then gpulib pool apply.
+    res = cli(host.root, "restore")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("created GPU instance MIG 1g.10gb") == 2
+    assert instances(host) == [(19, 5), (19, 6)]
+    assert "nothing to do" in applied(host)
+    st = state_of(host.root)
+    assert [(r["profile"], r["start"]) for r in st["gpu_instances"]] == \
+        [(r["profile"], r["start"]) for r in before]
+    assert VM not in st["allocations"], "the allocation of the last boot is released"
+    assert vf_type(host, "0000:41:00.4") == vf_type(host, "0000:41:00.5") == H100_1_10C
+    assert cloudstack_vfs(host.root) == [("41:00.4", "NVIDIA H100-1-10C", None),
+                                         ("41:00.5", "NVIDIA H100-1-10C", None)]
+    assert agent(host).returncode == 0
+
+
+def test_larger_profiles_still_fit_after_small_ones(host: FakeHost) -> None:
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool small]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10C\n"
+                    "count = 3\n")
+    applied(host)
+    assert instances(host) == [(19, 4), (19, 5), (19, 6)]
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool small]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10C\n"
+                    "count = 3\n[pool big]\nparents = 0000:41:00.0\n"
+                    "profile = NVIDIA H100-3-40C\ncount = 1\n")
+    out = applied(host)
+    assert "created GPU instance MIG 3g.40gb at 0:4" in out
+    assert instances(host) == [(9, 0), (19, 4), (19, 5), (19, 6)]
+    st = state_of(host.root)
+    assert sorted(r["type_id"] for r in st["vf_types"].values()) == [517, 517, 517, 520]
+
+
+def test_one_apply_places_the_larger_profiles_first(host: FakeHost) -> None:
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool a]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10C\n"
+                    "count = 3\n[pool b]\nparents = 0000:41:00.0\n"
+                    "profile = NVIDIA H100-4-40C\ncount = 1\n")
+    applied(host)
+    assert instances(host) == [(5, 0), (19, 4), (19, 5), (19, 6)]
+
+
+def test_surplus_goes_only_when_free(host: FakeHost) -> None:
+    applied(host)
+    assert agent(host).returncode == 0  # 41:00.4, pending
+    host.write_file("etc/gpulib/gpulib.conf", POOL.replace("count = 2", "count = 0"))
+    out = applied(host)
+    # 41:00.5 and its instance go; the held 41:00.4 and its instance stay.
+    assert "clear surplus of pool mig vf 0000:41:00.5" in out
+    assert out.count("destroyed GPU instance") == 1
+    assert len(instances(host)) == 1
+    st = state_of(host.root)
+    assert list(st["vf_types"]) == ["0000:41:00.4"] and len(st["gpu_instances"]) == 1
+    assert vf_type(host, "0000:41:00.4") == H100_1_10C
+
+
+def test_without_mig_mode_the_pool_says_why(host: FakeHost) -> None:
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool tsliced]\nparents = 0000:c1:00.0\nprofile = NVIDIA H100-1-10C\n"
+                    "count = 1\n")
+    res = cli(host.root, "pool", "apply")
+    assert res.returncode == 1
+    assert "no parent offers NVIDIA H100-1-10C" in res.stdout
+
+
+# -- a kill at every write of pool apply --------------------------------------------------------
+
+def _killed_apply(root: str, n: int) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "tests.helpers.crash_worker", str(n),
+                           "gpulib.cli", "pool", "apply"], capture_output=True,
+                          env=hook_env(root), cwd=str(REPO), timeout=120)
+
+
+def _settled(host: FakeHost) -> None:
+    """What a whole `pool apply` leaves: two recorded 1g instances, two typed
+    recorded VFs, no intent, no instance nobody recorded."""
+    st = state_of(host.root)
+    assert st["intents"] == [], st["intents"]
+    recorded = sorted((r["profile"], r["start"]) for r in st["gpu_instances"])
+    assert recorded == instances(host) and len(recorded) == 2
+    typed = {a: r["type_id"] for a, r in st["vf_types"].items()}
+    assert sorted(typed.values()) == [H100_1_10C, H100_1_10C]
+    assert all(vf_type(host, a) == H100_1_10C for a in typed)
+    gpu = MigGpu.load(host.device_dir(MIG_GPU))
+    assert gpu is not None and sorted(gpu.bound()) == sorted(typed)
+
+
+@pytest.mark.slow
+def test_kill_pool_apply_at_every_write_then_the_next_run_settles(tmp_path: Path) -> None:
+    n = 1
+    while True:
+        host = build_mig(str(tmp_path / f"k{n}"))
+        res = _killed_apply(host.root, n)
+        if res.returncode == 0:
+            break
+        assert res.returncode == 137, res.stderr
+        st = state_of(host.root) if Path(host.root, STATE).exists() else {"intents": [],
+                                                                         "gpu_instances": []}
+        # Whatever the kill left is explained: an instance nobody recorded
+        # has an intent that announced it.
+        recorded = {(r["profile"], r["start"]) for r in st.get("gpu_instances", [])}
+        announced = {mig_placement(i["type_id"]) for i in st["intents"]
+                     if i["action"] == "create-gi"}
+        assert set(instances(host)) <= recorded | announced, (n, st)
+        # A hook meanwhile neither runs the tool nor touches the instances.
+        left = instances(host)
+        state_change(host, "onStart", "i-1-1-VM")
+        assert instances(host) == left
+        # The next pool apply settles and completes.
+        applied(host)
+        _settled(host)
+        n += 1
+    assert n > 8, "pool apply made a write per instance and per VF to kill"
+    _settled(host)
+
+
+def mig_placement(text: str) -> tuple[int, int]:
+    profile, start = text.split("@")
+    return int(profile), int(start)
+
+
+def test_reconcile_settles_an_interrupted_creation(host: FakeHost) -> None:
+    # A creation announced and made, the run killed before it recorded it.
+    out = subprocess.run([host.p("usr/bin/nvidia-smi"), "mig", "-i", "0", "-cgi", "19:6", "-C"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    st = state_of(host.root) if Path(host.root, STATE).exists() else None
+    assert st is None
+    res = cli(host.root, "status")  # makes the state file
+    doc = json.loads(Path(host.root, STATE).read_text()) if Path(host.root, STATE).exists() \
+        else {"version": 4}
+    doc.setdefault("intents", []).append({"action": "create-gi", "id": MIG_GPU,
+                                          "vm": "pool:mig", "parent": None, "type_id": "19@6",
+                                          "on_demand": False})
+    Path(host.root, STATE).parent.mkdir(parents=True, exist_ok=True)
+    Path(host.root, STATE).write_text(json.dumps(doc))
+    # A hook leaves it (it may not run the tool) ...
+    state_change(host, "onStart", "i-1-1-VM")
+    assert len(state_of(host.root)["intents"]) == 1 and instances(host) == [(19, 6)]
+    # ... reconcile undoes it.
+    res = cli(host.root, "reconcile")
+    assert "undone (destroyed)" in res.stdout, res.stdout + res.stderr
+    assert state_of(host.root)["intents"] == [] and instances(host) == []
+    assert mig.gpu_bus_id(PciAddress.parse(MIG_GPU)) in " ".join(host.nvidia_smi_calls())
+
+
+# -- the state's records of MIG ------------------------------------------------------------------
+
+def test_the_state_keeps_gpu_instances_and_refuses_bad_ones() -> None:
+    from gpulib.records import CorruptStateError, State, dumps
+
+    doc = {"version": 4, "gpu_instances": [
+        {"gpu": "0000:41:00.0", "profile": 19, "start": 6, "size": 1, "gi": 13, "pool": "mig"}],
+        "vf_types": {"0000:41:00.4": {"type_id": 517, "name": "NVIDIA H100-1-10C",
+                                      "pool": "mig", "gpu_instance_profile": 19}},
+        "intents": [{"action": "create-gi", "id": "0000:41:00.0", "vm": "pool:mig",
+                     "type_id": "19@5"}]}
+    state = State.from_json(doc)
+    assert state.gpu_instances[0].key == ("0000:41:00.0", 6)
+    assert state.vf_types["0000:41:00.4"].gi_profile == 19
+    assert State.from_json(json.loads(dumps(state))) == state
+    # A host without MIG keeps the document it had.
+    assert "gpu_instances" not in State().to_json()
+    bad = [
+        {"gpu_instances": [{"gpu": "0000:41:00.0", "profile": -1, "start": 6, "size": 1}]},
+        {"gpu_instances": [{"gpu": "../x", "profile": 19, "start": 6, "size": 1}]},
+        {"gpu_instances": [{"gpu": "0000:41:00.0", "profile": 19, "start": 6, "size": 1}] * 2},
+        {"gpu_instances": {}},
+        {"vf_types": {"0000:41:00.4": {"type_id": 517, "gpu_instance_profile": "19"}}},
+        {"intents": [{"action": "create-gi", "id": "0000:41:00.0", "vm": "pool:mig",
+                      "type_id": "19/5"}]},
+    ]
+    for extra in bad:
+        with pytest.raises(CorruptStateError):
+            State.from_json({"version": 4, **extra})
