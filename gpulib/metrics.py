@@ -43,6 +43,9 @@ Series (labels in braces; `gpu` below is `pci_bus_id`):
   gpulib_stray_vgpus
   gpulib_handmade_devices{kind}              kind: mdev | vf (never pool members)
   gpulib_pool_members{pool}, gpulib_pool_held_members{pool}, gpulib_pool_target_members{pool}
+  gpulib_mig_mode_enabled{gpu}, gpulib_mig_mode_pending_reset{gpu}
+  gpulib_mig_gpu_instances{gpu,profile,state}  state: free | held (a VM holds the VF on it)
+  gpulib_mig_profile_creatable_instances{gpu,profile}
   gpulib_readiness_check_status{check}       0 ok, 1 warn, 2 fail
   gpulib_state_healthy, gpulib_state_last_write_timestamp_seconds, gpulib_state_intents
   gpulib_starts_prepared_total{hook}, gpulib_starts_refused_total{hook,reason},
@@ -491,6 +494,49 @@ def _state(exp: Exposition, ctx: Context, config: Config) -> State:
     return state
 
 
+def _mig(exp: Exposition, ctx: Context, config: Config, inventory: Inventory) -> None:
+    """The MIG series: each NVIDIA GPU with vendor VFs whose tool reports a
+    MIG mode (`gpulib.migtool`, cached: asked again only when the GPU's VFs
+    show a change, or after two minutes), its GPU instances per profile free
+    or held (a VM holds the VF whose vGPU runs on it), and how many more of
+    each profile fit. A host without such GPUs asks nothing."""
+    from gpulib import migtool
+
+    migtool.attach(inventory, ctx.root, config.get_float("discovery", "nvidia_smi_timeout"))
+    gpus = [g for g in inventory.gpus if g.mig is not None]
+    if not gpus:
+        return
+    enabled = exp.family("gpulib_mig_mode_enabled", "gauge",
+                         "1 when the GPU is in MIG mode (NVIDIA's tool), else 0.", "gpu")
+    pending = exp.family("gpulib_mig_mode_pending_reset", "gauge",
+                         "1 when the GPU's MIG mode changes at its next reset.", "gpu")
+    instances = exp.family("gpulib_mig_gpu_instances", "gauge",
+                           "MIG GPU instances of the profile: free, or held (a VM holds the VF "
+                           "whose vGPU runs on it).", "gpu", "profile", "state")
+    creatable = exp.family("gpulib_mig_profile_creatable_instances", "gauge",
+                           "More GPU instances of the profile that fit on the GPU now.",
+                           "gpu", "profile")
+    for gpu in gpus:
+        layout = gpu.mig
+        assert layout is not None
+        address = str(gpu.address)
+        enabled.add(1 if layout.enabled else 0, address)
+        pending.add(1 if layout.reset_pending else 0, address)
+        if not layout.enabled:
+            continue
+        held_by = {vf.nvidia.gpu_instance: vf.used_by for vf in gpu.vfs
+                   if vf.nvidia is not None and vf.nvidia.gpu_instance is not None}
+        by_profile: dict[str, list[int]] = {}
+        for gi in layout.instances:
+            c = by_profile.setdefault(gi.profile_name, [0, 0])
+            c[1 if held_by.get(gi.id) else 0] += 1
+        for name, (free, held) in sorted(by_profile.items()):
+            instances.add(free, address, name, "free")
+            instances.add(held, address, name, "held")
+        for p in sorted(layout.profiles.values(), key=lambda p: p.id):
+            creatable.add(p.free, address, p.name)
+
+
 def _readiness(exp: Exposition, ctx: Context, config: Config, inventory: Inventory) -> None:
     from gpulib.doctor import CHECK_IDS, Doctor, worst
 
@@ -538,6 +584,7 @@ def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
     inventory = discover_host(ctx, config, state=state, learn=False, keep_domains=True)
     _gpus(exp, inventory, state, config.get_bool("metrics", "parent_series"))
     _allocations(exp, ctx, state, inventory, config)
+    _mig(exp, ctx, config, inventory)
     _readiness(exp, ctx, config, inventory)
     _counters(exp, counters.fold(ctx.root) if fold else counters.read(ctx.root))
     return exp

@@ -131,14 +131,14 @@ def tree_contents(root: str) -> dict[str, str]:
     The log, the lock file, gpulib's cache of running domains (`run/gpulib/`)
     and the hooks' counters (`var/lib/gpulib/counters.*`: a refused start
     counts too) are left out: none is state, and taking the lock creates its
-    file.
+    file; so is the simulated nvidia-smi's record of its calls.
     """
     out = {}
     for d, dirs, files in os.walk(root):
         for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             p = os.path.join(d, name)
             rel = os.path.relpath(p, root)
-            if rel.startswith(("var/log/", "run/gpulib/", COUNTERS)) or \
+            if rel.startswith(("var/log/", "run/gpulib/", "run/gpulib-sim/", COUNTERS)) or \
                     rel.endswith("state.lock"):
                 continue
             if os.path.islink(p):
@@ -150,13 +150,18 @@ def tree_contents(root: str) -> dict[str, str]:
 
 
 def tree_state(root: str) -> dict[str, tuple[int, float, int]]:
-    """Mode, mtime and size of everything below root: "was anything written?"."""
+    """Mode, mtime and size of everything below root: "was anything written?".
+    The simulated nvidia-smi's record of its calls (`run/gpulib-sim`) is the
+    simulator's, not a write of gpulib's: left out."""
     out: dict[str, tuple[int, float, int]] = {}
     for base, dirs, files in os.walk(root):
         for name in dirs + files:
             path = os.path.join(base, name)
+            rel = os.path.relpath(path, root)
+            if rel == "run/gpulib-sim" or rel.startswith("run/gpulib-sim/"):
+                continue
             st = os.lstat(path)
-            out[os.path.relpath(path, root)] = (st.st_mode, st.st_mtime, st.st_size)
+            out[rel] = (st.st_mode, st.st_mtime, st.st_size)
     return out
 
 

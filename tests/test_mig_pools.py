@@ -340,3 +340,99 @@ def test_the_state_keeps_gpu_instances_and_refuses_bad_ones() -> None:
     for extra in bad:
         with pytest.raises(CorruptStateError):
             State.from_json({"version": 4, **extra})
+
+
+# -- metrics, the doctor, migration --------------------------------------------------------------
+
+def samples(text: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            key, _, value = line.rpartition(" ")
+            out[key[len(name):]] = float(value)
+    return out
+
+
+def test_metrics_count_gpu_instances_free_and_held(host: FakeHost) -> None:
+    applied(host)
+    assert agent(host).returncode == 0
+    libvirt_runs(host)
+    state_change(host, "onStart")
+    res = cli(host.root, "metrics")
+    assert res.returncode == 0, res.stderr
+    gi = samples(res.stdout, "gpulib_mig_gpu_instances")
+    assert gi == {'{gpu="0000:41:00.0",profile="MIG 1g.10gb",state="free"}': 1,
+                  '{gpu="0000:41:00.0",profile="MIG 1g.10gb",state="held"}': 1}
+    assert samples(res.stdout, "gpulib_mig_mode_enabled") == {
+        '{gpu="0000:41:00.0"}': 1, '{gpu="0000:c1:00.0"}': 0}
+    creatable = samples(res.stdout, "gpulib_mig_profile_creatable_instances")
+    assert creatable['{gpu="0000:41:00.0",profile="MIG 1g.10gb"}'] == 5
+    assert creatable['{gpu="0000:41:00.0",profile="MIG 4g.40gb"}'] == 1
+    assert samples(res.stdout, "gpulib_readiness_check_status")['{check="mig"}'] == 0
+    # A second scrape asks the tool nothing more of MIG (the layout is cached).
+    calls = [c for c in host.nvidia_smi_calls() if c.startswith(("mig", "-q"))]
+    assert cli(host.root, "metrics").returncode == 0
+    assert [c for c in host.nvidia_smi_calls() if c.startswith(("mig", "-q"))] == calls
+
+
+def doctor_mig(host: FakeHost) -> list[dict[str, Any]]:
+    res = cli(host.root, "doctor", "--check", "mig", "--json")
+    return list(json.loads(res.stdout)["checks"])
+
+
+def test_the_doctor_checks_mig_mode_compute_instances_and_the_pools_instances(
+        host: FakeHost) -> None:
+    [ok] = doctor_mig(host)
+    assert ok["status"] == "ok"
+    smi = host.p("usr/bin/nvidia-smi")
+    # MIG mode asked for on the other H100: it needs a reset.
+    assert subprocess.run([smi, "-i", "1", "-mig", "1"], capture_output=True).returncode == 0
+    # A GPU instance without a compute instance.
+    assert subprocess.run([smi, "mig", "-i", "0", "-cgi", "9:0"],
+                          capture_output=True).returncode == 0
+    found = {(r["status"], r["subject"]): r for r in doctor_mig(host)}
+    pending = found[("warn", "0000:c1:00.0")]
+    assert "goes on at the GPU's next reset" in pending["message"]
+    assert "nvidia-smi -i 00000000:C1:00.0 -r" in pending["fix"]
+    no_ci = found[("fail", "0000:41:00.0")]
+    assert "GPU instance 1 (MIG 3g.40gb at 0:4) has no compute instance" in no_ci["message"]
+    assert no_ci["fix"] == "nvidia-smi mig -i 00000000:41:00.0 -gi 1 -cci"
+    # The doctor changed nothing, and wrote no cache.
+    assert not Path(host.p("var/lib/gpulib/nvidia-mig.json")).exists()
+
+
+def test_the_doctor_sees_a_pools_instance_gone(host: FakeHost) -> None:
+    applied(host)
+    host = reboot(host, lambda root: build_mig(root))
+    found = [r for r in doctor_mig(host) if r["status"] == "warn"]
+    assert len(found) == 2 and all("gpulib restore" in r["fix"] for r in found)
+    assert cli(host.root, "restore").returncode == 0
+    assert [r["status"] for r in doctor_mig(host)] == ["ok"]
+
+
+def test_a_vm_migrates_to_a_free_mig_backed_vf_of_another_host(tmp_path: Path) -> None:
+    from gpulib.domain import parse_domain
+    from tests.hookrun import QEMU_HOOK
+
+    src = build_mig(str(tmp_path / "src"))
+    dst = build_mig(str(tmp_path / "dst"))
+    for h in (src, dst):
+        h.write_file(BOOT_ID, f"boot-{h.root[-3:]}\n", 0o444)
+        applied(h)
+    res = agent(src)
+    assert res.returncode == 0
+    live = res.stdout.decode()
+    # Here 41:00.4 is another VM's.
+    dst.add_running_domain("stranger", "aa0e8f7a-6b5c-4d3e-9f2a-1b0c9d8e7f6a",
+                           pci=("0000:41:00.4",), managed=False)
+    calls = len(dst.nvidia_smi_calls())
+    moved = run([QEMU_HOOK, VM, "migrate", "begin", "-"], dst.root, stdin=live.encode())
+    assert moved.returncode == 0, moved.stderr
+    assert [str(h.address) for h in parse_domain(moved.stdout.decode()).pci_hostdevs()] == [
+        "0000:41:00.5"]
+    assert len(dst.nvidia_smi_calls()) == calls
+    # A host whose GPU has no free instance of the type refuses, with one line.
+    bare = build_mig(str(tmp_path / "bare"))
+    refused = run([QEMU_HOOK, VM, "migrate", "begin", "-"], bare.root, stdin=live.encode())
+    assert refused.returncode != 0 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert instances(bare) == []

@@ -15,6 +15,9 @@ Check ids (stable: scripts and the JSON depend on them):
 * `iommu-group`    every other endpoint in a passthrough GPU's group can go with it
 * `sriov`          VFs are enabled where the card's vGPU needs them
 * `mdev`           mdev types offered, instances left, every pool finds its type on its GPUs
+* `mig`            GPUs in MIG mode: no mode change pending a reset, every GPU instance
+                   has a compute instance, the driver offers MIG-backed vGPU types, the
+                   GPU instances pools need exist (NVIDIA's tool, cached: `gpulib.migtool`)
 * `hooks`          gpulib's hooks are installed and executable (libvirt's qemu.d,
                    the CloudStack agent's hook directory)
 * `libvirt`        libvirtd was (re)started after the qemu hook appeared (the
@@ -36,7 +39,7 @@ everything is ok, 1 when anything failed, 5 for warnings only (2 is a usage
 error, as for every gpulib command: an unknown option or check).
 
 Each check is a module of this package (`iommu`, `nouveau`, `binding`,
-`groups`, `sriov`, `mdev`, `hooks`, `libvirt`, `migration`, `config`, `state`,
+`groups`, `sriov`, `mdev`, `mig`, `hooks`, `libvirt`, `migration`, `config`, `state`,
 `discovery`, `logfailures`, `selinux`): `check(doctor) -> [Result]`. A result's fix is rendered from
 its typed actions (`gpulib.doctor.actions`) where the fix is something
 `gpulib setup` can apply, so one place decides what is wrong and what fixes it.

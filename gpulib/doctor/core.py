@@ -65,8 +65,9 @@ EXIT_WARNINGS = 5
 EXIT_CODES = {OK: 0, FAIL: 1, WARN: EXIT_WARNINGS}
 SCHEMA = 1
 
-CHECK_IDS = ("iommu", "nouveau", "driver-binding", "iommu-group", "sriov", "mdev", "hooks",
-             "libvirt", "migration", "config", "state", "discovery", "logging", "selinux")
+CHECK_IDS = ("iommu", "nouveau", "driver-binding", "iommu-group", "sriov", "mdev", "mig",
+             "hooks", "libvirt", "migration", "config", "state", "discovery", "logging",
+             "selinux")
 
 AMD_VENDOR = 0x1002
 # Drivers that make a GPU the host's: a passthrough GPU must not be on one.
