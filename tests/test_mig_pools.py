@@ -436,3 +436,36 @@ def test_a_vm_migrates_to_a_free_mig_backed_vf_of_another_host(tmp_path: Path) -
     refused = run([QEMU_HOOK, VM, "migrate", "begin", "-"], bare.root, stdin=live.encode())
     assert refused.returncode != 0 and len(refused.stderr.splitlines()) == 1, refused.stderr
     assert instances(bare) == []
+
+
+# -- scripts/device ---------------------------------------------------------------------------------
+
+def test_the_device_script_reports_and_exercises_one_mig_backed_vgpu(host: FakeHost,
+                                                                     tmp_path: Path) -> None:
+    applied(host)  # the pool's instances and VFs are left alone
+    before = (instances(host), state_of(host.root)["vf_types"])
+    out = tmp_path / "report"
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "device"), "--root", host.root,
+                          "--exercise", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "as it was (GPU instances and VF types)" in res.stdout
+    for name in ("discover-table.txt", "discover.json", "discover-cloudstack.json",
+                 "doctor.json", "snapshot.tar.gz", "nvidia-smi-q.txt",
+                 "nvidia-smi-vgpu-s-v.txt", f"nvidia-smi-mig-lgi-{MIG_GPU}.txt"):
+        assert (out / name).stat().st_size > 0, name
+    # It made one instance of the smallest profile that fits, typed an idle VF
+    # on it, and took both away again.
+    exercised = json.loads((out / "discover-exercised.json").read_text())
+    gpu = next(g for g in exercised["gpus"] if g["address"] == MIG_GPU)
+    vfs = {gi["vf"] for gi in gpu["mig"]["gpu_instances"]}
+    assert "0000:41:00.6" in vfs
+    calls = host.nvidia_smi_calls()
+    assert any("-cgi 19:4 -C" in c for c in calls) and any("-dgi" in c for c in calls)
+    assert (instances(host), state_of(host.root)["vf_types"]) == before
+    # Without NVIDIA's tool it says so.
+    Path(host.p("usr/bin/nvidia-smi")).unlink()
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "device"), "--root", host.root,
+                          "--out", str(tmp_path / "none")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "no nvidia-smi below" in res.stderr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpulib import mdev
+from gpulib import mdev, nvidiasmi
 from gpulib.context import CONFIG_FILE
 from gpulib.doctor.core import OK, WARN, Result, host_path
 from gpulib.pci import PciAddress
@@ -11,7 +11,26 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Optional
 
+    from gpulib.config import PoolConfig
     from gpulib.doctor.facts import Doctor
+
+
+def _mig_backed_numbers(d: Doctor) -> nvidiasmi.Numbers:
+    """The numbers of NVIDIA's tool the reports cached (the doctor runs it not)."""
+    import os
+
+    cache = nvidiasmi.Cache.load(os.path.join(d.ctx.root, nvidiasmi.CACHE_FILE))
+    return cache.gpus if cache is not None else {}
+
+
+def _mig_backed(d: Doctor, name: str, pool: PoolConfig, numbers: nvidiasmi.Numbers) -> bool:
+    """Whether the pool's type is MIG-backed on its GPUs (NVIDIA's tool said
+    so, or its members say so): it is offered only while a GPU instance is free."""
+    from gpulib import migpool
+
+    if any(r.pool == name and r.gi_profile is not None for r in d.state.vf_types.values()):
+        return True
+    return bool(migpool.plans(pool, d.inventory, numbers, frozenset()))
 
 
 def check(d: Doctor) -> list[Result]:
@@ -49,10 +68,13 @@ def check(d: Doctor) -> list[Result]:
         # profile matching a type's name or, as a request does, its id.
         from gpulib.pools import plan
 
+        mig_types = _mig_backed_numbers(d)
         for name, pool in pools:
             p = plan(pool, d.inventory)
             if p.mdev_parents or p.vf_parents:
                 continue
+            if _mig_backed(d, name, pool, mig_types):
+                continue  # its GPU instances are the `mig` check's
             what = f"type {pool.type_id}" if pool.type_id else f"profile {pool.profile!r}"
             problems.append(Result(
                 cid, WARN, f"pool {name}",
