@@ -411,16 +411,21 @@ _HEAD_CI = ("| Compute instances:                                               
             "|" + "=" * 68 + "|")
 
 
+def _table(rule: str, head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A table of nvidia-smi's: the rule, the head, then each row's lines and a rule."""
+    lines = [rule, *head]
+    for row in rows:
+        lines += [*row, rule]
+    return "\n".join(lines) + "\n"
+
+
 def render_profiles(gpus: Sequence[tuple[int, Sequence[Profile]]]) -> str:
     """`nvidia-smi mig -lgip` for (GPU index, its profiles) pairs."""
-    lines = [_RULE_GIP, *_HEAD_GIP]
-    for gpu, profiles in gpus:
-        for p in profiles:
-            lines.append(f"|{gpu:>4}  {p.name:<19}{p.id:>3}     {f'{p.free}/{p.total}':<11}"
-                         f"{p.memory_gib:<11}{p.p2p:<7}{p.sm:<7}{p.dec:<6}{p.enc:<4}|")
-            lines.append("|" + " " * 63 + f"{p.ce:<6}{p.jpeg:<6}{p.ofa:<4}|")
-            lines.append(_RULE_GIP)
-    return "\n".join(lines) + "\n"
+    return _table(_RULE_GIP, _HEAD_GIP, (
+        (f"|{gpu:>4}  {p.name:<19}{p.id:>3}     {f'{p.free}/{p.total}':<11}"
+         f"{p.memory_gib:<11}{p.p2p:<7}{p.sm:<7}{p.dec:<6}{p.enc:<4}|",
+         "|" + " " * 63 + f"{p.ce:<6}{p.jpeg:<6}{p.ofa:<4}|")
+        for gpu, profiles in gpus for p in profiles))
 
 
 def render_placements(gpus: Sequence[tuple[int, Sequence[Profile]]]) -> str:
@@ -436,24 +441,18 @@ def render_placements(gpus: Sequence[tuple[int, Sequence[Profile]]]) -> str:
 
 def render_instances(gpus: Sequence[tuple[int, Sequence[Instance]]]) -> str:
     """`nvidia-smi mig -lgi`."""
-    lines = [_RULE_GI, *_HEAD_GI]
-    for gpu, instances in gpus:
-        for i in instances:
-            lines.append(f"|{gpu:>4}  {i.profile_name:<21}{i.profile_id:>3}{i.id:>9}"
-                         f"{'':10}{f'{i.start}:{i.size}':<8}|")
-            lines.append(_RULE_GI)
-    return "\n".join(lines) + "\n"
+    return _table(_RULE_GI, _HEAD_GI, (
+        (f"|{gpu:>4}  {i.profile_name:<21}{i.profile_id:>3}{i.id:>9}"
+         f"{'':10}{f'{i.start}:{i.size}':<8}|",)
+        for gpu, instances in gpus for i in instances))
 
 
 def render_compute(gpus: Sequence[tuple[int, Sequence[tuple[Instance, int, int, int]]]]) -> str:
     """`nvidia-smi mig -lci`: per GPU, (its GI, CI profile id, CI id, compute slices)."""
-    lines = [_RULE_CI, *_HEAD_CI]
-    for gpu, rows in gpus:
-        for gi, ci_profile, ci, slices in rows:
-            lines.append(f"|{gpu:>4}{gi.id:>7}{'':7}{gi.profile_name:<19}{ci_profile:>3}"
-                         f"{ci:>10}{'':10}{f'0:{slices}':<8}|")
-            lines.append(_RULE_CI)
-    return "\n".join(lines) + "\n"
+    return _table(_RULE_CI, _HEAD_CI, (
+        (f"|{gpu:>4}{gi.id:>7}{'':7}{gi.profile_name:<19}{ci_profile:>3}"
+         f"{ci:>10}{'':10}{f'0:{slices}':<8}|",)
+        for gpu, rows in gpus for gi, ci_profile, ci, slices in rows))
 
 
 def render_created_gi(gi: int, gpu: int, profile: Profile) -> str:

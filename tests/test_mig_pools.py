@@ -438,7 +438,7 @@ def test_a_vm_migrates_to_a_free_mig_backed_vf_of_another_host(tmp_path: Path) -
     assert instances(bare) == []
 
 
-# -- scripts/device ---------------------------------------------------------------------------------
+# -- scripts/device -----------------------------------------------------------------------------
 
 def test_the_device_script_reports_and_exercises_one_mig_backed_vgpu(host: FakeHost,
                                                                      tmp_path: Path) -> None:

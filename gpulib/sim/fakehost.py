@@ -67,6 +67,28 @@ def make_attr_files(mdev_dir: str, type_dir: str) -> None:
         _write(path, "", 0o644)
 
 
+def read_attribute(path: str, default: str = "") -> str:
+    """An attribute file's text, stripped (`default` when it cannot be read):
+    through gpulib's reading layer, so a FIFO or a huge file in a simulated
+    tree does not hang the simulator either."""
+    from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, read_text
+
+    text = read_text(path, ATTRIBUTE_MAX)
+    return default if isinstance(text, ReadFailure) else text.strip()
+
+
+def rewrite_attribute(path: str, text: str) -> None:
+    """Replace an attribute file's text, keeping its mode. A plain rewrite:
+    attribute files are tiny, and only the one process writes them while
+    gpulib holds its state lock or the caller serialises."""
+    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+    tmp = f"{path}.sim-tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
 def _sh_quote(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
 

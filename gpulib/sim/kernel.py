@@ -42,8 +42,9 @@ from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
 from gpulib.pci import group_number
 from gpulib.sim.fakehost import make_attr_files, mdev_attr_spec, relative_symlink
+from gpulib.sim.fakehost import read_attribute as _read
+from gpulib.sim.fakehost import rewrite_attribute as _write
 from gpulib.sim.migdriver import MigGpu
-from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, read_text
 from gpulib.validate import decimal
 
 log = logger.get(__name__)
@@ -59,24 +60,6 @@ NVIDIA_VENDOR = "0x10de"
 
 def _err(code: int, what: str) -> OSError:
     return OSError(code, os.strerror(code), what)
-
-
-def _read(path: str, default: str = "") -> str:
-    # Through gpulib's reading layer: a FIFO or a huge file in a simulated
-    # tree must not hang the simulator either.
-    text = read_text(path, ATTRIBUTE_MAX)
-    return default if isinstance(text, ReadFailure) else text.strip()
-
-
-def _write(path: str, text: str) -> None:
-    # Plain rewrite: attribute files are tiny and only this process writes
-    # them while gpulib holds its state lock or the caller serialises.
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-    tmp = f"{path}.sim-tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 class SimulatedKernel:

@@ -34,6 +34,8 @@ import os
 from typing import Any, Optional
 
 from gpulib import mig
+from gpulib.sim.fakehost import read_attribute as _read
+from gpulib.sim.fakehost import rewrite_attribute as _write
 
 STATE_FILE = ".sim-mig.json"
 IDLE_GPU_INSTANCE = "-1"
@@ -50,23 +52,6 @@ class MigError(Exception):
         super().__init__(reason)
         self.code = code
         self.reason = reason
-
-
-def _write(path: str, text: str) -> None:
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-    tmp = f"{path}.sim-tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
 
 
 def instance_id(start: int, size: int) -> int:

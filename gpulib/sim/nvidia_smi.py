@@ -29,6 +29,7 @@ from typing import Optional
 
 from gpulib import mig
 from gpulib.pci import PciAddress
+from gpulib.sim.fakehost import read_attribute as _read
 from gpulib.sim.migdriver import NOT_FOUND, MigError, MigGpu
 
 INVALID = ("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.")
@@ -41,14 +42,6 @@ class Gpu:
         self.address = address
         self.pf_dir = pf_dir
         self.mig = MigGpu.load(pf_dir)
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
 
 
 def gpus(root: str) -> list[Gpu]:
@@ -189,15 +182,23 @@ def _create(migs: list[Gpu], spec: str, with_ci: bool) -> tuple[int, str]:
                     ci, prof = g.mig.create_ci(gi)
                     lines.append(mig.render_created_ci(ci, g.index, gi, p["name"], prof))
             except MigError as exc:
-                g.mig.save()
-                g.mig.refresh()
-                lines.append(f"Unable to create a GPU instance on GPU {g.index:2d} using profile "
-                             f"{ident.strip()}: {exc.reason}")
-                lines.append(f"Failed to create GPU instances: {exc.reason}")
-                return exc.code, "\n".join(lines) + "\n"
+                return _refused(g, lines, exc, f"Unable to create a GPU instance on GPU "
+                                f"{g.index:2d} using profile {ident.strip()}",
+                                "Failed to create GPU instances")
         g.mig.save()
         g.mig.refresh()
     return 0, "\n".join(lines) + "\n"
+
+
+def _refused(g: Gpu, lines: list[str], exc: MigError, unable: str, failed: str
+             ) -> tuple[int, str]:
+    """What the tool prints when the driver refuses a step (what was done
+    before it stays, as the driver keeps it)."""
+    assert g.mig is not None
+    g.mig.save()
+    g.mig.refresh()
+    lines += [f"{unable}: {exc.reason}", f"{failed}: {exc.reason}"]
+    return exc.code, "\n".join(lines) + "\n"
 
 
 def _each(migs: list[Gpu], gis: Optional[list[int]], act: object,
@@ -212,12 +213,8 @@ def _each(migs: list[Gpu], gis: Optional[list[int]], act: object,
             try:
                 lines += act(g, gi)  # type: ignore[operator]
             except MigError as exc:
-                g.mig.save()
-                g.mig.refresh()
-                lines.append(f"Unable to destroy {what} ID {gi:2d} from GPU {g.index:2d}: "
-                             f"{exc.reason}")
-                lines.append(f"Failed to destroy {what}s: {exc.reason}")
-                return exc.code, "\n".join(lines) + "\n"
+                return _refused(g, lines, exc, f"Unable to destroy {what} ID {gi:2d} from GPU "
+                                f"{g.index:2d}", f"Failed to destroy {what}s")
         g.mig.save()
         g.mig.refresh()
     return 0, "\n".join(lines) + "\n"
