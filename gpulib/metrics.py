@@ -162,7 +162,7 @@ def pci_bus_id(address: PciAddress) -> str:
     """A PCI address as NVIDIA's tools write it (NVML's bus id, dcgm-exporter's
     `pci_bus_id` label): an 8-digit domain, upper-case hex, `00000000:3B:00.0`,
     so gpulib's series join with a GPU's telemetry on it."""
-    return f"{address.domain:08X}:{address.bus:02X}:{address.slot:02X}.{address.function:X}"
+    return address.bus_id
 
 
 class _GpuFamilies:
@@ -507,19 +507,19 @@ def _mig(exp: Exposition, ctx: Context, config: Config, inventory: Inventory) ->
     if not gpus:
         return
     enabled = exp.family("gpulib_mig_mode_enabled", "gauge",
-                         "1 when the GPU is in MIG mode (NVIDIA's tool), else 0.", "gpu")
+                         "1 when the GPU is in MIG mode (NVIDIA's tool), else 0.", "pci_bus_id")
     pending = exp.family("gpulib_mig_mode_pending_reset", "gauge",
-                         "1 when the GPU's MIG mode changes at its next reset.", "gpu")
+                         "1 when the GPU's MIG mode changes at its next reset.", "pci_bus_id")
     instances = exp.family("gpulib_mig_gpu_instances", "gauge",
                            "MIG GPU instances of the profile: free, or held (a VM holds the VF "
-                           "whose vGPU runs on it).", "gpu", "profile", "state")
+                           "whose vGPU runs on it).", "pci_bus_id", "profile", "state")
     creatable = exp.family("gpulib_mig_profile_creatable_instances", "gauge",
                            "More GPU instances of the profile that fit on the GPU now.",
-                           "gpu", "profile")
+                           "pci_bus_id", "profile")
     for gpu in gpus:
         layout = gpu.mig
         assert layout is not None
-        address = str(gpu.address)
+        address = pci_bus_id(gpu.address)
         enabled.add(1 if layout.enabled else 0, address)
         pending.add(1 if layout.reset_pending else 0, address)
         if not layout.enabled:

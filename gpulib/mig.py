@@ -84,12 +84,6 @@ def short_name(profile_name: str) -> str:
     return profile_name[4:] if profile_name.startswith("MIG ") else profile_name
 
 
-def gpu_bus_id(address: PciAddress) -> str:
-    """A GPU as nvidia-smi names it and takes it (`-i 00000000:41:00.0`)."""
-    return (f"{address.domain:08X}:{address.bus:02X}:{address.slot:02X}."
-            f"{address.function:X}")
-
-
 def _bus_address(text: str) -> Optional[PciAddress]:
     try:
         return PciAddress.parse(text.strip().lower())

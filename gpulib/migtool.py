@@ -84,7 +84,7 @@ class Tool:
         current, _pending = mig.mode_of(fields)
         if current != mig.ENABLED:
             return mig.layout_of(fields, {}, {}, [], {})
-        bus = mig.gpu_bus_id(gpu)
+        bus = gpu.bus_id
         # The tool numbers the one GPU asked about (`-i`) by its index, which
         # gpulib does not need to know: the answer is the only one.
         profiles = next(iter(mig.parse_profiles(
@@ -104,7 +104,7 @@ class Tool:
     def create(self, gpu: PciAddress, profile: int, start: int) -> tuple[int, Optional[int]]:
         """A GPU instance of `profile` at `start` with its default compute
         instance: (its GPU instance id, its compute instance id or None)."""
-        out = self._run(("mig", "-i", mig.gpu_bus_id(gpu), "-cgi", f"{profile}:{start}", "-C"))
+        out = self._run(("mig", "-i", gpu.bus_id, "-cgi", f"{profile}:{start}", "-C"))
         gis, cis = mig.parse_created(out)
         if not gis:
             raise ToolFailed(f"{self.path} made no GPU instance of profile {profile} at "
@@ -115,12 +115,12 @@ class Tool:
 
     def create_compute(self, gpu: PciAddress, gi: int) -> None:
         """The default compute instance of GPU instance `gi`."""
-        self._run(("mig", "-i", mig.gpu_bus_id(gpu), "-gi", str(gi), "-cci"))
+        self._run(("mig", "-i", gpu.bus_id, "-gi", str(gi), "-cci"))
 
     def destroy(self, gpu: PciAddress, gi: int) -> None:
         """GPU instance `gi` and its compute instances (the driver refuses
         while a vGPU runs on it: "In use by another client")."""
-        bus = mig.gpu_bus_id(gpu)
+        bus = gpu.bus_id
         self._run(("mig", "-i", bus, "-gi", str(gi), "-dci"), empty_ok=True)
         self._run(("mig", "-i", bus, "-gi", str(gi), "-dgi"))
 

@@ -130,6 +130,13 @@ class PciAddress(_PciAddressFields):
         short = f"{self.bus:02x}:{self.slot:02x}.{self.function:x}"
         return short if self.domain == 0 else f"{self.domain:04x}:{short}"
 
+    @property
+    def bus_id(self) -> str:
+        """As NVIDIA's tools write it (nvidia-smi takes it for `-i`, NVML's and
+        dcgm-exporter's `pci_bus_id`): an 8-digit domain, upper-case hex,
+        `00000000:3B:00.0`."""
+        return f"{self.domain:08X}:{self.bus:02X}:{self.slot:02X}.{self.function:X}"
+
     def libvirt(self) -> dict[str, str]:
         return {"domain": f"0x{self.domain:04x}", "bus": f"0x{self.bus:02x}",
                 "slot": f"0x{self.slot:02x}", "function": f"0x{self.function:x}"}

@@ -183,7 +183,7 @@ def test_what_a_type_name_says() -> None:
     assert mig.mig_backed_slices("NVIDIA RTX Pro 6000 Blackwell DC-1-2Q") == 1
     assert mig.mig_backed_slices("NVIDIA A10-6Q") is None
     assert mig.mig_backed_slices("NVIDIA RTX6000-Ada-1Q") is None
-    assert mig.gpu_bus_id(PciAddress.parse("0001:c1:00.0")) == "00000001:C1:00.0"
+    assert PciAddress.parse("0001:c1:00.0").bus_id == "00000001:C1:00.0"
 
 
 # -- the simulated host ----------------------------------------------------------------------

@@ -65,7 +65,7 @@ def check(d: Doctor) -> list[Result]:
         gpu = gpus.get(addr)
         if gpu is None:
             continue
-        bus = mig.gpu_bus_id(gpu.address)
+        bus = gpu.address.bus_id
         if layout.reset_pending:
             after = "on" if layout.pending == mig.ENABLED else "off"
             problems.append(Result(

@@ -86,7 +86,7 @@ def query(root: str, selected: list[Gpu], everything: list[Gpu]) -> str:
              f("Driver Version", _read(os.path.join(root, "sys/module/nvidia/version")), 0),
              f("CUDA Version", "Not Found", 0), "", f("Attached GPUs", len(everything), 0)]
     for g in selected:
-        lines.append(f"GPU {mig.gpu_bus_id(g.address)}")
+        lines.append(f"GPU {g.address.bus_id}")
         lines.append(f("Product Name", _product(root, g)))
         lines.append(f("Product Brand", "NVIDIA"))
         lines.append("    MIG Mode")
@@ -236,12 +236,12 @@ def run(root: str, args: list[str]) -> tuple[int, str]:
         out: list[str] = []
         for g in selected:
             if g.mig is None:
-                return 3, (f"Unable to enable MIG Mode for GPU {mig.gpu_bus_id(g.address)}: "
+                return 3, (f"Unable to enable MIG Mode for GPU {g.address.bus_id}: "
                            "Not Supported\n")
             g.mig.set_pending(mode == "1")
             g.mig.save()
             out.append(f"{'Enabled' if mode == '1' else 'Disabled'} MIG Mode for GPU "
-                       f"{mig.gpu_bus_id(g.address)}")
+                       f"{g.address.bus_id}")
         return 0, "\n".join(out) + "\nAll done.\n"
     return 2, INVALID + "\n"
 
