@@ -10,6 +10,7 @@ packaging/build-deps.txt, and is skipped (with the reason) otherwise.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
@@ -64,6 +65,30 @@ def values(directives: list[tuple[str, str, str]], section: str, key: str) -> li
 
 
 # --- etc/ ---------------------------------------------------------------------
+def test_every_data_file_is_in_a_declared_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files beside the modules (the simulator's models) are package data of
+    a package setup.cfg declares: setuptools warns at every build and
+    editable install ("Package would be ignored") about a directory Python
+    can import that the configuration leaves out."""
+    setupcfg = pytest.importorskip("setuptools.config.setupcfg")
+    monkeypatch.chdir(REPO)
+    options = setupcfg.read_configuration("setup.cfg")["options"]
+    packages, data = set(options["packages"]), options["package_data"]
+    found = 0
+    for directory, dirs, files in os.walk(REPO / "gpulib"):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        shipped = [f for f in files if not f.endswith((".py", ".pyc"))]
+        if not shipped:
+            continue
+        package = os.path.relpath(directory, REPO).replace(os.sep, ".")
+        assert package in packages, f"{package} holds {shipped} but is no declared package"
+        for name in shipped:
+            found += 1
+            assert any(fnmatch.fnmatch(name, p) for p in data.get(package, [])), \
+                f"{package}/{name} is not declared package data"
+    assert found  # the models of gpulib.sim at least
+
+
 def test_example_config_is_example_config() -> None:
     shipped = (ETC / "gpulib" / "gpulib.conf.example").read_text(encoding="utf-8")
     assert shipped == example_config(), (
