@@ -893,10 +893,8 @@ def _gpulib(root: str, *args: str) -> None:
 
 
 def _healthy(tmp: Path) -> Scenario:
-    """The healthy demo without its one stray vGPU: nothing fires."""
+    """The healthy demo (its hand-made vGPU is known: no stray): nothing fires."""
     host = healthy_host(str(tmp))
-    assert value(scrape(host.root), "gpulib_stray_vgpus") == 1
-    _gpulib(host.root, "mdev", "remove", "3f0d5c4e-8a2b-4c1d-9e6f-7a8b9c0d1e2f")
     series = scrape(host.root)
     assert value(series, "gpulib_stray_vgpus") == 0 and not _failing_checks(series)
     return series, {}, None

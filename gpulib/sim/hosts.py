@@ -40,6 +40,7 @@ DEMO_POOL_MDEVS = ("6c3f9a1e-2d4b-4f8a-b5c7-0e1d2a3b4c5d", "a3d5f7e9-1b2c-4d6e-8
 DEMO_T4 = "0000:af:00.0"
 DEMO_A10 = "0000:41:00.0"
 DEMO_A10_VF_TYPE = (594, "NVIDIA A10-6Q")
+DEMO_A100_MDEV = "3f0d5c4e-8a2b-4c1d-9e6f-7a8b9c0d1e2f"
 
 
 def models() -> dict[str, dict[str, Any]]:
@@ -221,12 +222,13 @@ def build_demo(root: str) -> FakeHost:
     host.add_bridge("0000:c0:01.1", numa_node=1, iommu_group=host.new_iommu_group())
     add_sriov_gpu(host, m["v620"], "0000:c1:00.0", 1, "0000:c0:01.1", 4)
 
-    # A100: SR-IOV with mdev types on each VF; one live vGPU used by a defined VM.
+    # A100: SR-IOV with mdev types on each VF; one live vGPU for a defined VM
+    # (gpulib keeps it: _write_demo_state), which holds nothing while stopped.
     host.add_bridge("0000:c9:00.0", numa_node=1, iommu_group=host.new_iommu_group())
     vfs = add_sriov_gpu(host, m["a100"], "0000:ca:00.0", 1, "0000:c9:00.0", 4)
     for vf in vfs:
         host.populate_mdev_parent(vf, m["a100"]["vf_mdev_types"])
-    live = "3f0d5c4e-8a2b-4c1d-9e6f-7a8b9c0d1e2f"
+    live = DEMO_A100_MDEV
     host.add_mdev(live, vfs[0], "nvidia-470")
     for vf in vfs[1:]:
         # One type per physical GPU while time-sliced vGPUs run.
@@ -260,9 +262,14 @@ def _write_demo_state(host: FakeHost) -> None:
     # writes the current schema; the previous release reads this one).
     state = {
         "version": 2,
-        "vgpus": {u: {"parent": DEMO_T4, "type_id": "nvidia-232", "pool": "t4-desktops",
-                      "on_demand": False, "created": created}
-                  for u in DEMO_POOL_MDEVS},
+        "vgpus": {**{u: {"parent": DEMO_T4, "type_id": "nvidia-232", "pool": "t4-desktops",
+                         "on_demand": False, "created": created}
+                     for u in DEMO_POOL_MDEVS},
+                  # Persistent, in no pool: gpulib keeps it (a live vGPU
+                  # nobody knows would be a stray, which `gpulib reconcile`
+                  # reports as a failure).
+                  DEMO_A100_MDEV: {"parent": "0000:ca:00.4", "type_id": "nvidia-470",
+                                   "pool": None, "on_demand": False, "created": created}},
         "vf_types": {"0000:41:00.4": {"type_id": DEMO_A10_VF_TYPE[0],
                                       "name": DEMO_A10_VF_TYPE[1], "pool": None,
                                       "on_demand": False}},
