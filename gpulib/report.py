@@ -179,14 +179,20 @@ def document(inventory: Inventory) -> dict[str, Any]:
 
 def _instances(gpu: Gpu) -> str:
     if gpu.vgpus or gpu.mode in ("mdev", "sriov-mdev"):
-        return _counted(len(gpu.vgpus), "vGPU", sum(1 for v in gpu.vgpus if v.used_by),
+        return _counted(len(gpu.vgpus), "vGPU", [],
+                        sum(1 for v in gpu.vgpus if v.used_by),
                         sum(1 for v in gpu.vgpus if not v.available))
-    vfs = [*gpu.reported_vfs, *gpu.unread_vfs]
     gis = f", {len(gpu.mig.instances)} GI" if gpu.mig is not None and gpu.mig.enabled else ""
-    if vfs:
-        return _counted(len(vfs), "VF", sum(1 for vf in vfs if vf.used_by),
-                        sum(1 for vf in vfs if not vf.available and not vf.used_by)) + gis
-    return gis[2:] or "-"
+    if not gpu.vfs:
+        return gis[2:] or "-"
+    # Every VF is counted: an NVIDIA vendor VF is reported only once it has a
+    # type, so "1 VF" for a GPU with eight would read as a GPU with one.
+    reported = [*gpu.reported_vfs, *gpu.unread_vfs]
+    kind = "typed" if any(vf.nvidia is not None for vf in gpu.vfs) else "offered"
+    return _counted(len(gpu.vfs), "VF",
+                    [f"{len(reported)} {kind}"] if len(reported) < len(gpu.vfs) else [],
+                    sum(1 for vf in reported if vf.used_by),
+                    sum(1 for vf in reported if not vf.available and not vf.used_by)) + gis
 
 
 def _mode(gpu: Gpu) -> str:
@@ -218,9 +224,9 @@ def mig_lines(inventory: Inventory) -> list[str]:
     return lines
 
 
-def _counted(total: int, what: str, used: int, unavailable: int) -> str:
-    return f"{total} {what} ({used} used" + \
-        (f", {unavailable} unavailable)" if unavailable else ")")
+def _counted(total: int, what: str, kinds: list[str], used: int, unavailable: int) -> str:
+    parts = [*kinds, f"{used} used"] + ([f"{unavailable} unavailable"] if unavailable else [])
+    return f"{total} {what}{'' if total == 1 else 's'} ({', '.join(parts)})"
 
 
 def columns(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -413,7 +413,9 @@ def test_registry_vgpu_kept_by_vgpus_no_vm_holds_is_not_offered(keeper: str) -> 
         marks = {v["uuid"]: (v["used_by"], v["available"]) for v in t4["vgpus"]}
         assert marks[REGISTRY_T4_4Q] == (None, False) and marks[keeper] == (None, True)
         blocked = sum(1 for used_by, available in marks.values() if not available)
-        assert f"{len(marks)} vGPU (0 used, {blocked} unavailable)" in report.table(inventory)
+        plural = "" if len(marks) == 1 else "s"
+        assert f"{len(marks)} vGPU{plural} (0 used, {blocked} unavailable)" in \
+            report.table(inventory)
         live = machine._live()
         error = machine._prepare(_xml("vm-1", _hostdev("mdev", REGISTRY_T4_4Q)))
         assert error is not None

@@ -15,6 +15,10 @@ from gpulib.errors import EXIT_USAGE, GpulibError
 __all__ = ["Env", "emit_json", "json_option", "run_main"]
 
 
+# What click (8.2 and later) raises for a group called without a command; older
+# releases print the group's help and exit 0 themselves.
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", None)
+
 # Every listing takes --json.
 json_option = click.option("--json", "as_json", is_flag=True, help="JSON output.")
 
@@ -35,6 +39,11 @@ def run_main(group: click.Group, args: list[str]) -> int:
         click.echo("gpulib: aborted", err=True)
         return 1
     except click.ClickException as exc:
+        if _NO_ARGS_IS_HELP is not None and isinstance(exc, _NO_ARGS_IS_HELP):
+            # `gpulib` (or `gpulib mdev`) without a command: the help, as
+            # `--help` prints it, on stderr; no mistake to name but the missing command.
+            click.echo(exc.format_message(), err=True)
+            return EXIT_USAGE
         click.echo(f"gpulib: error: {exc.format_message()}", err=True)
         return exc.exit_code if exc.exit_code else EXIT_USAGE
     except click.exceptions.Exit as exc:

@@ -13,7 +13,7 @@ from gpulib.errors import InputError
 
 @click.group("migrate")
 def migrate_group() -> None:
-    """Live migration of VMs with vGPUs (run on the destination)."""
+    """Live migration of VMs with vGPUs: check on the destination, annotate on the source."""
 
 
 def _read(xml: str) -> bytes:

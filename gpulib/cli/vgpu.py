@@ -6,9 +6,9 @@ from typing import Optional
 
 import click
 
-from gpulib import mdev, mdevctl, nvidia, validate
+from gpulib import mdev, mdevctl, nvidia, report, validate
 from gpulib.cli.common import Env, emit_json, json_option
-from gpulib.errors import GpulibError
+from gpulib.errors import GpulibError, InputError
 from gpulib.lifecycle import follow_definitions, open_store, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, list_addresses, physical_function
@@ -66,9 +66,23 @@ def mdev_types(env: Env, parent: Optional[str], as_json: bool) -> None:
     if as_json:
         emit_json(rows)
         return
+    if not rows:
+        click.echo(f"{wanted} offers no vGPU types" if wanted is not None else
+                   "no vGPU types on this host: no device offers mdev types and no NVIDIA "
+                   "vendor-specific VF can take a vGPU type")
+        return
+    table = [("PARENT", "KIND", "TYPE", "NAME", "AVAILABLE", "MAX", "FRAMEBUFFER")]
     for r in rows:
-        click.echo(f"{r['parent']}  {r['type_id']:<18} {r['name'] or '-'!s:<22} "
-                   f"available {r['available_instances']}")
+        fb = r["framebuffer_mb"]
+        table.append((str(r["parent"]), str(r["kind"]), str(r["type_id"]), str(r["name"] or "-"),
+                      str(r["available_instances"]), _or_dash(r["max_instances"]),
+                      f"{fb} MB" if fb is not None else "-"))
+    for line in report.columns(table):
+        click.echo(line)
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
 
 
 def _vendor_vf_types(env: Env, only: Optional[PciAddress]) -> list[dict[str, object]]:
@@ -133,12 +147,30 @@ def mdev_list(env: Env, as_json: bool) -> None:
     if as_json:
         emit_json(rows)
         return
+    if not rows:
+        click.echo("no vGPUs: none live, none defined for mdevctl, none known to gpulib")
+        return
+    table = [("UUID", "PARENT", "TYPE", "LIVE", "PERSISTENCE", "POOL", "VM")]
     for r in rows:
-        d = defs.get(str(r["uuid"]))
-        click.echo(f"{r['uuid']}  {r['parent']}  {r['type_id']:<14} "
-                   f"{'live' if r['live'] else 'NOT LIVE'}  "
-                   f"{'defined=' + d.start if d else 'transient'}  pool={r['pool'] or '-'} "
-                   f"vm={r['vm'] or '-'}")
+        table.append((str(r["uuid"]), str(r["parent"]), str(r["type_id"]),
+                      "yes" if r["live"] else "no",
+                      _persistence(defs.get(str(r["uuid"])), state.vgpus.get(str(r["uuid"]))),
+                      str(r["pool"] or "-"), str(r["vm"] or "-")))
+    for line in report.columns(table):
+        click.echo(line)
+
+
+def _persistence(definition: Optional[mdevctl.Definition], rec: Optional[VgpuRecord]) -> str:
+    """What keeps a vGPU across a reboot, in words."""
+    if definition is not None:
+        return f"mdevctl {definition.start}"  # started at boot (auto) or by hand (manual)
+    if rec is not None and rec.on_demand:
+        return "on demand"  # made for its VM's start, destroyed when the VM stops
+    if rec is not None:
+        # A record from before mdevctl's definitions were the record (the
+        # view writes nothing): gpulib defines it at its next change.
+        return "gpulib"
+    return "none"  # nobody keeps it: gone at the next reboot
 
 
 @mdev_group.command("create")
@@ -159,7 +191,7 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
                 start: Optional[str], attrs: tuple[str, ...]) -> None:
     """Create an mdev and print its UUID."""
     address = PciAddress.parse(parent)
-    validate.check_type_id(type_id)
+    _check_type_given_by_id(env.ctx.sysfs, address, type_id)
     if uuid:
         uuid = validate.check_uuid(uuid)
     pairs = [mdevctl.parse_attr(a) for a in attrs] if attrs else None
@@ -185,6 +217,26 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
     click.echo(made.uuid)
     if made.already_live:
         click.echo(f"mdev {made.uuid} was already live ({type_id} on {address})", err=True)
+
+
+def _check_type_given_by_id(sysfs: Sysfs, parent: PciAddress, given: str) -> None:
+    """`--type` is an mdev type id; a type's name (what `mdev types` and
+    CloudStack call the profile) is refused with the id it stands for, or the
+    ids of the types whose names contain it."""
+    if validate.is_type_id(given) and (not mdev.is_parent(sysfs, parent)
+                                       or sysfs.isdir(mdev.MdevType(sysfs, parent, given).rel)):
+        return  # an id: offered, or mdev.create says what is wrong
+    types = mdev.list_types(sysfs, parent) if mdev.is_parent(sysfs, parent) else []
+    wanted = " ".join(given.split()).casefold()
+    named = [t for t in types if t.name and t.name.casefold() == wanted]
+    like = named or [t for t in types if wanted and t.name and wanted in t.name.casefold()]
+    if named:
+        raise InputError(f"{given!r} is the name of mdev type {named[0].type_id} on {parent}: "
+                         f"--type takes the id (--type {named[0].type_id})")
+    if like:
+        raise InputError(f"{parent} offers no mdev type {given!r}; types whose names contain "
+                         "it: " + ", ".join(f"{t.type_id} ({t.name})" for t in like))
+    validate.check_type_id(given)
 
 
 @mdev_group.command("remove")

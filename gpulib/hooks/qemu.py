@@ -40,7 +40,9 @@ def main(argv: list[str]) -> int:
     from gpulib.hooks.common import drain_stdin, error_line
 
     if len(argv) < 3:
-        error_line(PROGRAM, "usage: gpulib-qemu-hook <vm> <operation> <sub-op> [<extra>]")
+        # The usage line names the executable, not gpulib (PROGRAM, which
+        # libvirt's messages show the user beside the hook's path).
+        error_line("usage", "gpulib-qemu-hook <vm> <operation> <sub-op> [<extra>]")
         drain_stdin()
         return 2
     vm_arg, op = argv[1], argv[2]
