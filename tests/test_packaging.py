@@ -1,8 +1,8 @@
-"""Packaging: the files under etc/, man/ and packaging/, and the full check.
+"""Packaging: the files under etc/ and packaging/, and the full check.
 
 The fast tests keep the shipped files in step with the code (the config with
-`example_config()`, the man pages with the CLI, the config keys and the hooks'
-exit codes, the Debian and RPM packaging with each other). The test marked
+`example_config()`, the Debian and RPM packaging with each other; the man
+pages are tests/test_manpages.py's). The test marked
 `packaging` runs scripts/packaging-check: it builds the .deb and .rpm,
 installs, exercises and purges them, so it needs root and the tools listed in
 packaging/build-deps.txt, and is skipped (with the reason) otherwise.
@@ -21,20 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from gpulib.config import DEFAULTS, POOL_KEYS, Config, example_config
+from gpulib.config import DEFAULTS, Config, example_config
 
 REPO = Path(__file__).resolve().parents[1]
 ETC = REPO / "etc"
-MAN = REPO / "man"
 PACKAGING = REPO / "packaging"
 DEBIAN = PACKAGING / "debian"
 SPEC = PACKAGING / "rpm" / "gpulib.spec"
 CHECK = REPO / "scripts" / "packaging-check"
-HOOK_PAGES = {
-    "libvirt-vm-xml-transformer": "gpulib.hooks.transformer",
-    "libvirt-vm-state-change": "gpulib.hooks.statechange",
-    "gpulib-qemu-hook": "gpulib.hooks.qemu",
-}
 # The Python distributions gpulib imports, and their Debian/EL package names.
 RUNTIME_IMPORTS = {"lxml", "click", "pyudev"}
 RUNTIME_DEPS = {f"python3-{name}" for name in RUNTIME_IMPORTS}
@@ -284,67 +278,6 @@ def test_tmpfiles_state_directory() -> None:
              (ETC / "tmpfiles.d" / "gpulib.conf").read_text(encoding="utf-8").splitlines()
              if line.strip() and not line.startswith("#")]
     assert ["d", "/var/lib/gpulib", "0700", "root", "root", "-"] in lines
-
-
-# --- man/ ---------------------------------------------------------------------
-def _cli_commands() -> dict[str, list[str]]:
-    import click
-
-    from gpulib.cli import cli
-
-    ctx = click.Context(cli)
-    out = {}
-    for name in cli.list_commands(ctx):  # type: ignore[attr-defined]
-        cmd = cli.get_command(ctx, name)  # type: ignore[attr-defined]
-        subs = []
-        if isinstance(cmd, click.Group):
-            subs = list(cmd.list_commands(click.Context(cmd)))
-        out[name] = subs
-    return out
-
-
-def test_gpulib_man_page_lists_every_command() -> None:
-    page = (MAN / "gpulib.1").read_text(encoding="utf-8").replace("\\-", "-")
-    missing = []
-    for name, subs in _cli_commands().items():
-        for full in [f"{name} {s}" for s in subs] or [name]:
-            if not re.search(rf"^\.B {re.escape(full)}(?: |$)", page, flags=re.M):
-                missing.append(full)
-    assert not missing, f"man/gpulib.1 does not describe: {missing}"
-
-
-def test_config_man_page_lists_every_key() -> None:
-    page = (MAN / "gpulib.conf.5").read_text(encoding="utf-8").replace("\\-", "-")
-    for section, keys in DEFAULTS.items():
-        assert f'.SH "[{section}]"' in page, section
-        for key, (default, _kind) in keys.items():
-            assert re.search(rf"^\.BI {key} ", page, flags=re.M), f"[{section}] {key}"
-            if default:
-                assert f".BR {default} ." in page or f".B {default}\n" in page, \
-                    f"[{section}] {key}: default {default} not named"
-    for key in POOL_KEYS:
-        assert re.search(rf"^\.BI {key} ", page, flags=re.M), f"[pool] {key}"
-
-
-@pytest.mark.parametrize("page,module", sorted(HOOK_PAGES.items()))
-def test_hook_man_page_exit_codes(page: str, module: str) -> None:
-    import importlib
-
-    doc = importlib.import_module(module).__doc__ or ""
-    codes = re.findall(r"(\d) [a-z]", doc[doc.index("Exit codes:"):])
-    text = (MAN / f"{page}.8").read_text(encoding="utf-8")
-    start = text.index(".SH EXIT STATUS")
-    status = text[start:text.index(".SH", start + 3)]
-    assert sorted(set(codes)) == sorted(re.findall(r"^\.B (\d)$", status, flags=re.M))
-
-
-@pytest.mark.skipif(shutil.which("man") is None, reason="man (man-db) is not installed")
-@pytest.mark.parametrize("page", sorted(p.name for p in MAN.iterdir()))
-def test_man_page_renders_without_warnings(page: str) -> None:
-    r = subprocess.run(["man", "--warnings", "-l", "-Tutf8", str(MAN / page)],
-                       capture_output=True, text=True,
-                       env={**os.environ, "LC_ALL": "C.UTF-8", "MANWIDTH": "80"})
-    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
 
 
 # --- packaging/ ---------------------------------------------------------------
