@@ -5,7 +5,8 @@ no `description` to read a type's numbers from, as an mdev type has. The
 CloudStack agent's stock script asks `nvidia-smi vgpu` for them, and the
 management server creates a profile once, from whichever host reports it
 first: a host reporting nulls would leave it so (one vGPU per GPU, say). So
-this is the one external command gpulib runs, and only here:
+this is the one external command discovery runs, and only here (`gpulib
+attach` and `detach` run virsh, `gpulib setup --apply` its plan's commands):
 
 * only when a GPU discovery reports has vendor-specific VFs, and only for
   reports that carry the numbers (`gpulib discover` as JSON or for the

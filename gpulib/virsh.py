@@ -2,8 +2,8 @@
 
 Only the CLI's `attach`/`detach` use this: the hooks never talk to libvirt
 (a hook calling back into libvirtd deadlocks it). virsh rather than the
-libvirt Python binding because gpulib takes no dependency beyond lxml, click,
-pyudev and filelock; every libvirt host has virsh (libvirt-clients,
+libvirt Python binding because gpulib takes no dependency beyond lxml, click
+and pyudev; every libvirt host has virsh (libvirt-clients,
 libvirt-client), and `virsh dumpxml` / `virsh define` are exactly the
 operations an administrator would run by hand.
 
