@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 AGENT_HOOKS_DIR = "etc/cloudstack/agent/hooks"
 TRANSFORMER_HOOK = "libvirt-vm-xml-transformer.sh"
 STATE_CHANGE_HOOK = "libvirt-vm-state-change.sh"
-STOCK_DISCOVERY_SCRIPT = "usr/share/cloudstack-common/scripts/vm/hypervisor/kvm/gpudiscovery.sh"
 # `used_by_vm` of an instance that no VM holds and that cannot be given now
 # (its GPU cannot make it, its state cannot be read): a name no CloudStack
 # instance can have (":" is in no host name), so the management server finds

@@ -20,10 +20,9 @@ if TYPE_CHECKING:
 log = logger.get(__name__)
 
 # Root-relative locations, the one definition of each (ARCHITECTURE.md, "Paths").
+# Its drop-ins are `<CONFIG_FILE>.d/*.conf`, which gpulib.config reads after
+# it, beside whichever file it is given.
 CONFIG_FILE = "etc/gpulib/gpulib.conf"
-# Drop-ins read after CONFIG_FILE, `*.conf` in lexical order (packages and
-# configuration management add files here instead of editing gpulib.conf).
-CONFIG_DROPIN_DIR = CONFIG_FILE + ".d"
 STATE_DIR = "var/lib/gpulib"
 STATE_FILE = STATE_DIR + "/state.json"
 LOCK_FILE = STATE_DIR + "/state.lock"

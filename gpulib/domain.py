@@ -1007,12 +1007,6 @@ class Domain:
         return [_parse_device_type(child) for child in gpus
                 if isinstance(child.tag, str) and child.tag == f"{{{GPULIB_NS}}}device"]
 
-    def device_type(self, kind: str, ident: str) -> Optional[DeviceType]:
-        for rec in self.device_types():
-            if rec.kind == kind and rec.id == ident:
-                return rec
-        return None
-
     def set_device_types(self, records: list[DeviceType]) -> None:
         """Record what the VM's vGPUs are (in this order); [] removes the records.
         Nothing changes when they are recorded so already (the XML stays

@@ -131,17 +131,6 @@ def libvirt_uuid(text: object) -> Optional[str]:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def check_libvirt_uuid(text: object, what: str = "UUID") -> str:
-    """`libvirt_uuid(text)`, else InputError naming `what`."""
-    if not isinstance(text, str):
-        raise InputError(f"{what} must be text, not {type(text).__name__}")
-    found = libvirt_uuid(text)
-    if found is None:
-        raise InputError(f"{what} is not a UUID: {show(text)} (expected 32 hex digits, "
-                         "dashes between pairs allowed)")
-    return found
-
-
 def check_domain_uuid(text: object, what: str = "domain UUID") -> str:
     """A domain's own `<uuid>` in the forms libvirt reads, as a canonical lowercase
     UUID. It names no device: it only seeds the derived vGPU UUIDs."""

@@ -184,15 +184,6 @@ class Doctor:
                 out.append(fn)
         return out
 
-    def group_ids(self, gpu: Gpu) -> list[str]:
-        """vendor:device of the GPU and the other endpoints of its IOMMU group."""
-        out = [f"{gpu.fn.vendor_id:04x}:{gpu.fn.device_id:04x}"]
-        for fn in self.group_peers(gpu):
-            key = f"{fn.vendor_id:04x}:{fn.device_id:04x}"
-            if key not in out:
-                out.append(key)
-        return out
-
     def is_vgpu_gpu(self, gpu: Gpu) -> bool:
         """The GPU is (or is meant to be) shared as vGPU, not passed through whole."""
         return gpu.mode != "passthrough" or self.needs_vfs(gpu)

@@ -214,8 +214,7 @@ def _refusal(d: Doctor, gpu: Gpu, by_address: set[PciAddress], include_boot_vga:
     return ""
 
 
-def _lines_file(d: Doctor, rel: str, header: str, lines: list[str],
-                same: Optional[re.Pattern[str]] = None) -> Optional[WriteFile]:
+def _lines_file(d: Doctor, rel: str, header: str, lines: list[str]) -> Optional[WriteFile]:
     """`rel` with `lines` appended where missing (None: nothing to add)."""
     text = file_text(d, rel)
     have = {" ".join(line.split()).replace("-", "_") for line in text.splitlines()}
