@@ -58,18 +58,33 @@ SIMPLE_VALUES = st.text(alphabet="abc 0123,.=:/-", max_size=12)
        st.booleans())
 def test_a_plain_file_is_read_without_configparser(
         doc: dict[str, dict[str, str]], comments: bool) -> None:
-    # Keys differing only in case are one key to configparser: one of them.
-    doc = {s: {k.lower(): v for k, v in items.items()} for s, items in doc.items()}
+    # Keys are written as given, in any case; keys differing only in case
+    # are one key to configparser (given twice: its error), so one of each.
     lines = []
+    expected: dict[str, dict[str, str]] = {}
     for section, items in doc.items():
         lines.append(f"[{section}]")
         if comments:
             lines.append("# a comment")
-        lines += [f"{k} = {v}" for k, v in items.items()]
+        found = expected[section] = {}
+        for k, v in items.items():
+            if k.lower() not in found:
+                found[k.lower()] = v.strip()
+                lines.append(f"{k} = {v}")
         lines.append("")
     text = "\n".join(lines)
-    expected = {s: {k: v.strip() for k, v in items.items()} for s, items in doc.items()}
     assert simple_ini(text) == expected == configparser_reads(text)
+
+
+def test_keys_are_read_in_lower_case_as_configparser_reads_them(tmp_path: Path) -> None:
+    text = "[state]\nLock_Timeout = 7\n[log]\nLEVEL = debug\n"
+    assert simple_ini(text) == configparser_reads(text) == \
+        {"state": {"lock_timeout": "7"}, "log": {"level": "debug"}}
+    conf = tmp_path / "gpulib.conf"
+    conf.write_text(text)
+    config = Config.load(str(conf))
+    assert config.get_float("state", "lock_timeout") == 7.0
+    assert config.get("log", "level") == "debug"
 
 
 def test_what_configparser_must_read_is_left_to_it(tmp_path: Path) -> None:

@@ -9,14 +9,15 @@ import errno
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, find, given, settings
 from hypothesis import strategies as st
 
-from gpulib import mdev, mdevctl
+from gpulib import mdev, mdevctl, validate
 from gpulib.cli import main
 from gpulib.context import Context
 from gpulib.errors import DeviceError, InputError
@@ -95,10 +96,59 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
         st.sampled_from(["mdev_type", "start", "attrs", "x"]), inner, max_size=4),
     max_leaves=12)
+# Documents close to a definition, each field valid or not: random JSON
+# alone almost never holds a valid type id and a start policy together.
+type_ids = st.one_of(st.sampled_from(["nvidia-232", "i915-GVTg_V5_4"]),
+                    st.from_regex(r"[a-z][a-z0-9_]{0,9}-[a-z0-9_-]{1,10}", fullmatch=True),
+                    st.sampled_from(["../x", "a b", "", "nvidia-232/x"]), json_values)
+starts = st.one_of(st.sampled_from(mdevctl.START_POLICIES),
+                   st.sampled_from(["Auto", "always", "", "auto "]), json_values)
+attr_items = st.dictionaries(attr_names | st.sampled_from(["../x", "", "a//b"]),
+                             attr_values | st.integers(), max_size=2)
+documents = st.fixed_dictionaries({}, optional={
+    "mdev_type": type_ids, "start": starts,
+    "attrs": st.lists(attr_items, max_size=3) | json_values, "x": json_values})
+
+
+def is_definition(doc: object) -> bool:
+    """mdevctl's rules, written out: an object naming a type id, its start
+    policy `auto` or `manual` (`manual` when absent), attrs a list of
+    one-name objects whose name is a path below the device and whose value is
+    text without NUL."""
+    if not isinstance(doc, dict) or not validate.is_type_id(doc.get("mdev_type")):
+        return False
+    attrs = doc.get("attrs", [])
+    return doc.get("start", "manual") in ("auto", "manual") and isinstance(attrs, list) and \
+        all(isinstance(a, dict) and len(a) == 1 and
+            all(re.fullmatch(r"[A-Za-z0-9_.:+-]+(/[A-Za-z0-9_.:+-]+)*", k) and
+                "." not in k.split("/") and ".." not in k.split("/") and
+                isinstance(v, str) and "\x00" not in v for k, v in a.items())
+            for a in attrs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=documents)
+@example({"mdev_type": "nvidia-232"})  # start: manual when absent
+@example({"mdev_type": "nvidia-232", "start": "always"})
+@example({"mdev_type": "nvidia-232", "start": "auto", "attrs": [{"../x": "1"}]})
+@example({"mdev_type": "nvidia-232", "start": "auto", "attrs": [{"a": "1", "b": "2"}]})
+def test_a_document_is_a_definition_exactly_when_mdevctl_would_take_it(doc: object) -> None:
+    d = mdevctl.parse(U1, P1, json.dumps(doc).encode())
+    assert (d is not None) == is_definition(doc), doc
+    if d is not None:  # and it round-trips
+        assert isinstance(doc, dict) and d.type_id == doc["mdev_type"]
+        assert mdevctl.parse(U1, P1, d.to_json()) == d
+
+
+def test_the_documents_hold_definitions_and_others() -> None:
+    # The property above can fail both ways only if both kinds are generated.
+    find(documents, is_definition, settings=settings(database=None))
+    find(documents, lambda d: not is_definition(d) and "mdev_type" in d,
+         settings=settings(database=None))
 
 
 @settings(max_examples=200, deadline=None)
-@given(raw=st.binary(max_size=200) | json_values.map(lambda v: json.dumps(v).encode()))
+@given(raw=st.binary(max_size=200) | documents.map(lambda v: json.dumps(v).encode()))
 def test_any_bytes_are_a_definition_or_nothing(raw: bytes) -> None:
     d = mdevctl.parse(U1, P1, raw)
     if d is not None:  # then it is one mdevctl would accept, and it round-trips
