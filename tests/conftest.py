@@ -9,10 +9,13 @@ test reading libvirt's schema, say) never needs /sys.
 from __future__ import annotations
 
 import builtins
+import copy
 import os
+import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -89,11 +92,94 @@ def _no_real_sys(monkeypatch: pytest.MonkeyPatch,
         assert not touched, f"real host touched: {touched}"
 
 
+# -- fake hosts: small or shared -------------------------------------------------------
+# A demo host is about 1,700 files and 5 MB on disk, the large one 26,000
+# and 84 MB: built for every test, they made a whole run write gigabytes.
+# pytest removes a passing test's tmp_path when it ends (pyproject.toml,
+# tmp_path_retention_policy); what follows keeps the rest small.
+
+
+class SharedHost:
+    """One fake host for the tests of a module that leave it as it was.
+
+    A test takes it and gives it back; a tree the test changed (a file
+    written, created, removed, renamed or retyped: every entry's inode,
+    size, mode, mtime and link target are compared) is removed then, and the
+    next test gets a new one. So a test sees a host as built, whatever the
+    tests before it did, and only the tests that change it pay for a new one.
+    """
+
+    def __init__(self, base: Path, build: Callable[[str], FakeHost]) -> None:
+        self.base, self.build = base, build
+        self.built = 0
+        self._host: Optional[FakeHost] = None
+        self._object: dict[str, Any] = {}
+        self._tree: dict[str, tuple[int, ...]] = {}
+
+    def take(self) -> FakeHost:
+        if self._host is None:
+            self.built += 1
+            self._host = self.build(str(self.base / f"host{self.built}"))
+            self._object = copy.deepcopy(self._host.__dict__)
+            self._tree = tree_signature(self._host.root)
+        else:  # what the builder keeps in memory (pci.ids names, group numbers) too
+            self._host.__dict__ = copy.deepcopy(self._object)
+        return self._host
+
+    def give_back(self, failed: bool = False) -> None:
+        """After the test: a tree it changed goes (left in place for a look
+        when the test `failed`), so the next test gets a new one."""
+        if self._host is not None and tree_signature(self._host.root) != self._tree:
+            if not failed:
+                shutil.rmtree(self._host.root, ignore_errors=True)
+            self._host = None
+
+    def remove(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def tree_signature(root: str) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
+            out[path] = (st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns, hash(target))
+    return out
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A directory for what a module's tests share, removed after its last
+    test when none of them failed (what the retention policy does for a
+    test's own tmp_path; pytest would keep a module's until the next run)."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    failed = request.session.testsfailed
+    yield path
+    if request.session.testsfailed == failed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def shared_demo(module_tmp: Path) -> SharedHost:
+    return SharedHost(module_tmp / "demo", build_demo)
+
+
 # The demo host, its context and configuration: the fixtures of the test
 # modules that start VMs on it in-process (a module may define its own `host`).
 @pytest.fixture
-def host(tmp_path: Path) -> FakeHost:
-    return build_demo(str(tmp_path / "demo"))
+def host(shared_demo: SharedHost, request: pytest.FixtureRequest) -> Iterator[FakeHost]:
+    yield from shared(shared_demo, request)
+
+
+def shared(hosts: SharedHost, request: pytest.FixtureRequest) -> Iterator[FakeHost]:
+    """The body of a fixture handing out a module's shared host (see SharedHost)."""
+    failed = request.session.testsfailed
+    yield hosts.take()
+    # The test's own outcome is counted before its fixtures are torn down.
+    hosts.give_back(failed=request.session.testsfailed > failed)
 
 
 @pytest.fixture

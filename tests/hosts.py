@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
+
+import pytest
 
 from gpulib.cloudstack import AGENT_HOOKS_DIR, STATE_CHANGE_HOOK, TRANSFORMER_HOOK
 from gpulib.context import Context
 from gpulib.doctor import LIBVIRT_HOOK
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo, build_pool64, models
+
+
+@contextmanager
+def scratch(factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A directory for one example of a property test, removed when the
+    example passes: pytest would keep every example's host to the end of
+    the run (and a failing example's stays for a look)."""
+    path = factory.mktemp(name)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def demo_host(tmp: str) -> FakeHost:
@@ -61,8 +77,6 @@ def t4_farm(tmp: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:
 
 def reboot(host: FakeHost, rebuild: object) -> FakeHost:
     """The same host after a power cycle: sysfs fresh, /etc and /var/lib kept."""
-    import shutil
-
     saved = host.root + ".saved"
     os.makedirs(saved)
     for keep in ("etc", "var/lib/gpulib"):

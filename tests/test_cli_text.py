@@ -49,16 +49,16 @@ def gpulib(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], 
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> str:
+def demo(module_tmp: Path) -> str:
     """The demo host as built: the listings only read it."""
-    return build_demo(str(tmp_path_factory.mktemp("listings") / "demo")).root
+    return build_demo(str(module_tmp / "demo")).root
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory: pytest.TempPathFactory) -> str:
+def started(module_tmp: Path) -> str:
     """The demo host after CloudStack started a VM on it (transformer, libvirt's
     start, onStart), as scripts/demo shows it."""
-    host = build_demo(str(tmp_path_factory.mktemp("listings") / "started"))
+    host = build_demo(str(module_tmp / "started"))
     xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
     res = as_agent(host.root, xml)
     assert res.returncode == 0, res.stdout
@@ -74,8 +74,8 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def empty(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return FakeHost(str(tmp_path_factory.mktemp("listings") / "empty")).root
+def empty(module_tmp: Path) -> str:
+    return FakeHost(str(module_tmp / "empty")).root
 
 
 def check_golden(name: str, text: str, regen: bool) -> None:

@@ -20,6 +20,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,9 @@ from gpulib import snapshot as snap
 from gpulib.context import LOG_FAILURES_FILE, Context
 from gpulib.errors import InputError
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
+from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4
 from gpulib.state import HOOK_LOCK_TIMEOUT_CAP, StateStore
-from tests.conftest import DATA
+from tests.conftest import DATA, SharedHost, shared
 from tests.hookrun import BIN, QEMU_HOOK, TRANSFORMER, as_agent, hook_env
 from tests.hosts import tree_contents
 
@@ -41,8 +42,9 @@ VGPU_XML = DATA / "cloudstack-xml" / "vgpu-mdev.xml"
 
 
 @pytest.fixture
-def demo(tmp_path: Path) -> str:
-    return build_demo(str(tmp_path / "demo")).root
+def demo(shared_demo: SharedHost, request: pytest.FixtureRequest) -> Iterator[str]:
+    for host in shared(shared_demo, request):
+        yield host.root
 
 
 def write_config(root: str, text: str) -> None:
@@ -269,7 +271,7 @@ def test_snapshot_into_a_character_device_writes_through_it(demo: str, tmp_path:
         assert stat.S_ISCHR(os.stat(null).st_mode)
         assert os.stat(null).st_rdev == os.makedev(1, 3)
     assert os.path.islink(tmp_path / "stdout-like")
-    assert sorted(os.listdir(tmp_path)) == ["demo", "null", "stdout-like"]
+    assert sorted(os.listdir(tmp_path)) == ["null", "stdout-like"]
 
 
 def test_snapshot_into_a_fifo_streams_the_tarball(demo: str, tmp_path: Path) -> None:
@@ -306,7 +308,7 @@ def test_snapshot_refuses_a_link_to_a_file_and_other_special_files(demo: str,
         sock.close()
     assert victim.read_text() == "keep me\n" and os.path.islink(link)
     assert stat.S_ISSOCK(os.lstat(sock_path).st_mode)
-    assert sorted(os.listdir(tmp_path)) == ["demo", "out.tar.gz", "sock", "victim"]
+    assert sorted(os.listdir(tmp_path)) == ["out.tar.gz", "sock", "victim"]
 
 
 def test_snapshot_temp_file_never_follows_a_planted_link(demo: str, tmp_path: Path) -> None:
@@ -320,7 +322,7 @@ def test_snapshot_temp_file_never_follows_a_planted_link(demo: str, tmp_path: Pa
     path, _ = _snapshot(demo, str(out))
     assert path == str(out) and tarfile.is_tarfile(out) and not os.path.islink(out)
     assert victim.read_text() == "keep me\n"
-    assert sorted(os.listdir(tmp_path)) == ["demo", "snap.tar.gz", f"snap.tar.gz.{os.getpid()}.tmp",
+    assert sorted(os.listdir(tmp_path)) == ["snap.tar.gz", f"snap.tar.gz.{os.getpid()}.tmp",
                                             "victim"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -195,6 +196,7 @@ def test_offered_free_is_accepted_and_reported_used_is_refused(tmp_path: Path) -
         fresh = build_demo(str(tmp_path / f"h{n}")).root
         res = as_agent(fresh, xml)
         assert res.returncode == 0, (kind, xml, res.stdout)
+        shutil.rmtree(fresh)  # a host for each start: kept only when it fails
     # Every device reported used is refused to another VM.
     used = []
     for g in doc["gpus"]:
@@ -393,6 +395,7 @@ def test_kill_at_every_write_then_retry_succeeds_and_nothing_leaks(tmp_path: Pat
     assert name
     base = build_demo(str(tmp_path / "base")).root
     live_before = set(os.listdir(os.path.join(base, "sys/bus/mdev/devices")))
+    shutil.rmtree(base)
     n = 1
     while True:
         root = build_demo(str(tmp_path / f"k{n}")).root
@@ -416,6 +419,7 @@ def test_kill_at_every_write_then_retry_succeeds_and_nothing_leaks(tmp_path: Pat
         left = set(os.listdir(os.path.join(root, "sys/bus/mdev/devices")))
         assert left - live_before <= set(st["vgpus"]), "no live vGPU unknown to gpulib"
         assert all(not r["on_demand"] for r in st["vgpus"].values())
+        shutil.rmtree(root)  # a host for each kill: kept only when it fails
         n += 1
     assert n > 2, "the start made writes to kill"
 
@@ -452,6 +456,7 @@ def test_kill_at_every_write_of_a_start_that_only_records(tmp_path: Path) -> Non
         state_dir = os.path.dirname(os.path.join(root, STATE))
         assert [f for f in os.listdir(state_dir) if f.endswith(".tmp")] == [], \
             "the killed start's temp file is gone"
+        shutil.rmtree(root)  # a host for each kill: kept only when it fails
         n += 1
     assert outcomes[0] is False, "killed at its first write, the start recorded nothing"
     assert outcomes == sorted(outcomes), "once renamed, the start stays recorded"
@@ -476,6 +481,7 @@ def test_retry_adopts_its_own_orphan_in_place(tmp_path: Path, xml: str) -> None:
                    os.path.exists(os.path.join(root, devices, i["id"]))]
         if orphans:
             break
+        shutil.rmtree(root)  # a host for each kill: only the one kept that left an orphan
     else:
         pytest.fail("no kill left a live mdev behind")
     for u in orphans:

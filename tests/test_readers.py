@@ -38,6 +38,7 @@ from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, Sysfs, read_file, read_file
 from gpulib.usage import running_domains
 from tests import hookrun
 from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, as_agent, hook_env
+from tests.hosts import scratch
 
 GPULIB = str(BIN / "gpulib")
 # Far above what any of these commands takes on the demo host (well under a
@@ -51,8 +52,8 @@ HEX4 = re.compile(r"^[0-9a-f]{4}$")
 # -- hosts and commands --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def demo_tree(tmp_path_factory: Any) -> str:
-    return build_demo(str(tmp_path_factory.mktemp("demo") / "demo")).root
+def demo_tree(module_tmp: Path) -> str:
+    return build_demo(str(module_tmp / "demo")).root
 
 
 def copy_host(demo_tree: str, dest: Path) -> str:
@@ -131,8 +132,8 @@ def transformer_finishes(root: str, pci: tuple[str, ...] = (MI300X,)
 
 
 @pytest.fixture(scope="module")
-def baseline(demo_tree: str, tmp_path_factory: Any) -> set[str]:
-    root = copy_host(demo_tree, tmp_path_factory.mktemp("baseline"))
+def baseline(demo_tree: str, module_tmp: Path) -> set[str]:
+    root = copy_host(demo_tree, module_tmp / "baseline")
     found = listed(root)
     assert len(found) == 10
     return found
@@ -731,8 +732,8 @@ def test_one_random_fault_costs_only_what_it_touches(
         data: Any) -> None:
     rel = data.draw(st.sampled_from(candidate_files), label="file")
     kind = data.draw(st.sampled_from(FAULT_KINDS), label="fault")
-    root = copy_host(demo_tree, tmp_path_factory.mktemp("fault"))
-    check_one_fault(root, baseline, rel, kind, pci=(MI300X,))
+    with scratch(tmp_path_factory, "fault") as tmp:
+        check_one_fault(copy_host(demo_tree, tmp), baseline, rel, kind, pci=(MI300X,))
 
 
 MODELS = ("t4", "a10", "a100", "rtx3070", "mi300x", "v620")
@@ -770,13 +771,14 @@ def random_host(root: str, picks: list[tuple[str, int]]) -> FakeHost:
        data=st.data())
 def test_one_random_fault_on_a_random_host(picks: list[tuple[str, int]], data: Any,
                                            tmp_path_factory: Any) -> None:
-    root = str(tmp_path_factory.mktemp("random") / "host")
-    random_host(root, picks)
-    baseline = listed(root)
-    assert len(baseline) == len(picks)
-    rel = data.draw(st.sampled_from(host_files(root)), label="file")
-    kind = data.draw(st.sampled_from(FAULT_KINDS), label="fault")
-    check_one_fault(root, baseline, rel, kind)
+    with scratch(tmp_path_factory, "random") as tmp:
+        root = str(tmp / "host")
+        random_host(root, picks)
+        baseline = listed(root)
+        assert len(baseline) == len(picks)
+        rel = data.draw(st.sampled_from(host_files(root)), label="file")
+        kind = data.draw(st.sampled_from(FAULT_KINDS), label="fault")
+        check_one_fault(root, baseline, rel, kind)
 
 
 def test_discovery_in_process_reports_listing_failure(host: str) -> None:
