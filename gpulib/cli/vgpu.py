@@ -12,6 +12,7 @@ from gpulib.errors import GpulibError, InputError
 from gpulib.lifecycle import follow_definitions, open_store, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, list_addresses, physical_function
+from gpulib.records import is_handmade
 from gpulib.state import State, VfRecord, VgpuRecord
 from gpulib.sysfs import Sysfs
 from gpulib.usage import running_domains
@@ -152,10 +153,12 @@ def mdev_list(env: Env, as_json: bool) -> None:
         return
     table = [("UUID", "PARENT", "TYPE", "LIVE", "PERSISTENCE", "POOL", "VM")]
     for r in rows:
+        rec = state.vgpus.get(str(r["uuid"]))
         table.append((str(r["uuid"]), str(r["parent"]), str(r["type_id"]),
                       "yes" if r["live"] else "no",
-                      _persistence(defs.get(str(r["uuid"])), state.vgpus.get(str(r["uuid"]))),
-                      str(r["pool"] or "-"), str(r["vm"] or "-")))
+                      _persistence(defs.get(str(r["uuid"])), rec),
+                      "by hand" if rec is not None and is_handmade(rec) else str(r["pool"] or "-"),
+                      str(r["vm"] or "-")))
     for line in report.columns(table):
         click.echo(line)
 
