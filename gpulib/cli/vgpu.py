@@ -229,10 +229,12 @@ def _check_type_given_by_id(sysfs: Sysfs, parent: PciAddress, given: str) -> Non
     if validate.is_type_id(given) and (not mdev.is_parent(sysfs, parent)
                                        or sysfs.isdir(mdev.MdevType(sysfs, parent, given).rel)):
         return  # an id: offered, or mdev.create says what is wrong
+    from gpulib import profiles
+
     types = mdev.list_types(sysfs, parent) if mdev.is_parent(sysfs, parent) else []
-    wanted = " ".join(given.split()).casefold()
-    named = [t for t in types if t.name and t.name.casefold() == wanted]
-    like = named or [t for t in types if wanted and t.name and wanted in t.name.casefold()]
+    named = [t for t in types if profiles.same_name(t.name, given)]
+    wanted = profiles.key(given)
+    like = named or [t for t in types if wanted and t.name and wanted in profiles.key(t.name)]
     if named:
         raise InputError(f"{given!r} is the name of mdev type {named[0].type_id} on {parent}: "
                          f"--type takes the id (--type {named[0].type_id})")
