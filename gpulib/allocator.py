@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 from gpulib import logger, mdev, nvidia
 from gpulib.errors import InputError, NotAvailableError
 from gpulib.pci import PciAddress
+from gpulib.records import pool_of
 from gpulib.state import Allocation, Device, State, VfRecord, VgpuRecord, utc_now
 from gpulib.sysfs import Sysfs
 
@@ -164,7 +165,8 @@ class Allocator:
         for uuid, rec in sorted(self.state.vgpus.items()):
             # A member its GPU cannot recreate now would fail the start: the
             # hooks refuse it by name too (`Occupancy.unavailable`).
-            if rec.pool is None or uuid in self._chosen or not self.occ.takeable(uuid, vm):
+            # Pool members only: a hand-made vGPU is its administrator's.
+            if pool_of(rec) is None or uuid in self._chosen or not self.occ.takeable(uuid, vm):
                 continue
             try:
                 parent = PciAddress.parse(rec.parent)
@@ -186,7 +188,7 @@ class Allocator:
             out.append(Candidate(gpu, "mdev", uuid, self._load(gpu),
                                  AllocateVgpu(uuid, rec.parent, rec.type_id, False, rec.pool)))
         for addr, vrec in sorted(self.state.vf_types.items()):
-            if vrec.pool is None or addr in self._chosen or not self.occ.takeable(addr, vm):
+            if pool_of(vrec) is None or addr in self._chosen or not self.occ.takeable(addr, vm):
                 continue
             if not req.matches_vendor(vrec.type_id, vrec.name):
                 continue

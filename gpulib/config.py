@@ -20,6 +20,7 @@ from gpulib.context import AGENT_PROPERTIES
 from gpulib.errors import ConfigError
 from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress
+from gpulib.records import HANDMADE
 from gpulib.sysfs import ReadFailure, read_file
 from gpulib.validate import is_type_id
 
@@ -46,6 +47,7 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
         "include": ("", "match-list"),
         "exclude": ("", "match-list"),
         "nvidia_smi_timeout": ("10", "float"),
+        "allow_boot_vga": ("no", "bool"),
     },
     "transformer": {
         "add_group_functions": ("yes", "bool"),
@@ -330,6 +332,12 @@ class Config:
 
         if not _POOL_NAME.match(name):
             raise ConfigError(f"{source}: [{sec}]: pool names are letters, digits, _ . -")
+        if name.lower() == HANDMADE:
+            # Hand-made devices are recorded under this name; a pool of it would
+            # take them as members and remove the "surplus".
+            raise ConfigError(f"{source}: [{sec}]: the name {HANDMADE!r} is reserved for "
+                              "hand-made devices (gpulib mdev create, gpulib vf set-type), "
+                              "which are never pool members: rename the pool")
         for key in section:
             if key not in POOL_KEYS:
                 self._warn(f"{sources[key]}: unknown key {key} in [{sec}] ignored")
@@ -372,6 +380,12 @@ class Config:
 
     def match(self, section: str, key: str) -> Match:
         return Match(self._values[section][key], self._where(section, key))
+
+
+def keeps_console(config: Config) -> bool:
+    """The boot VGA device (the host's console) is never offered or given whole:
+    `[discovery] allow_boot_vga = no`, the default. Its vGPUs may be."""
+    return not config.get_bool("discovery", "allow_boot_vga")
 
 
 def metadata_allowed(ctx: Context, config: Config) -> bool:

@@ -23,7 +23,7 @@ listed under their physical function.
 from __future__ import annotations
 
 from gpulib import logger, mdev, nvidia
-from gpulib.config import Config, Match
+from gpulib.config import Config, Match, keeps_console
 from gpulib.errors import GpulibError
 from gpulib.occupancy import (
     ACTIVE,
@@ -42,6 +42,7 @@ from gpulib.pci import (
     PciAddress,
     PciFunction,
     iommu_group_members,
+    is_boot_vga,
     list_addresses,
     virtfn_links,
 )
@@ -272,6 +273,10 @@ class Gpu:
         # one of its vGPUs or VFs.
         self.used_by: Optional[str] = None
         self.pools: list[str] = []  # pools of gpulib.conf declaring vGPUs on it
+        self.boot_vga = False  # the firmware's console (`boot_vga` 1)
+        # The boot VGA device kept for the host (`config.keeps_console`):
+        # never offered or given whole; its vGPUs may be.
+        self.console = False
         # The numbers of its NVIDIA vendor-specific VF types by type id, from
         # NVIDIA's tool (`nvidiasmi.attach`; discovery itself runs nothing).
         self.nvidia_numbers: dict[int, TypeNumbers] = {}
@@ -356,7 +361,7 @@ class Gpu:
         """Why the GPU is not given whole (the hooks ask the same function)."""
         typed = sum(1 for vf in self.vfs if vf.nvidia is not None and vf.nvidia.profile_type)
         return whole_gpu_refusal(max(len(self.vfs), self.sriov_numvfs), len(self.vgpus), typed,
-                                 self.pools)
+                                 self.pools, self.console)
 
     @property
     def passthrough_enabled(self) -> bool:
@@ -429,6 +434,7 @@ class Discovery:
         self.registry = known.registry
         self.occupancy = known.occupancy
         self.names = PciNames(sysfs)
+        self.keeps_console = keeps_console(self.config)
         # Names seen in creatable lists during this scan, for the state file.
         self.new_names: dict[str, dict[str, str]] = {}
 
@@ -512,6 +518,8 @@ class Discovery:
         # Only a VM holding the GPU whole is its user; those of its vGPUs and
         # VFs are theirs (the CloudStack report copies this onto the GPU's row).
         gpu.used_by = usage.whole_user(str(fn.address))
+        gpu.boot_vga = is_boot_vga(self.sysfs, fn.address, fn.class_code)
+        gpu.console = gpu.boot_vga and self.keeps_console
         if self.config.pools and gpu.mdev_types:
             gpu.pools = declaring_pools(self.config, fn.address, fn.vendor_id, fn.device_id,
                                         gpu.mdev_types)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpulib import mdev, nvidia
-from gpulib.config import Config
+from gpulib.config import Config, keeps_console
 from gpulib.context import Context
 from gpulib.errors import InputError
 from gpulib.lifecycle import follow_definitions
@@ -26,6 +26,7 @@ from gpulib.pci import (
     group_number,
     has_gpu_class,
     iommu_group_members,
+    is_boot_vga,
     physical_function,
 )
 from gpulib.plan import HeldFacts, HostFacts, MdevFacts, PciFacts, PeerFacts
@@ -93,7 +94,15 @@ class HostReader:
                 fn = PciFunction.read_ids(self.sysfs, address)
                 pools = declaring_pools(self.config, address, fn.vendor_id, fn.device_id,
                                         mdev.list_types(self.sysfs, address))
-        return whole_gpu_refusal(max(numvfs, virtfns), len(vgpus), pools=pools)
+        return whole_gpu_refusal(max(numvfs, virtfns), len(vgpus), pools=pools,
+                                 console=self.is_console(address))
+
+    def is_console(self, address: PciAddress) -> bool:
+        """The boot VGA device, kept for the host (`config.keeps_console`)."""
+        if not keeps_console(self.config):
+            return False
+        klass = self.sysfs.read_id(f"sys/bus/pci/devices/{address}/class", 24) or 0
+        return is_boot_vga(self.sysfs, address, klass >> 8)
 
     def vf_refusal(self, state: State, address: PciAddress) -> Optional[str]:
         """Why a VF cannot be given whole: it carries vGPUs (mdevs on VFs), live

@@ -23,6 +23,7 @@ from gpulib.errors import GpulibError, InputError
 from gpulib.lazyre import lazy
 from gpulib.liveness import Liveness
 from gpulib.pci import PciAddress, list_addresses
+from gpulib.records import pool_of
 from gpulib.state import (
     REBUILT_FROM_KEY,
     Allocation,
@@ -225,9 +226,9 @@ def follow_definitions(ctx: Context, state: State,
             log.info("mdev %s was undefined in mdevctl: gpulib forgets it%s", uuid,
                      f" (VM {holder} still holds it until it stops)" if holder else "")
             out.append(Outcome("mdev", uuid, "forgotten", True,
-                               "its mdevctl definition is gone" + (f"; pool {rec.pool} "
+                               "its mdevctl definition is gone" + (f"; pool {pool_of(rec)} "
                                                                     "needs another member"
-                                                                    if rec.pool else "")))
+                                                                    if pool_of(rec) else "")))
         elif (rec.parent, rec.type_id) != (found.parent, found.type_id):
             log.info("mdev %s follows its mdevctl definition: %s on %s (was %s on %s)", uuid,
                      found.type_id, found.parent, rec.type_id, rec.parent)

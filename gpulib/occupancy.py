@@ -508,15 +508,23 @@ def declaring_pools(config: Config, address: PciAddress, vendor_id: int, device_
     return out
 
 
+BOOT_VGA_REFUSAL = ("it is the host's boot VGA device (its console): gpulib gives it whole "
+                    "only with [discovery] allow_boot_vga = yes in gpulib.conf")
+
+
 def whole_gpu_refusal(numvfs: int, vgpus: int, typed_vfs: int = 0,
-                      pools: Iterable[str] = ()) -> Optional[str]:
+                      pools: Iterable[str] = (), console: bool = False) -> Optional[str]:
     """Why a GPU cannot be given whole (None: it can).
 
     A GPU whose vGPU use is declared (live or registered vGPUs, typed VFs, a
     pool of gpulib.conf) or whose SR-IOV VFs are enabled is neither offered
     whole (`enabled` 0 in the CloudStack report) nor accepted whole by the
-    hooks: one rule for both.
+    hooks: one rule for both. Nor is the host's console (`console`: the boot
+    VGA device, unless `[discovery] allow_boot_vga` gives it up), whose vGPUs
+    may still be offered: carving vGPUs keeps the console.
     """
+    if console:
+        return BOOT_VGA_REFUSAL
     declared = list(pools)
     if vgpus:
         return f"it carries {vgpus} vGPU(s)"

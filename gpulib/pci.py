@@ -287,6 +287,16 @@ class PciFunction:
         return class_name(self.class_code)
 
 
+def is_boot_vga(sysfs: Sysfs, address: PciAddress, class_code: int) -> bool:
+    """The device the firmware drew the host's console on: its `boot_vga` is 1.
+
+    The kernel shows `boot_vga` only on VGA-class functions, so no other
+    function is asked (a file less per GPU on hosts of 3D controllers)."""
+    if class_code != CLASS_VGA:
+        return False
+    return sysfs.read_int(f"{PCI_DEVICES}{address}/boot_vga", low=0, high=1) == 1
+
+
 def group_number(name: Optional[str]) -> Optional[int]:
     """The IOMMU group an `iommu_group` link's name gives, None when it names
     none. Group numbers are small decimals; a link named otherwise is not a

@@ -19,6 +19,7 @@ from gpulib.lifecycle import Outcome, follow_definitions, plan_definition, save_
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress
 from gpulib.profiles import serves
+from gpulib.records import is_handmade, pool_of
 from gpulib.state import State, VfRecord, VgpuRecord
 
 TYPE_CHECKING = False
@@ -126,7 +127,7 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
     targets = _targets(pool, sorted(by_parent))
     members: dict[str, list[str]] = {k: [] for k in by_parent}
     for uuid, rec in sorted(state.vgpus.items()):
-        if rec.pool != name:
+        if rec.pool != name or is_handmade(rec):
             continue
         t = by_parent.get(rec.parent)
         if t is not None and rec.type_id != t.type_id and not rec.on_demand:
@@ -196,7 +197,7 @@ def _apply_vf(ctx: Context, state: State, name: str, pool: PoolConfig, p: PoolPl
     for gpu_addr, vfs in sorted(by_gpu.items()):
         want = targets.get(gpu_addr, 0)
         members = [a for a, r in state.vf_types.items() if r.pool == name and
-                   any(str(v) == a for v, _, _ in vfs)]
+                   not is_handmade(r) and any(str(v) == a for v, _, _ in vfs)]
         have = len(members)
         for addr in members:
             rec = state.vf_types[addr]
@@ -246,13 +247,15 @@ def members(config: Config, state: State, occupancy: Occupancy
     """`gpulib pool list`: every pool's members and who holds them."""
     out: dict[str, list[dict[str, object]]] = {name: [] for name in config.pools}
     for uuid, rec in sorted(state.vgpus.items()):
-        if rec.pool is not None:
-            out.setdefault(rec.pool, []).append(
+        pool = pool_of(rec)
+        if pool is not None:
+            out.setdefault(pool, []).append(
                 {"kind": "mdev", "id": uuid, "parent": rec.parent, "type": rec.type_id,
                  "vm": occupancy.user("mdev", uuid)})
     for addr, vrec in sorted(state.vf_types.items()):
-        if vrec.pool is not None:
-            out.setdefault(vrec.pool, []).append(
+        pool = pool_of(vrec)
+        if pool is not None:
+            out.setdefault(pool, []).append(
                 {"kind": "vf", "id": addr, "type": vrec.type_id, "name": vrec.name,
                  "vm": occupancy.user("vf", addr)})
     return out

@@ -34,7 +34,7 @@ from gpulib.validate import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Callable, Optional
+    from typing import Any, Callable, Optional, Union
 
 log = logger.get("gpulib.state")
 
@@ -55,6 +55,14 @@ a pending start is dead, robust to wall-clock jumps), and `intents` hold the
 write-ahead records of sysfs changes a start is making."""
 
 
+HANDMADE = "manual"
+"""The `pool` of a record an administrator made by hand (`gpulib mdev create`,
+`gpulib vf set-type`): gpulib keeps it (recreates or retypes it after a reboot)
+but it is never a pool member. No pool may be named so (`gpulib.config`
+refuses the section), `pool apply` never counts, removes or clears it, and
+the allocator never hands it out for a metadata request. `is_handmade` and
+`pool_of` are the one reading of the field."""
+
 DEVICE_KINDS = ("mdev", "vf", "pci")
 INTENT_ACTIONS = ("create-mdev", "set-vf-type", "remove-mdev", "clear-vf-type", "create-gi",
                   "destroy-gi")
@@ -63,17 +71,6 @@ REMOVALS = ("remove-mdev", "clear-vf-type")
 # tool settle them (never a hook: gpulib.migtool).
 GPU_INSTANCE_ACTIONS = ("create-gi", "destroy-gi")
 ALLOCATION_STATUSES = ("pending", "active")
-
-# The `pool` of a vGPU or VF type an administrator made by hand (`gpulib mdev
-# create`, `gpulib vf set-type`): a marker, not a pool. Such a device is never
-# a pool member, whatever gpulib.conf declares.
-HANDMADE = "manual"
-
-
-def is_handmade(record: VgpuRecord | VfRecord) -> bool:
-    """Whether a vGPU or VF type record is of one made by hand (`HANDMADE`)."""
-    return record.pool == HANDMADE
-
 
 _LOWER_HEX = frozenset("0123456789abcdef")
 _DIGITS = frozenset("0123456789")
@@ -233,6 +230,17 @@ class Intent(_Record):
         self.parent = parent
         self.type_id = type_id  # mdev type id, or the VF's numeric type as text
         self.on_demand = on_demand
+
+
+def is_handmade(record: Union[VgpuRecord, VfRecord]) -> bool:
+    """An administrator made the device by hand: theirs, never a pool member."""
+    return record.pool == HANDMADE
+
+
+def pool_of(record: Union[VgpuRecord, VfRecord]) -> Optional[str]:
+    """The declared pool the device is a member of (None: none, or hand-made)."""
+    pool = record.pool
+    return None if pool is None or pool == HANDMADE else pool
 
 
 # Shape checks. Each raises CorruptStateError naming the place in the document.
@@ -727,6 +735,7 @@ __all__ = [
     "ALLOCATION_STATUSES",
     "DEVICE_KINDS",
     "GPU_INSTANCE_ACTIONS",
+    "HANDMADE",
     "INTENT_ACTIONS",
     "REBUILT_FROM_KEY",
     "REMOVALS",
@@ -741,6 +750,8 @@ __all__ = [
     "VfRecord",
     "VgpuRecord",
     "dumps",
+    "is_handmade",
     "placement_of",
+    "pool_of",
     "utc_now",
 ]

@@ -8,7 +8,8 @@ everything discovery knows, where the CloudStack one keeps the agent's shape:
         "class_name", "driver", "iommu_group", "iommu_group_members", "numa_node",
         "pci_root", "mode" (mdev | sriov-mdev | nvidia-vf | sriov | passthrough),
         "used_by" (the VM holding the GPU whole; its vGPUs' and VFs' users are
-        theirs), "sriov": {"totalvfs", "numvfs"},
+        theirs), "boot_vga" (the host's console), "whole_refusal" (why it is
+        not offered whole, null when it is), "sriov": {"totalvfs", "numvfs"},
         "mdev_types": [{"parent", "type_id", "name", "description", "device_api",
                         "available_instances", "max_instances", "framebuffer_mb",
                         "num_heads", "max_resolution"}],
@@ -151,6 +152,7 @@ def gpu_document(gpu: Gpu) -> dict[str, Any]:
         "numa_node": fn.numa_node,
         "pci_root": str(fn.pci_root) if fn.pci_root else None,
         "mode": gpu.mode, "used_by": gpu.used_by,
+        "boot_vga": gpu.boot_vga, "whole_refusal": gpu.whole_refusal,
         "sriov": {"totalvfs": gpu.sriov_totalvfs, "numvfs": gpu.sriov_numvfs},
         "mdev_types": types,
         "vgpus": [{"uuid": v.uuid, "parent": str(v.parent), "type_id": v.mdev_type.type_id,

@@ -17,6 +17,7 @@ from gpulib.discovery import Discovery, Inventory, Known
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import open_store
 from gpulib.occupancy import Occupancy
+from gpulib.records import pool_of
 from gpulib.state import State, StateStore
 from gpulib.usage import running_domains
 
@@ -102,7 +103,7 @@ def pool_inventory(ctx: Context, state: State, occupancy: Occupancy) -> Inventor
         return gpu
 
     for uuid, rec in sorted(state.vgpus.items()):
-        if rec.pool is None:
+        if pool_of(rec) is None:
             continue
         try:
             parent = PciAddress.parse(rec.parent)
@@ -112,7 +113,7 @@ def pool_inventory(ctx: Context, state: State, occupancy: Occupancy) -> Inventor
         if gpu is not None:
             gpu.vgpus.append(Vgpu(uuid, parent, MdevType(sysfs, parent, rec.type_id), None))
     for addr, vrec in sorted(state.vf_types.items()):
-        if vrec.pool is not None:
+        if pool_of(vrec) is not None:
             try:
                 gpu_of(PciAddress.parse(addr))
             except InputError:

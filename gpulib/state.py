@@ -73,6 +73,7 @@ from gpulib.records import (
     VgpuRecord,
     dumps,
     placement_of,
+    pool_of,
     utc_now,
 )
 from gpulib.statetext import render_json
@@ -236,8 +237,8 @@ class Repair:
         st = self.rebuilt
         vms = ", ".join(f"{vm} ({a.status})" for vm, a in sorted(st.allocations.items())) \
             or "none"
-        pooled = sum(1 for r in st.vgpus.values() if r.pool) + \
-            sum(1 for r in st.vf_types.values() if r.pool)
+        pooled = sum(1 for r in st.vgpus.values() if pool_of(r)) + \
+            sum(1 for r in st.vf_types.values() if pool_of(r))
         source = st.extra.get(REBUILT_FROM_KEY) or "the host"
         return (f"from {source}: {len(st.vgpus)} vGPU(s), {len(st.vf_types)} VF type(s), "
                 f"{pooled} pool member(s), {len(st.allocations)} allocation(s) ({vms}); "

@@ -12,7 +12,7 @@ from gpulib.errors import GpulibError, InputError
 from gpulib.lifecycle import follow_definitions, open_store, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, list_addresses, physical_function
-from gpulib.records import is_handmade
+from gpulib.records import HANDMADE, is_handmade, pool_of
 from gpulib.state import State, VfRecord, VgpuRecord
 from gpulib.sysfs import Sysfs
 from gpulib.usage import running_domains
@@ -123,8 +123,9 @@ def mdev_list(env: Env, as_json: bool) -> None:
     """List live mdevs, mdevctl's definitions and the vGPUs gpulib keeps.
 
     `definition` is the persistent record (mdevctl's: parent, type, start
-    policy, attrs; null for a transient vGPU); `pool`, `on_demand` and `vm`
-    are gpulib's.
+    policy, attrs; null for a transient vGPU); `pool`, `handmade` (made with
+    `mdev create`: kept, never a pool member), `on_demand` and `vm` are
+    gpulib's.
     """
     sysfs = env.ctx.sysfs
     state = open_store(env.ctx, env.config).load()
@@ -141,7 +142,8 @@ def mdev_list(env: Env, as_json: bool) -> None:
         type_id = m.type_id if m else d.type_id if d else rec.type_id if rec else None
         rows.append({"uuid": uuid, "parent": parent, "type_id": type_id,
                      "live": m is not None, "definition": d.as_dict() if d else None,
-                     "pool": rec.pool if rec else None,
+                     "pool": pool_of(rec) if rec else None,
+                     "handmade": rec is not None and is_handmade(rec),
                      "on_demand": rec.on_demand if rec else False,
                      "vm": occ.user("mdev", uuid),
                      "known": rec is not None})
@@ -216,7 +218,8 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
                 if not made.already_live:
                     mdev.remove(env.ctx.sysfs, made.uuid)
                 raise
-            state.vgpus.setdefault(made.uuid, VgpuRecord(str(address), type_id, pool="manual"))
+            state.vgpus.setdefault(made.uuid, VgpuRecord(str(address), type_id,
+                                                              pool=HANDMADE))
     click.echo(made.uuid)
     if made.already_live:
         click.echo(f"mdev {made.uuid} was already live ({type_id} on {address})", err=True)
@@ -282,7 +285,7 @@ def vf_set_type(env: Env, address: str, type_id: str, keep: bool) -> None:
         name = nvidia.creatable_types(env.ctx.sysfs, vf).get(tid)
         nvidia.set_type(env.ctx.sysfs, vf, tid)
         if keep:
-            state.vf_types[str(vf)] = VfRecord(tid, name, pool="manual")
+            state.vf_types[str(vf)] = VfRecord(tid, name, pool=HANDMADE)
     click.echo(f"{vf} now has vGPU type {tid}" + (f" ({name})" if name else ""))
 
 

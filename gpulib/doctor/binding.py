@@ -19,10 +19,14 @@ def check(d: Doctor) -> list[Result]:
     on_cmdline = (f"the kernel command line has {' '.join(tokens)}" if tokens else
                   "no vfio-pci.ids= or pci-stub.ids= on the kernel command line")
     problems: list[Result] = []
-    passthrough = vgpu = 0
+    passthrough = vgpu = console = 0
     for gpu in d.inventory.gpus:
         drv = gpu.fn.driver
         ids = (gpu.fn.vendor_id, gpu.fn.device_id)
+        if gpu.console and not d.is_vgpu_gpu(gpu):
+            # never offered whole: the host's driver is where it belongs
+            console += 1
+            continue
         if d.is_vgpu_gpu(gpu):
             vgpu += 1
             if drv is None:
@@ -89,5 +93,6 @@ def check(d: Doctor) -> list[Result]:
     if problems:
         return problems
     msg = (f"{passthrough} passthrough GPU(s) on vfio-pci or free, {vgpu} vGPU GPU(s) on "
-           f"their vendor driver; {on_cmdline}")
+           f"their vendor driver" + (f", {console} boot VGA GPU kept for the host's console"
+                                     if console else "") + f"; {on_cmdline}")
     return [Result(cid, OK, "GPUs", msg)]

@@ -197,7 +197,8 @@ class Doctor:
             (fn.vendor_id == AMD_VENDOR and fn.driver == "gim")
 
     def passthrough_gpus(self) -> list[Gpu]:
-        return [g for g in self.inventory.gpus if not self.is_vgpu_gpu(g)]
+        """The GPUs offered whole: not shared as vGPU, not the host's console."""
+        return [g for g in self.inventory.gpus if not self.is_vgpu_gpu(g) and not g.console]
 
     @staticmethod
     def label(gpu: Gpu) -> str:

@@ -79,6 +79,7 @@ from gpulib.plan import (
     plan_named,
     unmet,
 )
+from gpulib.records import pool_of
 from gpulib.state import Device, State
 from gpulib.usage import DomainDevices, running_domains
 from gpulib.validate import check_vm_name
@@ -180,8 +181,8 @@ class Preparer:
         if request is not None and (fills or any(
                 mdev.read_mdev(self.sysfs, u) is None for u in uuids)):
             early = self.store.load()
-            pooled = any(r.pool for r in early.vgpus.values()) or \
-                any(r.pool for r in early.vf_types.values())
+            pooled = any(pool_of(r) for r in early.vgpus.values()) or \
+                any(pool_of(r) for r in early.vf_types.values())
             if fills and pooled and request.vgpus and not request.passthrough:
                 # Pools usually serve a request: their GPUs are then all it needs to
                 # read (whether they suffice is decided under the lock).
