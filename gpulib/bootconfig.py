@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 
 DEFAULT_GRUB = "etc/default/grub"
 GRUB_D = "etc/default/grub.d"
+# gpulib's own drop-in: named to come after the others in the glob's (byte) order,
+# `50-cloudimg-settings.cfg` and `kdump-tools.cfg` included.
+GPULIB_DROP_IN = GRUB_D + "/zz-gpulib.cfg"
+DROP_IN_HEADER = ("# gpulib setup: the kernel arguments GPUs in VMs need (grub-mkconfig sources "
+                  "this file last)\n")
 CMDLINE_KEYS = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")
 # Compiled on first use: the doctor (and with it every `gpulib metrics`)
 # imports this module, and only a host with a boot configuration to read uses them.
@@ -364,6 +369,11 @@ class BootConfig:
                     out.append(token)
         return out
 
+    def words(self) -> list[str]:
+        """Every argument of a normal boot's linux line, in its order, repeats kept (the
+        last of two intel_iommu= is the one the kernel takes)."""
+        return [t for k in CMDLINE_KEYS for t in self.values[k].split()]
+
     def where(self, key: str) -> str:
         """The file whose assignment of `key` grub-mkconfig ends with (root-relative)."""
         if key in self.last:
@@ -375,25 +385,104 @@ class BootConfig:
         return [s.shown for s in self.sources[1:]
                 if any(a.key in CMDLINE_KEYS for a in assignments(s.text, None, s.shown))]
 
-    # -- editing ----------------------------------------------------------------------
-    def edit(self, key: str, add: Iterable[str] = (), remove: Iterable[str] = ()
-             ) -> dict[str, str]:
-        """The new text of each file that changes: `add` goes to the assignment the
-        effective value of `key` comes from (so it takes effect), `remove` leaves
-        every assignment of either key in every file."""
-        add, remove = list(add), list(remove)
-        texts = {s.rel: s.text for s in self.sources}
-        target = self.where(key)
-        texts.setdefault(target, "")
-        for rel in list(texts):
-            name = "/" + rel
-            new = texts[rel]
-            for k in CMDLINE_KEYS:
-                new = edit_cmdline(new, k, add if (k == key and rel == target) else (),
-                                   remove, name)
-            texts[rel] = new
-        before = {s.rel: s.text for s in self.sources}
-        return {rel: text for rel, text in texts.items() if before.get(rel) != text}
+
+# -- editing: only the files that are gpulib's to edit ---------------------------------------
+
+
+# Arguments whose last value is the one that counts: the kernel's intel_iommu=
+# (on and off set the same flag) and vfio-pci's ids (a string parameter: modprobe
+# passes every value, the module keeps the last). Not iommu=: a later iommu=pt
+# does not undo iommu=off. `-` and `_` are one in parameter names.
+_LAST_WINS = frozenset({"intel_iommu", "vfio_pci.ids"})
+
+
+def superseded(arg: str, args: list[str], add: Iterable[str]) -> bool:
+    """`arg` (`name=value`) is still in `args` but an added `name=` comes after it, for
+    a name whose last value is the one the kernel takes."""
+    name, sep, _ = arg.partition("=")
+    name = name.replace("-", "_")
+    if not sep or arg not in args or name not in _LAST_WINS:
+        return False
+    last = max(i for i, a in enumerate(args) if a == arg)
+    return any(a.partition("=")[0].replace("-", "_") == name and a in args and
+               max(i for i, b in enumerate(args) if b == a) > last for a in add)
+
+
+def owned_edit(sources: list[Source], key: str, add: Iterable[str] = (),
+               remove: Iterable[str] = (), drop_ins: bool = False) -> dict[str, str]:
+    """The new text of each file that changes, so that the effective command line
+    gains `add` and loses `remove`, editing only the files that are gpulib's to edit:
+    /etc/default/grub (the administrator's, made to be edited) and gpulib's own
+    drop-in. Other drop-ins belong to other packages (kdump-tools') or to the image
+    (a cloud image's): never edited. `add` goes to /etc/default/grub's `key` where that
+    takes effect, else (a drop-in sets `key` after it) to gpulib's drop-in, which
+    grub-mkconfig sources last and which extends the value
+    (`key="$key ..."`). `remove` leaves both keys in both files; one another's file
+    still gives is refused, unless an added argument of the same name comes after it.
+
+    BootConfigError, naming the other file, when only that file could do it."""
+    add, remove = [check_arg(a) for a in add], list(remove)
+    texts = {s.rel: s.text for s in sources}
+    for rel in (DEFAULT_GRUB, GPULIB_DROP_IN):
+        if rel in texts:
+            texts[rel] = _without(texts[rel], remove, "/" + rel)
+    attempts = [(DEFAULT_GRUB, edit_cmdline(texts.get(DEFAULT_GRUB, ""), key, add,
+                                            name="/" + DEFAULT_GRUB))]
+    if drop_ins and add:
+        attempts.append((GPULIB_DROP_IN, _extended(texts.get(GPULIB_DROP_IN, ""), key, add)))
+    problem = ("", "")
+    for rel, text in attempts:
+        trial = dict(texts, **{rel: text})
+        tried = _effective(trial, drop_ins)
+        args = tried.words()
+        lost = [a for a in add if a not in args]
+        left = [r for r in remove if r in args and not superseded(r, args, add)]
+        if not lost and not left:
+            texts = trial
+            break
+        if lost:
+            # the file whose assignment of `key` wins over the files gpulib edits
+            where = tried.sources[tried.last[key][0]].shown if key in tried.last else \
+                "/" + DEFAULT_GRUB
+            problem = (f"{where} sets {key} after the files gpulib edits and drops "
+                       f"{' '.join(lost)}: edit it by hand", where)
+        else:
+            where = next((s.shown for s in tried.sources
+                          if any(left[0] in a.value.split()
+                                 for a in assignments(s.text, None, s.shown))),
+                         "/" + DEFAULT_GRUB)
+            problem = (f"{left[0]} is set in {where}, a file gpulib does not edit (another "
+                       "package's or the image's): remove it there by hand", where)
+    else:
+        raise BootConfigError(*problem)
+    before = {s.rel: s.text for s in sources}
+    return {rel: text for rel, text in texts.items() if before.get(rel, "") != text
+            or (rel not in before and text)}
+
+
+def _without(text: str, remove: list[str], name: str) -> str:
+    for k in CMDLINE_KEYS:
+        text = edit_cmdline(text, k, (), remove, name)
+    return text
+
+
+def _extended(text: str, key: str, add: list[str]) -> str:
+    """gpulib's drop-in with `add` appended to its `key="$key ..."` line (made if absent)."""
+    found = assignments(text, key, "/" + GPULIB_DROP_IN)
+    if found:
+        return edit_cmdline(text, key, add, name="/" + GPULIB_DROP_IN)
+    if not text:
+        text = DROP_IN_HEADER
+    sep = "" if text.endswith("\n") else "\n"
+    return text + sep + f'{key}="${key} {" ".join(dict.fromkeys(add))}"\n'
+
+
+def _effective(texts: dict[str, str], drop_ins: bool) -> BootConfig:
+    """The configuration the files' texts give, in grub-mkconfig's order."""
+    names = drop_in_names(rel[len(GRUB_D) + 1:] for rel in texts
+                          if rel.startswith(GRUB_D + "/")) if drop_ins else []
+    order = [DEFAULT_GRUB] + [f"{GRUB_D}/{n}" for n in names]
+    return BootConfig([Source(rel, texts.get(rel, "")) for rel in order])
 
 
 def read_sources(read: Callable[[str], Optional[str]], listdir: Callable[[str], Iterable[str]],

@@ -14,15 +14,24 @@ then files are edited (each with a timestamped backup; both keep the file's
 owner, group and mode), the effective kernel command line is read back as
 grub-mkconfig will read it, and the commands that make the boot entries and
 every installed kernel's initramfs see the files run, each one's outcome
-written to `var/lib/gpulib/setup.json` as it happens. A step that failed or
-was never reached stays in the journal and is planned again by the next run;
-what waits for a reboot is kept for the whole boot (a second apply adds to
-it), so the doctor says "pending" rather than "broken" until the host boots
-again.
+written to `var/lib/gpulib/setup.json` as it happens; the boot entries they
+made are read back too. A step that failed or was never reached stays in the
+journal and is planned again by the next run, and what was not read back is
+read back again; what waits for a reboot is kept for the whole boot (a second
+apply adds to it), so the doctor says "pending" rather than "broken" until
+the host boots again. A run that failed promises no reboot.
 
-Nothing is rebound while the host runs: every change takes effect at the
-next boot (per-device overrides with `driverctl --noprobe`), except VFs
-enabled with the vendor's tool, which the plan says.
+What it reads of the host is the doctor's reading (`gpulib.bootstate`: the
+next boot's command line, modprobe options and initramfs tool; the running
+one's command line). It edits only what is gpulib's or made to be edited by
+the administrator: /etc/default/grub, its own grub.d drop-in, EL's
+/etc/kernel/cmdline, its own modprobe.d, modules-load.d and dracut.conf.d
+files (keeping the lines an administrator added), driverctl's override files
+of the devices it was asked for, initramfs-tools' module list; never another
+package's drop-in.
+
+Nothing is rebound or started while the host runs: every change takes effect
+at the next boot, and the plan says, per device, how and how to see it.
 
 Below a `GPULIB_ROOT` other than `/`, files are edited below that root and
 commands are listed, not run.
@@ -43,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from gpulib import bootconfig, logger
 from gpulib.atomicfile import write_atomic
+from gpulib.bootstate import KERNEL_CMDLINE
 from gpulib.config import Config
 from gpulib.context import SETUP_JOURNAL, Context
 from gpulib.discovery import Gpu
@@ -62,6 +72,7 @@ from gpulib.doctor.actions import (
     WriteFile,
 )
 from gpulib.errors import GpulibError, InputError, LockTimeout
+from gpulib.lazyre import lazy
 from gpulib.pci import PciAddress
 from gpulib.sysfs import ReadFailure, Sysfs
 
@@ -82,7 +93,6 @@ _VENDOR_DEVICE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\Z")
 # The failing command's own output shown: its last lines, enough for a hook's message.
 OUTPUT_LINES = 20
 NEXT_BOOT = "at the next boot"
-NOW = "now"
 # Linux inode flags (FS_IOC_GETFLAGS): a file the kernel will not let root replace.
 _FS_IOC_GETFLAGS = 0x80086601
 _FS_IMMUTABLE_FL = 0x10
@@ -181,12 +191,29 @@ class Refusal:
 
 @dataclass
 class Expectation:
-    """What the effective kernel command line must say once the files are edited."""
+    """What the effective kernel command line must say once the files are edited, and
+    the boot entries once they are made again (kept in the journal until it does)."""
 
     key: str
     add: list[str]
     remove: list[str]
     drop_ins: bool
+    kernel_cmdline: bool = False  # EL's /etc/kernel/cmdline is read back too
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "add": self.add, "remove": self.remove,
+                "drop_ins": self.drop_ins, "kernel_cmdline": self.kernel_cmdline}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Optional[Expectation]:
+        if not isinstance(doc, dict):
+            return None
+        key, add, remove = doc.get("key"), doc.get("add"), doc.get("remove")
+        if not isinstance(key, str) or not isinstance(add, list) or \
+                not isinstance(remove, list):
+            return None
+        return cls(key, [str(a) for a in add], [str(r) for r in remove],
+                   bool(doc.get("drop_ins")), bool(doc.get("kernel_cmdline")))
 
 
 @dataclass
@@ -200,6 +227,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     backups: list[str] = field(default_factory=list)
     expect: Optional[Expectation] = None
+    verified: bool = False  # after apply: `expect` was read back from files and boot entries
     error: str = ""  # after a failed apply: the one-line reason
     error_output: str = ""  # the failing command's own output (its last lines)
 
@@ -393,14 +421,17 @@ class Planner:
                     step.also.append(check)
                 step.resumed = step.resumed or resumed
                 return
-        # only the vendor's VF tool acts at once; the rest is for the next boot
-        effect = NOW if argv and os.path.basename(argv[0]) == "sriov-manage" else NEXT_BOOT
-        self.commands.append(Step(check, _short(why), argv=argv, effect=effect,
+        # nothing acts at once: every command is for the next boot
+        self.commands.append(Step(check, _short(why), argv=argv, effect=NEXT_BOOT,
                                   resumed=resumed))
 
     def _resume(self) -> None:
         """The commands an earlier apply did not complete (failed, or never reached):
-        their files are in place, so nothing else would plan them again."""
+        their files are in place, so nothing else would plan them again. What an
+        earlier apply could not read back is read back again."""
+        left = Expectation.from_json(self.doctor.journal.get("expect"))
+        if left is not None and any(self.wanted(c) for c in self.args_for or ["iommu"]):
+            self.plan.expect = _merged(left, self.plan.expect) if self.plan.expect else left
         for item in outstanding(self.doctor):
             checks = [c for c in item["checks"] if self.wanted(c)]
             for check in checks:
@@ -434,13 +465,24 @@ class Planner:
             self.plan.refusals.append(Refusal(address, why))
         why = "keep " + ", ".join(str(a) for a in found.taken) + " from the host for passthrough"
         for action in found.actions:
-            if isinstance(action, RunCommand) and os.path.basename(action.argv[0]) == \
-                    "driverctl":
-                address = action.argv[-2]
-                self._command("driver-binding", f"keep {address} for passthrough (per device: "
-                              "its id is shared with a device the host keeps)", action.argv)
+            if isinstance(action, WriteFile) and action.path.startswith(pt.DRIVERCTL_DIR + "/"):
+                device = action.path.rsplit("/pci-", 1)[-1]
+                self._write("driver-binding", f"keep {device} for passthrough (per device: "
+                            "its id is shared with a device the host keeps)", action)
             else:
                 self._take("driver-binding", why, action)
+        # Per device: when and how it leaves the host, and how to see that it did.
+        for taken in found.taken:
+            address = str(taken)
+            self.plan.notes.append(
+                f"{address}: nothing is rebound now; vfio-pci takes it at the next boot through "
+                f"{found.how.get(taken, pt.BY_IDS)}; after the reboot, "
+                f"readlink /sys/bus/pci/devices/{address}/driver ends in vfio-pci")
+        kept = [g for g in chosen if g.console and g.address in found.taken]
+        for gpu in kept:
+            self.plan.notes.append(
+                f"{gpu.address} is the boot VGA device: gpulib offers it to VMs whole only "
+                "with [discovery] allow_boot_vga = yes in gpulib.conf")
 
     # -- the kernel command line ----------------------------------------------------------
     def _kernel_args(self) -> None:
@@ -448,15 +490,29 @@ class Planner:
             return
         doctor = self.doctor
         distro = doctor.distro
-        drop_ins = distro.family == "debian"
+        drop_ins = doctor.next_boot.drop_ins
+        key = distro.grub_key
         try:
             sources = bootconfig.read_sources(
                 lambda rel: _current_text(doctor.sysfs, rel), doctor.sysfs.listdir, drop_ins)
             config = bootconfig.BootConfig(sources)
             configured = config.args()
-            add = [a for a in self.add if a not in configured]
             remove = [r for r in self.remove if r in configured]
-            changes = config.edit(distro.grub_key, add, remove)
+            # An argument already there goes again after one it must supersede (an
+            # intel_iommu=off another package's drop-in gives after it).
+            again = [a for a in self.add if any(_same_name(a, r) for r in remove)]
+            add = [a for a in self.add if a not in configured or a in again]
+            # only /etc/default/grub and gpulib's own drop-in: the others are not gpulib's
+            changes = bootconfig.owned_edit(sources, key, add, remove, drop_ins)
+            texts = {s.rel: s.text for s in sources}
+            kernel = doctor.next_boot.kernel_cmdline()
+            if kernel is not None:
+                # EL: the command line kernel-install gives kernels installed later
+                text = _current_text(doctor.sysfs, KERNEL_CMDLINE) or ""
+                new = edit_words(text, self.add, self.remove)
+                if new != text:
+                    changes[KERNEL_CMDLINE] = new
+                    texts[KERNEL_CMDLINE] = text
         except SetupError as exc:
             self.plan.refusals.append(Refusal(host_path(bootconfig.DEFAULT_GRUB), exc.message,
                                               "file"))
@@ -467,22 +523,25 @@ class Planner:
         checks = list(dict.fromkeys(self.args_for)) or ["iommu"]
         running = [r for r in self.remove if r in doctor.cmdline and r not in configured]
         if changes:
+            places = [configured] + ([kernel] if kernel is not None else [])
             why = "kernel command line: " + " ".join(
-                [f"+{a}" for a in add] + [f"-{r}" for r in remove])
-            existing = {s.rel for s in sources if doctor.sysfs.exists(s.rel)}
+                [f"+{a}" for a in self.add if any(a not in p for p in places)] +
+                [f"-{r}" for r in self.remove if any(r in p for p in places)])
             for rel, new in changes.items():
                 self.files[rel] = Step(checks[0], why, path=rel,
-                                       old=config_text(sources, rel) if rel in existing
-                                       else None, new=new, also=checks[1:])
-            self.plan.expect = Expectation(distro.grub_key, list(self.add),
-                                           [r for r in self.remove if r not in self.add],
-                                           drop_ins)
-            target = config.where(distro.grub_key)
-            if target != bootconfig.DEFAULT_GRUB and add:
+                                       old=texts[rel] if doctor.sysfs.exists(rel) else None,
+                                       new=new, also=checks[1:])
+            self.plan.expect = _merged(self.plan.expect, Expectation(
+                key, list(self.add), [r for r in self.remove if r not in self.add], drop_ins,
+                kernel is not None))
+            target = config.where(key)
+            if bootconfig.GPULIB_DROP_IN in changes and add and \
+                    target != bootconfig.GPULIB_DROP_IN:
                 self.plan.notes.append(
-                    f"{host_path(target)} sets {distro.grub_key} after "
-                    f"{host_path(bootconfig.DEFAULT_GRUB)}: the arguments go there, where "
-                    "grub-mkconfig takes them from")
+                    f"{host_path(target)} sets {key} after "
+                    f"{host_path(bootconfig.DEFAULT_GRUB)} and is not gpulib's to edit: the "
+                    f"arguments go to gpulib's own {host_path(bootconfig.GPULIB_DROP_IN)}, "
+                    "which grub-mkconfig sources last")
         elif running and distro.family != "rhel":
             self.plan.notes.append(f"{' '.join(running)} is on the running kernel command line "
                                    "but in none of the files grub-mkconfig reads: look in the "
@@ -500,8 +559,30 @@ class Planner:
         self.plan.add_todo("reboot the host")
 
 
-def config_text(sources: list[bootconfig.Source], rel: str) -> str:
-    return next((s.text for s in sources if s.rel == rel), "")
+def _same_name(a: str, b: str) -> bool:
+    return a.partition("=")[0].replace("-", "_") == b.partition("=")[0].replace("-", "_")
+
+
+def edit_words(text: str, add: list[str], remove: list[str]) -> str:
+    """A one-line command line file (EL's /etc/kernel/cmdline) with `add` appended
+    where missing and `remove` taken out; the rest as it was."""
+    body = text.rstrip("\n")
+    words = body.split()
+    kept = [w for w in words if w not in remove]
+    kept += [a for a in dict.fromkeys(add) if a not in kept]
+    if kept == words:
+        return text
+    return " ".join(kept) + "\n"
+
+
+def _merged(old: Optional[Expectation], new: Expectation) -> Expectation:
+    """Two runs' (or two steps') expectations as one."""
+    if old is None:
+        return new
+    add = list(dict.fromkeys(old.add + new.add))
+    return Expectation(new.key, add, [r for r in dict.fromkeys(old.remove + new.remove)
+                                      if r not in add], old.drop_ins or new.drop_ins,
+                       old.kernel_cmdline or new.kernel_cmdline)
 
 
 _PURPOSE = {
@@ -510,7 +591,7 @@ _PURPOSE = {
     "grubby": "give every installed kernel's boot entry the new arguments",
     "update-initramfs": "every installed kernel's initramfs must hold the new files",
     "dracut": "every installed kernel's initramfs must hold the new files",
-    "driverctl": "keep the device for passthrough from the next boot on",
+    "systemctl": "start the vendor's unit at every boot, from the next one on",
 }
 
 
@@ -521,7 +602,7 @@ def _short(message: str) -> str:
 def _command_rank(argv: tuple[str, ...]) -> int:
     name = os.path.basename(argv[0]) if argv else ""
     order = {"grubby": 0, "update-grub": 0, "grub2-mkconfig": 0, "update-initramfs": 1,
-             "dracut": 1, "driverctl": 2}
+             "dracut": 1}
     return order.get(name, 3)
 
 
@@ -581,13 +662,14 @@ class Journal:
         self.outstanding = [o for o in outstanding(doctor)
                             if not any(s.argv == tuple(o["argv"]) for s in plan.steps)]
 
-    def write(self, final: bool = False) -> None:
+    def write(self, final: bool = False, failed: bool = False) -> None:
         steps = self.plan.steps
         run = {"at": self.now, "steps": [dict(s.to_json(), outcome=s.done or
                                               ("not reached" if final else "planned"))
                                          for s in steps]}
         pending = list(self.pending)
-        if final:
+        # A run that failed promises no reboot: what it did waits for the rest.
+        if final and not failed:
             for check in dict.fromkeys(self.reboot_for):
                 mine = [s for s in steps if check in s.checks]
                 if mine and all(s.completed for s in mine) and check not in pending:
@@ -596,9 +678,14 @@ class Journal:
         for s in steps:
             if s.argv is not None and not s.completed:
                 left.append({"argv": list(s.argv), "checks": s.checks, "why": s.why})
+        # What the command line must say, until a run has read it back: the next
+        # run reads it back again, whatever else it plans.
+        expect = self.plan.expect
         doc = {"version": JOURNAL_VERSION, "applied_at": self.applied_at,
                "boot_id": self.boot_id, "btime": self.btime, "pending_reboot": pending,
                "outstanding": left, "steps": run["steps"],
+               "expect": expect.to_json() if expect is not None and
+               not self.plan.verified else None,
                "backups": self.backups + [host_path(b) for b in self.plan.backups
                                           if host_path(b) not in self.backups],
                "runs": [*self.runs, run]}
@@ -738,6 +825,7 @@ def _apply(ctx: Context, plan: Plan, reboot_for: list[str], now: Optional[float]
     validate(ctx, plan)
     journal = Journal(ctx, plan, reboot_for, now)
     journal.write()
+    failed = True
     try:
         edits = [s for s in plan.steps if s.path is not None]
         for step in edits:
@@ -748,9 +836,13 @@ def _apply(ctx: Context, plan: Plan, reboot_for: list[str], now: Optional[float]
         for step in plan.steps:
             if step.path is None:
                 _run(plan, step)
+                if plan.expect is not None and _command_rank(step.argv or ()) == 0:
+                    _verify_entries(ctx, plan, step)
                 journal.write()
+        plan.verified = plan.expect is not None
+        failed = False
     finally:
-        journal.write(final=True)
+        journal.write(final=True, failed=failed)
 
 
 def _edit(ctx: Context, plan: Plan, step: Step, stamp: str) -> None:
@@ -780,18 +872,74 @@ def _verify(ctx: Context, plan: Plan) -> None:
     sources = bootconfig.read_sources(bootconfig.text_reader(ctx.sysfs.read_bytes),
                                       ctx.sysfs.listdir, want.drop_ins)
     try:
-        args = bootconfig.BootConfig(sources).args()
+        args = bootconfig.BootConfig(sources).words()
     except bootconfig.BootConfigError as exc:
         raise SetupError(f"after the edit: {exc.message}") from None
     if plan.runs_commands and want.drop_ins:
         args = _shell_args() or args
-    missing = [a for a in want.add if a not in args]
-    left = [a for a in want.remove if a in args]
-    if missing or left:
-        what = ", ".join([f"lacks {' '.join(missing)}"] * bool(missing) +
-                         [f"still has {' '.join(left)}"] * bool(left))
+    what = _unlike(want, args)
+    if what:
         raise SetupError(f"after the edit the kernel command line grub-mkconfig reads {what}: "
                          "the boot entries were not regenerated; see the files named above")
+    if want.kernel_cmdline:
+        what = _unlike(want, (ctx.sysfs.read(KERNEL_CMDLINE) or "").split())
+        if what:
+            raise SetupError(f"after the edit /{KERNEL_CMDLINE} {what}: kernels installed "
+                             "later would boot without the change")
+
+
+def _unlike(want: Expectation, args: list[str]) -> str:
+    """How `args` differ from what `want` asks ("" when they do not)."""
+    missing = [a for a in want.add if a not in args]
+    left = [r for r in want.remove if r in args and not bootconfig.superseded(r, args,
+                                                                              want.add)]
+    return ", ".join([f"lacks {' '.join(missing)}"] * bool(missing) +
+                     [f"still has {' '.join(left)}"] * bool(left))
+
+
+def _verify_entries(ctx: Context, plan: Plan, step: Step) -> None:
+    """The boot entries the command just made, read back: each normal entry's command
+    line must say what `plan.expect` asks. A step whose entries do not is failed, so
+    the next run plans it again and reads them back again."""
+    want = plan.expect
+    if want is None or not plan.runs_commands:
+        return
+    for where, args in boot_entries(ctx.sysfs):
+        what = _unlike(want, args)
+        if what:
+            shown = RunCommand(step.argv or ()).shown
+            step.done = f"failed: {where} {what}"
+            raise SetupError(f"after {shown} the boot entry in {where} {what}: the next boot "
+                             "would not have the change (is another boot loader configuration "
+                             "in use?); run gpulib setup --apply again once that is fixed")
+
+
+GRUB_CFGS = ("boot/grub/grub.cfg", "boot/grub2/grub.cfg")
+BLS_ENTRIES = "boot/loader/entries"
+_LINUX_LINE = lazy(r"^\s*linux(?:efi|16)?\s+\S*vmlinuz\S*\s*(.*)$", re.M)
+
+
+def boot_entries(sysfs: Sysfs) -> list[tuple[str, list[str]]]:
+    """The command line of each normal boot entry as generated (recovery entries
+    aside): grub.cfg's linux lines, or EL's BLS entries' options."""
+    out: list[tuple[str, list[str]]] = []
+    for rel in GRUB_CFGS:
+        text = sysfs.read(rel)
+        if text is None:
+            continue
+        for m in _LINUX_LINE.finditer(text):
+            args = m.group(1).split()
+            if "single" not in args and "$kernelopts" not in args:
+                out.append((host_path(rel), args))
+    for name in sorted(sysfs.listdir(BLS_ENTRIES)):
+        if not name.endswith(".conf"):
+            continue
+        text = sysfs.read(f"{BLS_ENTRIES}/{name}") or ""
+        for line in text.splitlines():
+            key, _, value = line.strip().partition(" ")
+            if key == "options" and "$" not in value:
+                out.append((host_path(f"{BLS_ENTRIES}/{name}"), value.split()))
+    return out
 
 
 _SOURCE_LIKE_GRUB_MKCONFIG = (
@@ -809,7 +957,7 @@ def _shell_args() -> list[str]:
         return []
     if proc.returncode != 0:
         return []
-    return list(dict.fromkeys(proc.stdout.split()))
+    return proc.stdout.split()  # in order, repeats kept: the last of a name counts
 
 
 def _run(plan: Plan, step: Step) -> None:

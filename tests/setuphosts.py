@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from gpulib.bootconfig import edit_cmdline
 from gpulib.sim.fakehost import FakeHost
 
 BTIME = 1_700_000_000
@@ -88,9 +89,13 @@ def unprepared_host(root: str, distro: str, cpu: str = "GenuineIntel",
                     iommu: bool = False) -> FakeHost:
     """No IOMMU argument, nouveau loaded, an NVIDIA GPU (and its audio) on nouveau.
 
-    `iommu=True`: the IOMMU is on (groups exist) but the rest is unprepared.
+    `iommu=True`: the IOMMU is on (groups exist; the running command line and the
+    next boot's enable it) but the rest is unprepared.
     """
     os_release, grub, cmdline = DISTROS[distro]
+    if iommu:
+        key = "GRUB_CMDLINE_LINUX" if distro == "el9" else "GRUB_CMDLINE_LINUX_DEFAULT"
+        grub = edit_cmdline(grub, key, ["intel_iommu=on", "iommu=pt"])
     host = FakeHost(root)
     host.set_cmdline(cmdline + (" intel_iommu=on iommu=pt" if iommu else ""))
     host.write_file("etc/os-release", os_release)

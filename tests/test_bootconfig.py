@@ -150,7 +150,13 @@ def test_the_effective_value_is_what_the_shell_sources(tmp_path_factory: Any,
     config = bc.BootConfig(sources)
     assert config.values["GRUB_CMDLINE_LINUX"].split() == linux.split()
     assert config.values["GRUB_CMDLINE_LINUX_DEFAULT"].split() == default.split()
-    # an edit goes where it takes effect: the shell then sees the added argument
-    changes = config.edit(KEY, ["gpulib.test=1"])
-    edited = bc.BootConfig([bc.Source(s.rel, changes.get(s.rel, s.text)) for s in sources])
-    assert "gpulib.test=1" in edited.args(KEY)
+    # an edit goes where it takes effect, in the files gpulib edits only (/etc/default/grub
+    # or its own drop-in): the shell then sees the added argument
+    changes = bc.owned_edit(sources, KEY, ["gpulib.test=1"], drop_ins=True)
+    assert set(changes) <= {bc.DEFAULT_GRUB, bc.GPULIB_DROP_IN}
+    for rel, text in changes.items():
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        (base / rel).write_text(text)
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True,
+                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}).stdout
+    assert "gpulib.test=1" in out.split()  # on a normal boot's linux line (both keys)

@@ -155,7 +155,8 @@ def test_audio_function_on_host_driver_in_shared_group(host: FakeHost) -> None:
     host.bind_driver(RTX_AUDIO, "snd_hda_intel")
     r = assert_fault(run(host), "iommu-group", "fail", RTX_AUDIO)
     assert "snd_hda_intel" in r.message and RTX in r.message
-    assert f"driverctl --noprobe set-override {RTX_AUDIO} vfio-pci" in (r.fix or "")
+    assert f"printf 'vfio-pci\\n' > /etc/driverctl.d/pci-{RTX_AUDIO}" in (r.fix or "")
+    assert "nothing is rebound now" in (r.fix or "")
     assert "unbind" not in (r.fix or ""), "never a live rebind"
 
 
@@ -401,7 +402,7 @@ def test_cli_exit_codes(host: FakeHost, monkeypatch: Any, capsys: Any) -> None:
                                                       "--check", "iommu"])
     assert code == 1
     assert f"FAIL  iommu-group  {RTX_AUDIO}:" in out
-    assert f"fix: driverctl --noprobe set-override {RTX_AUDIO} vfio-pci" in out
+    assert f"fix: printf 'vfio-pci\\n' > /etc/driverctl.d/pci-{RTX_AUDIO}" in out
     assert "2 checks: 1 ok, 0 warn, 1 fail" in out
 
 

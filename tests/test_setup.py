@@ -31,6 +31,7 @@ from tests.setuphosts import (
 )
 
 BLACKLIST = "etc/modprobe.d/blacklist-nouveau.conf"
+DRACUT_BLACKLIST = "etc/dracut.conf.d/gpulib-blacklist-nouveau.conf"
 VFIO_CONF = "etc/modprobe.d/gpulib-vfio.conf"
 
 # distro -> (CPU vendor, /etc/default/grub after the edit, boot config command, initramfs)
@@ -91,7 +92,10 @@ def test_unprepared_host_plan_apply_and_second_run(tmp_path: Any, monkeypatch: A
     assert code == 0 and plan["commands_run"] is False
     assert tree_state(host.root) == before
     edits = {s["path"]: s for s in plan["steps"] if s["kind"] == "edit"}
-    assert set(edits) == {"/etc/default/grub", "/" + BLACKLIST}
+    # dracut (EL's) gets the blacklist by name: its images hold /etc/modprobe.d only
+    # where they are host-only
+    dracut = {"/" + DRACUT_BLACKLIST} if initramfs[0] == "dracut" else set()
+    assert set(edits) == {"/etc/default/grub", "/" + BLACKLIST} | dracut
     assert edits["/" + BLACKLIST]["new_file"] is True
     assert "+blacklist nouveau\n+options nouveau modeset=0\n" in edits["/" + BLACKLIST]["diff"]
     grub_diff = edits["/etc/default/grub"]["diff"]
@@ -122,8 +126,8 @@ def test_unprepared_host_plan_apply_and_second_run(tmp_path: Any, monkeypatch: A
         grub_before
     assert done["backups"] == ["/" + os.path.relpath(backups[0], host.root)]
     assert not glob.glob(host.p("etc/modprobe.d/*.bak"))  # a new file has nothing to keep
-    assert [s["done"] for s in done["steps"]] == ["created", "edited", "listed, not run",
-                                                  "listed, not run"]
+    assert [s["done"] for s in done["steps"]] == ["created"] * (1 + len(dracut)) + [
+        "edited", "listed, not run", "listed, not run"]
     assert "reboot the host" in done["still_to_do"]
     assert set(done["pending_reboot"]) == {"iommu", "nouveau"}
     assert done["doctor"]["summary"]["iommu"] == "warn"
@@ -215,7 +219,7 @@ def test_check_limits_the_plan(tmp_path: Any, monkeypatch: Any, capsys: Any) -> 
     code, plan = setup_json(host, monkeypatch, capsys, "--check", "nouveau")
     assert code == 0
     assert [s.get("path") or s["argv"] for s in plan["steps"]] == [
-        "/" + BLACKLIST, ["dracut", "-f", "--regenerate-all"]]
+        "/" + BLACKLIST, "/" + DRACUT_BLACKLIST, ["dracut", "-f", "--regenerate-all"]]
 
 
 # -- never take a GPU from the host unasked ----------------------------------------------------
@@ -239,8 +243,8 @@ def test_named_gpu_goes_to_vfio_with_its_group(tmp_path: Any, monkeypatch: Any,
     code, done = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--passthrough",
                             "10de:2484")
     assert code == 0, done
-    assert 'GRUB_CMDLINE_LINUX_DEFAULT="quiet vfio-pci.ids=10de:2484,10de:228b"' in \
-        read(host, "etc/default/grub")
+    assert 'GRUB_CMDLINE_LINUX_DEFAULT="quiet intel_iommu=on iommu=pt '\
+        'vfio-pci.ids=10de:2484,10de:228b"' in read(host, "etc/default/grub")
     assert read(host, VFIO_CONF).splitlines()[1:] == [
         "options vfio-pci ids=10de:2484,10de:228b", "softdep nouveau pre: vfio-pci",
         "softdep snd_hda_intel pre: vfio-pci"]
@@ -306,13 +310,17 @@ def test_shared_id_needs_per_device_binding(tmp_path: Any, monkeypatch: Any,
     code, plan = setup_json(host, monkeypatch, capsys, "--passthrough", GPU)
     assert code == 0 and plan["refused"] == []
     commands = [s["argv"] for s in plan["steps"] if s["kind"] == "command"]
-    # --noprobe: recorded for the next boot, nothing unbound or rebound now
-    assert ["driverctl", "--noprobe", "set-override", GPU, "vfio-pci"] in commands
-    assert ["driverctl", "--noprobe", "set-override", GPU_AUDIO, "vfio-pci"] in commands
-    assert not any(argv[0] == "driverctl" and "--noprobe" not in argv for argv in commands)
+    # driverctl's own record, applied at the next boot: driverctl itself is never run
+    # (its set-override unbinds the device at once, --noprobe or not)
+    edits = {s["path"]: s["diff"] for s in plan["steps"] if s["kind"] == "edit"}
+    for address in (GPU, GPU_AUDIO):
+        assert "+vfio-pci" in edits[f"/etc/driverctl.d/pci-{address}"]
+    assert not any(argv[0] == "driverctl" for argv in commands)
     assert all(s["takes_effect"] == "at the next boot" for s in plan["steps"])
-    assert not any(twin in argv for argv in commands)
+    assert f"/etc/driverctl.d/pci-{twin}" not in edits
     assert not any("vfio-pci.ids" in json.dumps(s) for s in plan["steps"])
+    assert any(n.startswith(f"{GPU}: nothing is rebound now") and "driverctl list-persisted"
+               in n for n in plan["notes"])
 
 
 @pytest.mark.parametrize("word", ["0000:99:00.0", "10de:ffff", "not-a-device"])
@@ -359,9 +367,11 @@ def test_nvidia_vfs_named_with_the_vendor_tool(tmp_path: Any, monkeypatch: Any,
     host.write_file("usr/lib/systemd/system/nvidia-sriov.service",
                     "[Service]\nType=oneshot\nExecStart=/usr/lib/nvidia/sriov-manage -e ALL\n")
     code, plan = setup_json(host, monkeypatch, capsys, "--check", "sriov")
-    assert [s["argv"] for s in plan["steps"]] == [
-        ["/usr/lib/nvidia/sriov-manage", "-e", pf],
-        ["systemctl", "enable", "nvidia-sriov.service"]]
+    # nothing now: the unit enabled, the VFs there from the next boot on; running the
+    # tool now is left to the operator
+    assert [s["argv"] for s in plan["steps"]] == [["systemctl", "enable", "nvidia-sriov.service"]]
+    assert all(s["takes_effect"] == "at the next boot" for s in plan["steps"])
+    assert any(f"/usr/lib/nvidia/sriov-manage -e {pf}" in t for t in plan["still_to_do"])
     (r,) = doctor(host, ["sriov"]).results
     assert "nvidia-sriov.service runs sriov-manage at boot but is not enabled" in r.message
 
@@ -369,7 +379,9 @@ def test_nvidia_vfs_named_with_the_vendor_tool(tmp_path: Any, monkeypatch: Any,
     os.symlink("/usr/lib/systemd/system/nvidia-sriov.service",
                host.p("etc/systemd/system/multi-user.target.wants/nvidia-sriov.service"))
     code, plan = setup_json(host, monkeypatch, capsys, "--check", "sriov")
-    assert [s["argv"] for s in plan["steps"]] == [["/usr/lib/nvidia/sriov-manage", "-e", pf]]
+    assert plan["steps"] == []
+    assert any(f"/usr/lib/nvidia/sriov-manage -e {pf}" in t and "systemctl status" in t
+               for t in plan["still_to_do"])
 
 
 def test_grub_that_cannot_be_edited_safely_is_refused(tmp_path: Any, monkeypatch: Any,
@@ -444,9 +456,13 @@ def test_a_failing_command_stops_the_apply(tmp_path: Any) -> None:
         hostsetup.apply(ctx, plan, reboot_for)
     assert [s.done for s in plan.steps] == ["created", "edited", "ran", "failed (exit 1)"]
     journal = json.loads(read(host, dr.SETUP_JOURNAL))
-    assert journal["pending_reboot"] == ["iommu"]  # nouveau's initramfs never got built
+    # a run that failed promises no reboot, not even for what it completed: the
+    # initramfs never got built
+    assert journal["pending_reboot"] == []
     report = doctor(host, ["iommu", "nouveau"])
-    assert [r.pending for r in report.results] == ["reboot", None]
+    assert [r.pending for r in report.results] == [None, None]
+    (iommu,) = report.results_for("iommu")
+    assert "did not complete (`false`)" in iommu.message and "before rebooting" in iommu.message
     assert report.results_for("nouveau")[0].fix == "update-initramfs -u -k all && reboot"
 
 

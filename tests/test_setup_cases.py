@@ -34,6 +34,7 @@ CLOUDIMG_TEXT = ("# Cloud Image specific Grub settings for Generic Cloud Images\
                  "# Set the default commandline\n"
                  'GRUB_CMDLINE_LINUX_DEFAULT="console=tty1 console=ttyS0"\n\n'
                  "# Set the grub console type\nGRUB_TERMINAL=console\n")
+OWN_DROP_IN = bootconfig.GPULIB_DROP_IN
 TWIN = "0000:5e:00.0"
 TWIN_AUDIO = "0000:5e:00.1"
 
@@ -50,23 +51,26 @@ def effective(host: FakeHost, family: str = "debian") -> list[str]:
 def test_a_grub_d_drop_in_gets_the_edit_that_takes_effect(tmp_path: Any, monkeypatch: Any,
                                                           capsys: Any) -> None:
     """Ubuntu cloud images set GRUB_CMDLINE_LINUX_DEFAULT in a drop-in that grub-mkconfig
-    sources after /etc/default/grub: the arguments go there, and are read back."""
+    sources after /etc/default/grub. That file is the image's, not gpulib's: the
+    arguments go to gpulib's own drop-in, sourced last, and are read back."""
     host = unprepared_host(str(tmp_path / "h"), "ubuntu2404", cpu="GenuineIntel")
     host.write_file(CLOUDIMG, CLOUDIMG_TEXT)
     assert "intel_iommu=on" not in effective(host)
     # the doctor's fix names the file and the variable setup edits
     (before,) = doctor(host, ["iommu"]).results
-    assert f"to GRUB_CMDLINE_LINUX_DEFAULT in /{CLOUDIMG}" in (before.fix or "")
+    assert f"to GRUB_CMDLINE_LINUX_DEFAULT in /{OWN_DROP_IN}" in (before.fix or "")
     code, done = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--check", "iommu")
     assert code == 0, done
     edits = [s["path"] for s in done["steps"] if s["kind"] == "edit"]
-    assert edits == ["/" + CLOUDIMG]
+    assert edits == ["/" + OWN_DROP_IN]
     assert read(host, "etc/default/grub") == UBUNTU_GRUB  # its value is overridden anyway
-    assert read(host, CLOUDIMG) == CLOUDIMG_TEXT.replace(
-        '"console=tty1 console=ttyS0"', '"console=tty1 console=ttyS0 intel_iommu=on iommu=pt"')
-    assert {"intel_iommu=on", "iommu=pt"} <= set(effective(host))
-    assert any("50-cloudimg-settings.cfg sets GRUB_CMDLINE_LINUX_DEFAULT" in n
-               for n in done["notes"])
+    assert read(host, CLOUDIMG) == CLOUDIMG_TEXT  # the image's file, untouched
+    assert read(host, OWN_DROP_IN).splitlines()[1:] == [
+        'GRUB_CMDLINE_LINUX_DEFAULT="$GRUB_CMDLINE_LINUX_DEFAULT intel_iommu=on iommu=pt"']
+    assert effective(host)[-4:] == ["console=tty1", "console=ttyS0", "intel_iommu=on",
+                                    "iommu=pt"]
+    assert any("50-cloudimg-settings.cfg sets GRUB_CMDLINE_LINUX_DEFAULT" in n and
+               OWN_DROP_IN in n for n in done["notes"])
     (r,) = doctor(host, ["iommu"]).results
     assert r.pending == "reboot"
     # the doctor reads the same files: nothing left to do, a second run changes nothing
@@ -225,7 +229,7 @@ def test_a_failed_initramfs_is_planned_again(tmp_path: Any) -> None:
     assert "zz-site failed with return 1" in failed.value.output
     assert "reboot the host" not in plan.todo and any("again" in t for t in plan.todo)
     journal = json.loads(read(host, dr.SETUP_JOURNAL))
-    assert journal["pending_reboot"] == ["iommu"]
+    assert journal["pending_reboot"] == []  # a failed run promises no reboot
     assert [(o["argv"][0].rsplit("/", 1)[-1], o["checks"]) for o in journal["outstanding"]] \
         == [("update-initramfs", ["nouveau"])]
     # nouveau not loaded (the doctor has nothing against it) and the blacklist in place:
@@ -234,13 +238,20 @@ def test_a_failed_initramfs_is_planned_again(tmp_path: Any) -> None:
     host.bind_driver(GPU, None)
     (r,) = doctor(host, ["nouveau"]).results
     assert r.status == "warn" and "did not complete" in r.message
-    # the doctor's fix and the journal's step are one step of the plan
+    # the IOMMU arguments wait for the apply to complete, not for a reboot
+    (r,) = doctor(host, ["iommu"]).results
+    assert r.status == "fail" and r.pending is None and "did not complete" in r.message
+    # the doctor's fix and the journal's step are one step of the plan; the boot entries
+    # are made again (and read back)
     ctx = Context.for_root(host.root)
     plan, reboot_for = hostsetup.make_plan(ctx)
-    assert [s.argv for s in plan.steps] == [("update-initramfs", "-u", "-k", "all"),
+    assert [s.argv for s in plan.steps] == [("update-grub",),
+                                            ("update-initramfs", "-u", "-k", "all"),
                                             initramfs.argv]
-    assert plan.steps[1].resumed
-    plan.steps = plan.steps[1:]  # the script stands for the real one
+    assert plan.steps[2].resumed and plan.expect is not None
+    assert plan.expect.add == ["intel_iommu=on", "iommu=pt"]
+    plan.steps = [plan.steps[0], plan.steps[2]]  # the scripts stand for the real ones
+    plan.steps[0].argv = grub.argv
     assert "not completed by an earlier run" in plan.text()
     plan.run_commands = True
     _script(tmp_path, "update-initramfs", "exit 0\n")  # the site's hook fixed
@@ -395,8 +406,8 @@ def test_the_doctor_s_fix_is_what_setup_applies(tmp_path: Any, monkeypatch: Any,
         == writes
     assert [s.argv for s in planned.steps if s.argv and s.argv[0] != "update-grub"] == commands
     grub = next(s for s in planned.steps if s.path == "etc/default/grub")
-    assert 'GRUB_CMDLINE_LINUX_DEFAULT="quiet vfio-pci.ids=10de:2484,10de:228b"' in (grub.new
-                                                                                     or "")
+    assert 'GRUB_CMDLINE_LINUX_DEFAULT="quiet intel_iommu=on iommu=pt '\
+        'vfio-pci.ids=10de:2484,10de:228b"' in (grub.new or "")
     # after the apply a plain setup knows the GPU is kept for passthrough
     assert setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--passthrough", GPU)[0] == 0
     code, plain = setup_json(host, monkeypatch, capsys)
@@ -428,20 +439,24 @@ def test_an_edited_file_and_its_backup_keep_owner_group_and_mode(tmp_path: Any,
 
 def test_a_driverctl_override_waits_for_the_next_boot(tmp_path: Any, monkeypatch: Any,
                                                       capsys: Any) -> None:
-    """After `driverctl --noprobe set-override` the GPU stays on its driver until it is
-    probed again: the doctor says so rather than asking for the override again."""
+    """gpulib setup writes driverctl's override files, never runs driverctl (whose
+    set-override unbinds the device at once, --noprobe or not): the GPU stays on its
+    driver until the next boot, and the doctor says so rather than asking again."""
     host = _twins(tmp_path)
     _with_driverctl(host)
-    code, plan = setup_json(host, monkeypatch, capsys, "--passthrough", GPU)
-    assert code == 0 and plan["refused"] == []
-    overrides = [s["argv"][-2] for s in plan["steps"] if s.get("argv", [""])[0] == "driverctl"]
-    assert overrides == [GPU, GPU_AUDIO]
-    for address in overrides:  # what driverctl records
-        host.write_file(f"etc/driverctl.d/pci-{address}", "vfio-pci\n")
+    before = tree_state(host.p("sys"))
+    code, done = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--passthrough", GPU)
+    assert code == 0 and done["refused"] == [], done
+    assert not any(s.get("argv", [""])[0] == "driverctl" for s in done["steps"])
+    for address in (GPU, GPU_AUDIO):  # what driverctl itself records
+        assert read(host, f"etc/driverctl.d/pci-{address}") == "vfio-pci\n"
+    assert not os.path.exists(host.p(f"etc/driverctl.d/pci-{TWIN}"))
+    assert tree_state(host.p("sys")) == before  # no unbind, no new_id, no driver_override
     (result,) = [r for r in doctor(host, ["driver-binding"]).results if r.subject == GPU]
     assert result.status == "warn" and "driverctl overrides it to vfio-pci" in result.message
+    assert result.pending == "reboot"
     code, again = setup_json(host, monkeypatch, capsys, "--passthrough", GPU)
-    assert not any(s.get("argv", [""])[0] == "driverctl" for s in again["steps"])
+    assert again["steps"] == []
     assert not any(n.startswith(f"{TWIN} is kept") for n in again["notes"])
 
 

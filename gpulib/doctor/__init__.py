@@ -8,10 +8,14 @@ commands for the distribution found in `etc/os-release`.
 Check ids (stable: scripts and the JSON depend on them):
 
 * `iommu`          the IOMMU is enabled on the kernel command line and active
-                   (`sys/class/iommu/*`, populated `sys/kernel/iommu_groups`)
+                   (`sys/class/iommu/*`, populated `sys/kernel/iommu_groups`),
+                   and the next boot's command line enables it too
+                   (`gpulib.bootstate`: the reading gpulib setup plans from)
 * `nouveau`        nouveau is not loaded and is blacklisted (hosts with NVIDIA GPUs)
-* `driver-binding` passthrough GPUs are on vfio-pci (or no driver), vGPU GPUs on
-                   their vendor driver; `vfio-pci.ids=`/`pci-stub.ids=` are shown
+* `driver-binding` passthrough GPUs are on vfio-pci (or no driver, or waiting for
+                   the next boot: vfio-pci's ids, driverctl's overrides), vGPU
+                   GPUs on their vendor driver, the boot VGA device left to the
+                   host; `vfio-pci.ids=`/`pci-stub.ids=` are shown
 * `iommu-group`    every other endpoint in a passthrough GPU's group can go with it
 * `sriov`          VFs are enabled where the card's vGPU needs them
 * `mdev`           mdev types offered, instances left, every pool finds its type on its GPUs

@@ -34,7 +34,9 @@ def check(d: Doctor) -> list[Result]:
                     cid, WARN, str(gpu.address),
                     f"{d.label(gpu)} offers vGPU ({gpu.mode}) but has no driver",
                     "load the vendor's vGPU host driver (NVIDIA vGPU manager, AMD gim)"))
-            elif ids in stub and not is_free_for_vfio(drv):
+            elif ids in stub and not is_free_for_vfio(drv) and \
+                    pt.override_of(d, gpu.address) is None:
+                # (a driverctl override keeps it on its driver whatever the ids say)
                 problems.append(Result(
                     cid, WARN, str(gpu.address),
                     f"vGPU GPU {d.label(gpu)} on {drv} matches "

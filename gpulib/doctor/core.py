@@ -256,19 +256,6 @@ class Distro(Slotted):
             return [("grub2-mkconfig", "-o", "/boot/grub2/grub.cfg")]
         return []
 
-    def initramfs_argv(self) -> Optional[tuple[str, ...]]:
-        """Every installed kernel's initramfs, not only the newest: a host pinned to
-        an older kernel (a vendor vGPU driver's) boots that one."""
-        if self.family == "debian":
-            return ("update-initramfs", "-u", "-k", "all")
-        if self.family in ("rhel", "suse"):
-            return ("dracut", "-f", "--regenerate-all")
-        return None
-
-    def initramfs_update(self) -> str:
-        return self._by_family("update-initramfs -u -k all", "dracut -f --regenerate-all",
-                               "update-initramfs -u -k all (Debian/Ubuntu) or dracut -f "
-                               "--regenerate-all (RHEL/Fedora/SUSE)")
 
 
 class Report:

@@ -11,10 +11,10 @@ import os
 import re
 import time
 
-from gpulib import bootconfig, logger
-from gpulib.bootconfig import DEFAULT_GRUB
+from gpulib import logger
+from gpulib.bootstate import NextBoot, RunningBoot, initramfs_argv
 from gpulib.config import Config
-from gpulib.context import PROC_CMDLINE, SNAPSHOT_MANIFEST, STATE_DIR, STATE_FILE, Context
+from gpulib.context import SNAPSHOT_MANIFEST, STATE_DIR, STATE_FILE, Context
 from gpulib.discovery import Gpu, Inventory
 from gpulib.doctor.actions import render
 from gpulib.doctor.core import (
@@ -29,7 +29,6 @@ from gpulib.doctor.core import (
     Result,
     host_path,
 )
-from gpulib.errors import GpulibError
 from gpulib.nvidia import NVIDIA_VENDOR
 from gpulib.pci import BRIDGE_BASE_CLASS, PciAddress, PciFunction
 from gpulib.runtime import discover_host
@@ -63,8 +62,8 @@ class Doctor:
         self._state_error: Optional[tuple[str, str, str]] = None  # (status, message, fix)
         self._state_loaded = False
         self._inventory: Optional[Inventory] = inventory  # given: the caller read the host
-        self._cmdline: Optional[list[str]] = None
-        self._configured: Optional[list[str]] = None
+        self._running: Optional[RunningBoot] = None
+        self._next_boot: Optional[NextBoot] = None
         self._journal: Optional[dict[str, object]] = None
 
     # -- facts, read once -----------------------------------------------------------
@@ -121,15 +120,40 @@ class Doctor:
         return self._inventory
 
     @property
+    def running(self) -> RunningBoot:
+        """The running boot (its kernel command line): setup's reading too."""
+        if self._running is None:
+            self._running = RunningBoot(self.sysfs)
+        return self._running
+
+    @property
+    def next_boot(self) -> NextBoot:
+        """What the next boot gets (command line, modprobe options, initramfs tool):
+        setup plans from the same reading."""
+        if self._next_boot is None:
+            self._next_boot = NextBoot(self.sysfs, self.distro.family)
+        return self._next_boot
+
+    @property
     def cmdline(self) -> list[str]:
-        if self._cmdline is None:
-            self._cmdline = (self.sysfs.read(PROC_CMDLINE) or "").split()
-        return self._cmdline
+        """The running kernel's command line."""
+        return self.running.args
 
     def params(self, name: str) -> list[str]:
-        """Every value of `name=` on the kernel command line."""
-        prefix = name + "="
-        return [t[len(prefix):] for t in self.cmdline if t.startswith(prefix)]
+        """Every value of `name=` on the running kernel's command line."""
+        return self.running.params(name)
+
+    def initramfs_argv(self) -> Optional[tuple[str, ...]]:
+        """The installed initramfs tool's command for every installed kernel."""
+        return initramfs_argv(self.next_boot.initramfs_tool())
+
+    def initramfs_update(self) -> str:
+        """That command as text, or both where none is known."""
+        argv = self.initramfs_argv()
+        if argv:
+            return " ".join(argv)
+        return ("update-initramfs -u -k all (initramfs-tools) or dracut -f --regenerate-all "
+                "(dracut)")
 
     def cpu_vendor(self) -> Optional[str]:
         """intel, amd or None, from proc/cpuinfo, else from the IOMMU units' names."""
@@ -206,25 +230,21 @@ class Doctor:
 
     def rebind_fix(self, address: PciAddress) -> str:
         """The fix for a device on the wrong driver: vfio-pci from the next boot on,
-        never a live rebind (the device may be in use: a vGPU parent, the console)."""
-        return (f"driverctl --noprobe set-override {address} vfio-pci\n"
-                "(vfio-pci from the next boot on; nothing is rebound now)")
+        never a live rebind (the device may be in use: a vGPU parent, the console).
+        driverctl's override file, which its udev rule applies when the device appears
+        at boot: `driverctl set-override`, even with --noprobe, unbinds it at once."""
+        return (f"printf 'vfio-pci\\n' > /etc/driverctl.d/pci-{address}\n"
+                "(driverctl's record, applied at the next boot; nothing is rebound now; "
+                "needs driverctl installed)")
 
     # -- running ------------------------------------------------------------------------
     # -- what gpulib setup changed, and whether the host booted since -------------------
     @property
     def configured_args(self) -> list[str]:
         """The kernel arguments the boot configuration gives (what the next boot gets):
-        /etc/default/grub and the drop-ins grub-mkconfig reads after it."""
-        if self._configured is None:
-            try:
-                self._configured = bootconfig.read_config(
-                    bootconfig.text_reader(self.sysfs.read_bytes), self.sysfs.listdir,
-                    self.distro.family).args()
-            except GpulibError:
-                text = self.sysfs.read(DEFAULT_GRUB) or ""
-                self._configured = [t for t in text.split() if "=" in t]
-        return self._configured
+        /etc/default/grub and the drop-ins grub-mkconfig reads after it, and EL's
+        /etc/kernel/cmdline (`NextBoot.args`)."""
+        return self.next_boot.args()
 
     def snapshot_ctime(self, rel: str) -> Optional[float]:
         """The ctime `rel` had on the host of which the root is a replay
@@ -285,18 +305,24 @@ class Doctor:
         return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(applied))) \
             if isinstance(applied, (int, float)) else "an earlier run"
 
+    def setup_unfinished(self) -> str:
+        """The commands gpulib setup's last apply left undone (as text, "" if none): what
+        it changed waits for them, not for a reboot."""
+        items = self.journal.get("outstanding")
+        shown = [" ".join(str(a) for a in item["argv"]) for item in
+                 (items if isinstance(items, list) else [])
+                 if isinstance(item, dict) and isinstance(item.get("argv"), list)]
+        return "; ".join(shown)
+
     def vfio_pending(self, ids: set[tuple[int, int]]) -> Optional[str]:
         """gpulib setup configured vfio-pci for these ids in this boot: when, else None."""
         configured: set[tuple[int, int]] = set()
-        for arg in self.configured_args:
-            name, _, value = arg.partition("=")
-            if name in ("vfio-pci.ids", "vfio_pci.ids"):
-                for item in value.split(","):
-                    parts = item.split(":")
-                    try:
-                        configured.add((int(parts[0], 16), int(parts[1], 16)))
-                    except (IndexError, ValueError):
-                        continue
+        for key in self.next_boot.vfio_ids():
+            parts = key.split(":")
+            try:
+                configured.add((int(parts[0], 16), int(parts[1], 16)))
+            except (IndexError, ValueError):
+                continue
         if not ids <= configured:
             return None
         return self.setup_pending("driver-binding")

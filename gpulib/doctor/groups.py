@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpulib.doctor import passthrough as pt
 from gpulib.doctor.actions import Reboot
 from gpulib.doctor.core import FAIL, OK, WARN, Result, is_free_for_vfio
 from gpulib.pci import PCI_DEVICES
@@ -37,6 +38,15 @@ def check(d: Doctor) -> list[Result]:
             if is_free_for_vfio(drv):
                 continue
             applied = d.vfio_pending({(fn.vendor_id, fn.device_id)})
+            if applied is None and pt.overridden(d, member):
+                # driverctl's record: vfio-pci gets it when it appears at the next boot
+                problems.append(d.result(
+                    cid, WARN, str(member),
+                    f"{member} ({fn.class_name}) shares IOMMU group {group} with passthrough "
+                    f"GPU {gpu.address} and is still on {drv}; driverctl overrides it to "
+                    "vfio-pci (/" + pt.override_file(member) + "): it moves at the next boot",
+                    [Reboot()], pending="reboot"))
+                continue
             if applied:
                 problems.append(d.result(
                     cid, WARN, str(member),

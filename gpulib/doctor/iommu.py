@@ -1,12 +1,19 @@
-"""`iommu`: the IOMMU is enabled on the kernel command line and active."""
+"""`iommu`: the IOMMU is enabled and active now, and the next boot enables it too.
+
+Two readings, each said by name: the running kernel's command line
+(`/proc/cmdline`) and the IOMMU units it made, and the next boot's command line
+as its configuration gives it (`gpulib.bootstate.NextBoot`, the one `gpulib
+setup` edits). A one-off boot-menu edit that enabled the IOMMU is not a host that
+will have it after the next reboot, and an `intel_iommu=off` the configuration
+holds is one even when this boot went without it.
+"""
 
 from __future__ import annotations
 
-from gpulib import bootconfig
+from gpulib.bootconfig import GPULIB_DROP_IN, superseded
 from gpulib.context import PROC_CMDLINE
 from gpulib.doctor.actions import KernelArgs, Manual, Reboot, RunCommand
 from gpulib.doctor.core import DEFAULT_GRUB, FAIL, OK, WARN, Result, host_path
-from gpulib.errors import GpulibError
 from gpulib.pci import group_number
 
 TYPE_CHECKING = False
@@ -14,15 +21,24 @@ if TYPE_CHECKING:
     from gpulib.doctor.actions import Action
     from gpulib.doctor.facts import Doctor
 
+OFF_ARGS = ("intel_iommu=off", "amd_iommu=off", "iommu=off")
+
 
 def _where(d: Doctor) -> str:
-    """The file the kernel command line's effective value comes from (as shown)."""
-    try:
-        config = bootconfig.read_config(bootconfig.text_reader(d.sysfs.read_bytes),
-                                        d.sysfs.listdir, d.distro.family)
-    except GpulibError:
+    """The file an argument goes to (as shown), as gpulib setup edits: /etc/default/grub
+    where its value takes effect, else gpulib's own drop-in (`bootconfig.owned_edit`)."""
+    grub = d.next_boot.grub
+    if grub is None:
         return host_path(DEFAULT_GRUB)
-    return host_path(config.where(d.distro.grub_key))
+    where = grub.where(d.distro.grub_key)
+    if where in (DEFAULT_GRUB, GPULIB_DROP_IN) or not d.next_boot.drop_ins:
+        return host_path(where)
+    return host_path(GPULIB_DROP_IN)
+
+
+def _values(args: list[str], name: str) -> list[str]:
+    prefix = name + "="
+    return [v for a in args if a.startswith(prefix) for v in a[len(prefix):].split(",")]
 
 
 def check(d: Doctor) -> list[Result]:
@@ -30,10 +46,10 @@ def check(d: Doctor) -> list[Result]:
     vendor = d.cpu_vendor()
     units = sorted(d.sysfs.listdir("sys/class/iommu"))
     groups = [g for g in d.sysfs.listdir("sys/kernel/iommu_groups") if group_number(g) is not None]
-    intel = [v for value in d.params("intel_iommu") for v in value.split(",")]
-    amd = [v for value in d.params("amd_iommu") for v in value.split(",")]
-    generic = [v for value in d.params("iommu") for v in value.split(",")]
-    shown = " ".join(t for t in d.cmdline
+    running = d.cmdline
+    intel, amd = _values(running, "intel_iommu"), _values(running, "amd_iommu")
+    generic = _values(running, "iommu")
+    shown = " ".join(t for t in running
                      if t.split("=", 1)[0] in ("intel_iommu", "amd_iommu", "iommu"))
     if vendor == "intel":
         on_args, on_cmdline = "intel_iommu=on iommu=pt", "on" in intel
@@ -49,24 +65,44 @@ def check(d: Doctor) -> list[Result]:
             "no IOMMU unit in /sys/class/iommu") + ", " + \
         (f"{len(groups)} IOMMU groups" if groups else "/sys/kernel/iommu_groups is empty")
     wanted = tuple(on_args.split())
+    nb = d.next_boot
+    known = nb.known
     configured = d.configured_args
+    config = nb.where() if known else ""
+    # The next boot: its configuration switches it off (where no later argument
+    # switches it on again), or lacks what enables it.
+    next_off = list(dict.fromkeys(
+        o for _, args in (nb.sources() if known else []) for o in OFF_ARGS
+        if o in args and not superseded(o, args, wanted)))
+    next_lacks = [a for a in wanted if known and a not in configured]
+    if next_off:
+        places = nb.where()
+        now = ("the running kernel has it too" if off else
+               f"the running kernel was booted without it ({what})")
+        return [d.result(cid, FAIL, subject,
+                         f"the next boot switches the IOMMU off: {' '.join(next_off)} is in "
+                         f"{places}; {now}",
+                         [KernelArgs(add=wanted, remove=tuple(next_off), where=_where(d))])]
     # /etc/default/grub already says what the running kernel lacks: the next boot has it
     # (after the boot entries are regenerated, which gpulib setup does with its edit).
-    in_config = all(a in configured for a in wanted) and not any(o in configured for o in off)
+    in_config = known and not next_lacks
     if in_config and (off or not active or not on_cmdline):
         applied = d.setup_pending(cid)
         if applied:
             return [d.result(cid, WARN, subject,
                              f"the IOMMU arguments ({' '.join(wanted)}) are in "
-                             f"{host_path(DEFAULT_GRUB)} since gpulib setup at {applied}, but "
-                             f"the running kernel was booted without them; {what}: a reboot "
-                             "is pending", [Reboot()], pending="reboot")]
+                             f"{config} since gpulib setup at {applied}, but the running "
+                             f"kernel was booted without them; {what}: a reboot is pending",
+                             [Reboot()], pending="reboot")]
         commands = d.distro.boot_config_commands(add=wanted, remove=tuple(off))
         regenerate: list[Action] = [RunCommand(c) for c in commands] or \
             [Manual(d.distro.grub_update())]
+        unfinished = d.setup_unfinished()
+        note = (f"; gpulib setup's last apply did not complete (`{unfinished}`): run gpulib "
+                "setup --apply again before rebooting" if unfinished else "")
         return [d.result(cid, FAIL, subject,
-                         f"the IOMMU is configured in {host_path(DEFAULT_GRUB)} but the running "
-                         f"kernel was booted without it; {what}", [*regenerate, Reboot()])]
+                         f"the IOMMU is configured in {config} but the running kernel was "
+                         f"booted without it; {what}{note}", [*regenerate, Reboot()])]
     if off:
         return [d.result(cid, FAIL, subject,
                          f"the IOMMU is switched off on the kernel command line "
@@ -96,5 +132,15 @@ def check(d: Doctor) -> list[Result]:
                          f"the IOMMU is active by the kernel's default but not enabled on "
                          f"the command line ({what}): another kernel may boot without it",
                          [KernelArgs(add=wanted, where=_where(d))])]
+    if next_lacks:
+        # enabled for this boot only (a boot-menu edit, or the configuration changed since)
+        return [d.result(cid, FAIL, subject,
+                         f"the running kernel has {shown} and the IOMMU is active ({what}), "
+                         f"but the next boot's configuration ({config}) lacks "
+                         f"{' '.join(next_lacks)}: the host loses the IOMMU at its next "
+                         "reboot", [KernelArgs(add=wanted, where=_where(d))])]
     how = shown or "AMD: on by default"
-    return [Result(cid, OK, subject, f"the IOMMU is enabled ({how}) and active: {what}")]
+    nxt = f"; the next boot gets it from {config}" if known else \
+        "; no boot configuration gpulib reads (/etc/default/grub) to judge the next boot by"
+    return [Result(cid, OK, subject, f"the IOMMU is enabled ({how}) and active: {what}{nxt}")]
+

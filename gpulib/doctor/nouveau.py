@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import re
 
+from gpulib.bootstate import DRACUT
 from gpulib.context import MODPROBE_DIR
 from gpulib.doctor.actions import Manual, Reboot, RunCommand, WriteFile
-from gpulib.doctor.core import FAIL, MODPROBE_DIRS, OK, WARN, Result, host_path
+from gpulib.doctor.core import FAIL, OK, WARN, Result, host_path
 from gpulib.lazyre import lazy
 from gpulib.nvidia import NVIDIA_VENDOR
 
@@ -22,18 +23,10 @@ _BLACKLIST_NOUVEAU = lazy(r"^\s*blacklist\s+nouveau\s*(#.*)?$", re.M)
 
 def _nouveau_blacklist(d: Doctor) -> list[str]:
     found: list[str] = []
-    seen: set[str] = set()
-    for directory in MODPROBE_DIRS:
-        real = os.path.realpath(d.ctx.path(directory))
-        if real in seen:
-            continue
-        seen.add(real)
-        for name in sorted(d.sysfs.listdir(directory)):
-            if not name.endswith(".conf"):
-                continue
-            text = d.sysfs.read(f"{directory}/{name}")
-            if text and _BLACKLIST_NOUVEAU.search(text):
-                found.append(host_path(f"{directory}/{name}"))
+    for rel in d.next_boot.modprobe_files():
+        text = d.sysfs.read(rel)
+        if text and _BLACKLIST_NOUVEAU.search(text):
+            found.append(host_path(rel))
     for name in ("modprobe.blacklist", "rd.driver.blacklist", "module_blacklist"):
         if any("nouveau" in v.split(",") for v in d.params(name)):
             found.append(f"{name}=nouveau on the kernel command line")
@@ -43,19 +36,38 @@ BLACKLIST_FILE = MODPROBE_DIR + "/blacklist-nouveau.conf"
 BLACKLIST_LINES = ("blacklist nouveau", "options nouveau modeset=0")
 
 
-def blacklist_action(d: Doctor) -> WriteFile:
-    """The blacklist file: what it holds now plus the lines it lacks."""
+DRACUT_BLACKLIST = "etc/dracut.conf.d/gpulib-blacklist-nouveau.conf"
+
+
+def blacklist_actions(d: Doctor) -> list[Action]:
+    """The blacklist file (what it holds now plus the lines it lacks) and, where dracut
+    makes the initramfs, its name in dracut's configuration: dracut's images hold
+    /etc/modprobe.d only where they are host-only (EL's default, not Debian's)."""
     text = d.sysfs.read(BLACKLIST_FILE) or ""
     have = {" ".join(line.split()) for line in text.splitlines()}
     missing = [line for line in BLACKLIST_LINES if line not in have]
     if text and not text.endswith("\n"):
         text += "\n"
-    return WriteFile(BLACKLIST_FILE, text + "".join(f"{line}\n" for line in missing))
+    out: list[Action] = [WriteFile(BLACKLIST_FILE,
+                                   text + "".join(f"{line}\n" for line in missing))]
+    return out + dracut_actions(d)
+
+
+def dracut_actions(d: Doctor) -> list[Action]:
+    """Where dracut makes the initramfs: the blacklist file named in its configuration."""
+    if d.next_boot.initramfs_tool() != DRACUT:
+        return []
+    content = ("# gpulib setup: the nouveau blacklist in every initramfs\n"
+               f'install_items+=" /{BLACKLIST_FILE} "\n')
+    data = d.sysfs.read_bytes(DRACUT_BLACKLIST)
+    if data is not None and data.decode("utf-8", "replace") == content:
+        return []
+    return [WriteFile(DRACUT_BLACKLIST, content)]
 
 
 def initramfs_actions(d: Doctor) -> list[Action]:
-    argv = d.distro.initramfs_argv()
-    return [RunCommand(argv)] if argv else [Manual(d.distro.initramfs_update())]
+    argv = d.initramfs_argv()
+    return [RunCommand(argv)] if argv else [Manual(d.initramfs_update())]
 
 
 def check(d: Doctor) -> list[Result]:
@@ -81,10 +93,10 @@ def check(d: Doctor) -> list[Result]:
                                  [Reboot()], pending="reboot")]
             msg += (f" although blacklisted ({', '.join(blacklisted)}): the initramfs or an "
                     "earlier boot still loads it")
-            actions: list[Action] = [*initramfs_actions(d), Reboot()]
+            actions: list[Action] = [*dracut_actions(d), *initramfs_actions(d), Reboot()]
         else:
             msg += " and not blacklisted"
-            actions = [blacklist_action(d), *initramfs_actions(d), Reboot()]
+            actions = [*blacklist_actions(d), *initramfs_actions(d), Reboot()]
         return [d.result(cid, FAIL, "/sys/module/nouveau",
                          msg + f"; it must not claim this host's {len(nvidia)} NVIDIA GPU(s)",
                          actions)]
@@ -92,7 +104,7 @@ def check(d: Doctor) -> list[Result]:
         return [d.result(cid, WARN, host_path(MODPROBE_DIR),
                          "nouveau is not loaded but not blacklisted either: it may claim the "
                          "NVIDIA GPUs at the next boot",
-                         [blacklist_action(d), *initramfs_actions(d)])]
+                         [*blacklist_actions(d), *initramfs_actions(d)])]
     unfinished = _initramfs_outstanding(d)
     if unfinished:
         return [d.result(cid, WARN, "/boot",

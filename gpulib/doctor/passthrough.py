@@ -6,19 +6,29 @@ One place decides: `gpulib setup --passthrough` applies these actions and the
 Nothing is rebound while the host runs: vfio-pci gets the devices at the next
 boot (its ids in modprobe.d and on the kernel command line, loaded early from
 the initramfs and by systemd-modules-load, so a blacklisted display driver
-leaves the GPU on vfio-pci rather than driverless), or per device with
-`driverctl --noprobe`, which records the override for the next boot and
-leaves the device where it is now.
+leaves the GPU on vfio-pci rather than driverless), or per device through
+driverctl's override files (`/etc/driverctl.d/pci-<address>`, what
+`driverctl set-override` saves), which its udev rule applies when the device
+appears at boot. gpulib writes the file itself: `driverctl set-override`, even
+with `--noprobe`, unbinds the device at once.
+
+What the administrator configured stays: the `ids` vfio-pci is given now (from
+any modprobe.d file or the command line: the last one wins) are kept in the
+value gpulib writes, lines they added to gpulib's own file stay, an unnamed
+device with the same id (a twin, driverless or not) is never swept along by
+`vfio-pci.ids=`, and a device driverctl keeps on another driver is not taken.
 """
 
 from __future__ import annotations
 
 import re
 
+from gpulib.bootstate import DRACUT, INITRAMFS_TOOLS, VFIO_IDS_ARGS, id_key
 from gpulib.context import MODPROBE_DIR
 from gpulib.discovery import Gpu
 from gpulib.doctor.actions import KernelArgs, Manual, Reboot, RunCommand, WriteFile
-from gpulib.doctor.core import is_free_for_vfio, is_vfio_driver
+from gpulib.doctor.core import is_vfio_driver
+from gpulib.lazyre import lazy
 from gpulib.pci import BRIDGE_BASE_CLASS, PCI_DEVICES, PciAddress, PciFunction
 from gpulib.slotted import Slotted
 
@@ -91,23 +101,29 @@ def driverctl(d: Doctor) -> Optional[str]:
     return next((p for p in DRIVERCTL if d.sysfs.exists(p)), None)
 
 
+def override_file(address: PciAddress) -> str:
+    """driverctl's record of a device's override (root-relative)."""
+    return f"{DRIVERCTL_DIR}/pci-{address}"
+
+
+def override_of(d: Doctor, address: PciAddress) -> Optional[str]:
+    """The driver driverctl keeps the device on from the next boot on (None: none).
+
+    Its udev rule writes the device's `driver_override` when the device appears,
+    which beats every id match: such a device goes to that driver, whatever
+    `vfio-pci.ids` says."""
+    text = (d.sysfs.read(override_file(address)) or "").strip()
+    return text or None
+
+
 def overridden(d: Doctor, address: PciAddress) -> bool:
     """driverctl keeps an override to vfio-pci for the device (from the next boot on)."""
-    text = d.sysfs.read(f"{DRIVERCTL_DIR}/pci-{address}") or ""
-    return text.strip() == "vfio-pci"
+    return override_of(d, address) == "vfio-pci"
 
 
 def configured_ids(d: Doctor) -> list[str]:
-    """vendor:device ids the next boot gives vfio-pci (command line and modprobe.d)."""
-    out: list[str] = []
-    for arg in d.configured_args:
-        name, _, value = arg.partition("=")
-        if name in ("vfio-pci.ids", "vfio_pci.ids"):
-            out += [i for i in value.split(",") if i]
-    conf = file_text(d, VFIO_CONF)
-    for m in re.finditer(r"^options\s+vfio[-_]pci\s+ids=(\S+)", conf, re.M):
-        out += [i for i in m.group(1).split(",") if i]
-    return list(dict.fromkeys(i.lower() for i in out))
+    """vendor:device ids the next boot gives vfio-pci (the last `ids` modprobe reads)."""
+    return d.next_boot.vfio_ids()
 
 
 def kept_for_passthrough(d: Doctor, gpu: Gpu) -> bool:
@@ -116,13 +132,27 @@ def kept_for_passthrough(d: Doctor, gpu: Gpu) -> bool:
 
 
 class PassthroughPlan(Slotted):
-    __slots__ = ("actions", "refusals", "taken")
-    _fields = ("actions", "refusals", "taken")
+    __slots__ = ("actions", "how", "refusals", "taken")
+    _fields = ("actions", "refusals", "taken", "how")
 
     def __init__(self) -> None:
         self.actions: list[Action] = []
         self.refusals: list[tuple[str, str]] = []  # (address, why)
         self.taken: list[PciAddress] = []  # every function kept from the host
+        # per function taken: how vfio-pci gets it at the next boot, and how to see it
+        self.how: dict[PciAddress, str] = {}
+
+
+BY_IDS = "vfio-pci.ids (the kernel command line and /" + VFIO_CONF + ")"
+BY_OVERRIDE = "its driverctl override (/" + DRIVERCTL_DIR + "/pci-{address}: `driverctl " \
+    "list-persisted` lists it now)"
+
+
+def swept_along(d: Doctor, fn: PciFunction) -> bool:
+    """An unnamed device `vfio-pci.ids=` for its id would take at the next boot: it is
+    not on vfio-pci now (on a driver, or on none: a driverless twin is taken as
+    well), and no driverctl override keeps it on a driver of its own."""
+    return not is_vfio_driver(fn.driver) and override_of(d, fn.address) is None
 
 
 def _group(d: Doctor, gpu: Gpu) -> list[PciFunction]:
@@ -161,13 +191,24 @@ def plan(d: Doctor, gpus: list[Gpu], by_address: set[PciAddress],
     by_ids: list[PciFunction] = []
     per_device: list[PciFunction] = []
     tool = driverctl(d)
+    kept = set(configured_ids(d))
     for gpu, group in accepted:
         ids = {ids_of(fn) for fn in group}
-        # a device with the same id that nobody named would go to vfio-pci too
-        others = [fn for fn in functions if ids_of(fn) in ids and fn.address not in named
-                  and (not is_free_for_vfio(fn.driver) or str(fn.address) in refused)]
+        if all(overridden(d, fn.address) for fn in group):
+            # kept per device already (driverctl's records): nothing more to do
+            for fn in group:
+                out.how[fn.address] = BY_OVERRIDE.format(address=fn.address)
+            out.taken.extend(fn.address for fn in group)
+            continue
+        # a device with the same id that nobody named would go to vfio-pci too (unless
+        # the ids already give vfio-pci that id: then it goes whatever gpulib does)
+        others = [fn for fn in functions if ids_of(fn) in ids - kept and
+                  fn.address not in named and
+                  (swept_along(d, fn) or str(fn.address) in refused)]
         if others:
-            shown = ", ".join(f"{fn.address} ({ids_of(fn)})" for fn in others)
+            shown = ", ".join(f"{fn.address} ({ids_of(fn)}, "
+                              f"{'on ' + fn.driver if fn.driver else 'no driver'})"
+                              for fn in others)
             if tool is None:
                 out.refusals.append((str(gpu.address),
                                      f"vfio-pci.ids= binds by vendor:device and would also "
@@ -175,14 +216,18 @@ def plan(d: Doctor, gpus: list[Gpu], by_address: set[PciAddress],
                                      "per device"))
                 continue
             per_device.extend(group)
+            for fn in group:
+                out.how[fn.address] = BY_OVERRIDE.format(address=fn.address)
         else:
             by_ids.extend(group)
+            for fn in group:
+                out.how[fn.address] = BY_IDS
         out.taken.extend(fn.address for fn in group)
     for fn in per_device:
         if not is_vfio_driver(fn.driver) and not overridden(d, fn.address):
-            # --noprobe: recorded for the next boot, the device stays bound now
-            out.actions.append(RunCommand(("driverctl", "--noprobe", "set-override",
-                                           str(fn.address), "vfio-pci")))
+            # driverctl's own record, applied by its udev rule when the device appears
+            # at boot: nothing is unbound now (`driverctl set-override` would)
+            out.actions.append(WriteFile(override_file(fn.address), "vfio-pci\n"))
     if by_ids:
         out.actions.extend(vfio_ids_actions(d, by_ids))
     if out.actions and not any(isinstance(a, Reboot) for a in out.actions):
@@ -192,10 +237,14 @@ def plan(d: Doctor, gpus: list[Gpu], by_address: set[PciAddress],
 
 def _refusal(d: Doctor, gpu: Gpu, by_address: set[PciAddress], include_boot_vga: bool,
              include_vgpu: bool) -> str:
-    rel = f"{PCI_DEVICES}{gpu.address}"
-    if d.sysfs.read(f"{rel}/boot_vga") == "1" and not include_boot_vga:
+    if gpu.boot_vga and not include_boot_vga:
         return ("it is the boot VGA device (the host's console); name it with "
                 "--include-boot-vga as well to take it")
+    override = override_of(d, gpu.address)
+    if override is not None and override != "vfio-pci":
+        return (f"driverctl keeps it on {override} (/{override_file(gpu.address)}), which "
+                "beats any vfio-pci id: remove that file by hand (driverctl unset-override "
+                "would rebind it now) to take it")
     use = vgpu_use(d, gpu)
     if use and not (gpu.address in by_address and include_vgpu):
         how = ("name it by its PCI address" if gpu.address not in by_address else "") + \
@@ -229,51 +278,73 @@ def _lines_file(d: Doctor, rel: str, header: str, lines: list[str]) -> Optional[
 
 
 def early_load_actions(d: Doctor) -> list[Action]:
-    """vfio-pci loaded at boot before any display driver (none if it already is)."""
+    """vfio-pci loaded at boot before any display driver (none if it already is), by
+    systemd-modules-load and from the initramfs of the tool that is installed."""
     out: list[Action] = []
     header = "# gpulib setup: vfio-pci claims the passthrough devices before any other driver"
     for rel, lines in ((MODULES_LOAD, ["vfio-pci"]),):
         found = _lines_file(d, rel, header, lines)
         if found:
             out.append(found)
-    family = d.distro.family
-    if family == "debian":
+    tool = d.next_boot.initramfs_tool()
+    if tool == INITRAMFS_TOOLS:
         found = _lines_file(d, INITRAMFS_MODULES, header, list(VFIO_MODULES))
         if found:
             out.append(found)
-    elif family in ("rhel", "suse"):
-        content = f'{header}\nforce_drivers+=" {" ".join(VFIO_MODULES)} "\n'
+    elif tool == DRACUT:
+        # dracut's images hold /etc/modprobe.d only where they are host-only (EL's
+        # default, not Debian's): gpulib's file goes in by name
+        content = (f'{header}\nforce_drivers+=" {" ".join(VFIO_MODULES)} "\n'
+                   f'install_items+=" /{VFIO_CONF} "\n')
         if file_text(d, DRACUT_CONF) != content:
             out.append(WriteFile(DRACUT_CONF, content))
     return out
 
 
+VFIO_CONF_HEADER = "# gpulib setup: these devices go to virtual machines, not to the host"
+# The lines of gpulib's modprobe file that are gpulib's: any other line is the
+# administrator's and stays where it is.
+_OWN_LINE = lazy(r"^\s*(?:options\s+vfio[-_]pci\s+ids=\S+|softdep\s+\S+\s+pre:\s+vfio-pci)"
+                 r"\s*$")
+
+
+def vfio_conf_text(old: str, ids: list[str], drivers: list[str]) -> str:
+    """gpulib's modprobe file: its header, its `options` and `softdep` lines, then
+    every other line the file holds (an administrator's) as it was."""
+    theirs = [line for line in old.splitlines()
+              if line.strip() != VFIO_CONF_HEADER and not _OWN_LINE.match(line)]
+    return (f"{VFIO_CONF_HEADER}\noptions vfio-pci ids={','.join(ids)}\n" +
+            "".join(f"softdep {drv} pre: vfio-pci\n" for drv in drivers) +
+            "".join(f"{line}\n" for line in theirs))
+
+
 def vfio_ids_actions(d: Doctor, take: list[PciFunction]) -> list[Action]:
-    """vfio-pci takes these ids at the next boot; what earlier runs configured stays."""
-    ids = configured_ids(d)
+    """vfio-pci takes these ids at the next boot; the ids it is given now (by gpulib's
+    earlier runs or by the administrator, in any file or on the command line) stay."""
+    sources = d.next_boot.vfio_ids_sources()
+    ids = list(dict.fromkeys(sources[-1].ids)) if sources else []
     for fn in take:
-        if ids_of(fn) not in ids:
+        if ids_of(fn) not in [id_key(i) for i in ids]:
             ids.append(ids_of(fn))
     conf = file_text(d, VFIO_CONF)
     drivers = re.findall(r"^softdep\s+(\S+)\s+pre:\s+vfio-pci", conf, re.M)
     for fn in take:
         if fn.driver and not is_vfio_driver(fn.driver) and fn.driver not in drivers:
             drivers.append(fn.driver)
-    existing = tuple(a for a in d.configured_args
-                     if a.split("=", 1)[0] in ("vfio-pci.ids", "vfio_pci.ids"))
+    existing = tuple(a for a in d.configured_args if a.split("=", 1)[0] in VFIO_IDS_ARGS)
+    # The command line's value is the one modprobe and the kernel take last: it holds
+    # every id, the administrator's too.
     arg = "vfio-pci.ids=" + ",".join(ids)
     out: list[Action] = []
-    content = ("# gpulib setup: these devices go to virtual machines, not to the host\n"
-               f"options vfio-pci ids={','.join(ids)}\n" +
-               "".join(f"softdep {drv} pre: vfio-pci\n" for drv in drivers))
+    content = vfio_conf_text(conf, ids, drivers)
     files_changed = conf != content
     if files_changed:
         out.append(WriteFile(VFIO_CONF, content))
     early = early_load_actions(d)
     out.extend(early)
     if files_changed or early:
-        argv = d.distro.initramfs_argv()
-        out.append(RunCommand(argv) if argv else Manual(d.distro.initramfs_update()))
+        argv = d.initramfs_argv()
+        out.append(RunCommand(argv) if argv else Manual(d.initramfs_update()))
     if existing != (arg,):  # last: its fix text ends with the reboot
         out.append(KernelArgs(add=(arg,), remove=tuple(a for a in existing if a != arg)))
     if out:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpulib.doctor.actions import Manual, RunCommand
+from gpulib.doctor.actions import Manual, Reboot, RunCommand
 from gpulib.doctor.core import FAIL, OK, Result
 from gpulib.nvidia import NVIDIA_VENDOR
 
@@ -45,19 +45,23 @@ def _facts(d: Doctor) -> str:
 
 
 def nvidia_vf_actions(d: Doctor, addr: str) -> list[Action]:
-    """sriov-manage now, its unit at every boot: only what is installed, nothing fetched."""
+    """The vendor's unit enabled, so the VFs are there from the next boot on (gpulib
+    setup changes nothing now); running sriov-manage now is the operator's to do.
+    Only what is installed, nothing fetched."""
     tool = "/" + SRIOV_MANAGE
     if not d.sysfs.exists(SRIOV_MANAGE):
         return [Manual(f"{tool} -e {addr}\n({tool} comes with the NVIDIA vGPU host driver, "
                        "which is not installed; gpulib downloads no driver)")]
-    actions: list[Action] = [RunCommand((tool, "-e", addr))]
+    now = Manual(f"(for VFs before the reboot, by hand: {tool} -e {addr})")
     unit = boot_unit(d)
     if unit is None:
-        actions.append(Manual("(VFs do not survive a reboot: run it at every boot, e.g. "
-                              "`sriov-manage -e ALL` from a systemd unit)"))
-    elif not unit_enabled(d, unit):
-        actions.append(RunCommand(("systemctl", "enable", unit.replace("@.", "@ALL."))))
-    return actions
+        return [Manual(f"{tool} -e {addr}\n(VFs do not survive a reboot: run it at every "
+                       "boot, e.g. `sriov-manage -e ALL` from a systemd unit)")]
+    if not unit_enabled(d, unit):
+        return [RunCommand(("systemctl", "enable", unit.replace("@.", "@ALL."))), Reboot(),
+                now]
+    return [Manual(f"{tool} -e {addr}\n({unit} runs it at every boot: see why it did not, "
+                   f"systemctl status {unit.replace('@.', '@ALL.')})")]
 
 
 def check(d: Doctor) -> list[Result]:
