@@ -163,7 +163,7 @@ def test_an_unknown_type_id_still_lists_what_is_offered(
     assert code == 1 and "does not offer mdev type nvidia-999 (offered: nvidia-222" in err
 
 
-@pytest.mark.parametrize("args", [[], ["mdev"], ["vf"], ["migrate"]])
+@pytest.mark.parametrize("args", [[], ["mdev"], ["vf"], ["migrate"], ["device"], ["pool"]])
 def test_no_command_prints_the_usage_without_an_error(
         args: list[str], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], empty: str) -> None:

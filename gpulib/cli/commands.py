@@ -9,6 +9,7 @@ from typing import Optional
 import click
 
 from gpulib import version
+from gpulib.cli.common import Group
 from gpulib.cli.env import Env
 
 # name -> (module, attribute); one module per concern.
@@ -32,7 +33,7 @@ COMMANDS = {
 }
 
 
-class LazyGroup(click.Group):
+class LazyGroup(Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 

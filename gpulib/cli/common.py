@@ -12,12 +12,21 @@ from gpulib.cli.env import Env
 from gpulib.cli.plain import internal_error
 from gpulib.errors import EXIT_USAGE, GpulibError
 
-__all__ = ["Env", "emit_json", "json_option", "run_main"]
+__all__ = ["Env", "Group", "emit_json", "json_option", "run_main"]
 
 
-# What click (8.2 and later) raises for a group called without a command; older
-# releases print the group's help and exit 0 themselves.
-_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", None)
+class Group(click.Group):
+    """A command group that, called without a command, prints its help on
+    stderr and exits 2 (usage) whatever click's release: 8.2 and later do so,
+    8.1 (the one pip picks for EL9's Python 3.9) printed it on stdout and
+    exited 0, so scripts saw success for a missing command."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            # The help as --help prints it; no mistake to name but the missing command.
+            click.echo(ctx.get_help(), err=True)
+            ctx.exit(EXIT_USAGE)
+        return super().parse_args(ctx, args)
 
 # Every listing takes --json.
 json_option = click.option("--json", "as_json", is_flag=True, help="JSON output.")
@@ -39,11 +48,6 @@ def run_main(group: click.Group, args: list[str]) -> int:
         click.echo("gpulib: aborted", err=True)
         return 1
     except click.ClickException as exc:
-        if _NO_ARGS_IS_HELP is not None and isinstance(exc, _NO_ARGS_IS_HELP):
-            # `gpulib` (or `gpulib mdev`) without a command: the help, as
-            # `--help` prints it, on stderr; no mistake to name but the missing command.
-            click.echo(exc.format_message(), err=True)
-            return EXIT_USAGE
         click.echo(f"gpulib: error: {exc.format_message()}", err=True)
         return exc.exit_code if exc.exit_code else EXIT_USAGE
     except click.exceptions.Exit as exc:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import click
 
 from gpulib import report
-from gpulib.cli.common import Env, emit_json, json_option
+from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import boot_clock, from_other_boot, open_store
 from gpulib.pci import PciAddress
@@ -15,7 +15,7 @@ from gpulib.runtime import discover_host
 from gpulib.state import Allocation, State, StateStore
 
 
-@click.group("device")
+@click.group("device", cls=Group)
 def device_group() -> None:
     """Devices gpulib may allocate (unmanaged ones are never touched)."""
 

@@ -6,12 +6,12 @@ import sys
 
 import click
 
-from gpulib.cli.common import Env, emit_json, json_option
+from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.domain import MAX_XML_BYTES, parse_domain
 from gpulib.errors import InputError
 
 
-@click.group("migrate")
+@click.group("migrate", cls=Group)
 def migrate_group() -> None:
     """Live migration of VMs with vGPUs: check on the destination, annotate on the source."""
 

@@ -6,7 +6,7 @@ import click
 
 from gpulib import pools
 from gpulib.allocator import release as release_vm
-from gpulib.cli.common import Env, emit_json, json_option
+from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import Outcome, open_store, reconcile, restore
 from gpulib.runtime import discover_host
@@ -25,7 +25,7 @@ def _report(outcomes: list[Outcome], as_json: bool, empty: str) -> None:
         raise click.exceptions.Exit(1)
 
 
-@click.group("pool")
+@click.group("pool", cls=Group)
 def pool_group() -> None:
     """vGPU pools declared in gpulib.conf."""
 

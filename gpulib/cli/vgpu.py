@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from gpulib import mdev, mdevctl, nvidia, report, validate
-from gpulib.cli.common import Env, emit_json, json_option
+from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.errors import GpulibError, InputError
 from gpulib.lifecycle import follow_definitions, open_store, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
@@ -35,7 +35,7 @@ def _refuse_held(sysfs: Sysfs, state: State, kind: str, ident: str, force: bool)
     click.echo(f"warning: taking {kind} {ident} from {hold.describe()} (--force)", err=True)
 
 
-@click.group("mdev")
+@click.group("mdev", cls=Group)
 def mdev_group() -> None:
     """Mediated devices (mdev vGPUs): list, types, create, remove."""
 
@@ -266,7 +266,7 @@ def mdev_remove(env: Env, uuid: str, force: bool) -> None:
     click.echo(f"removed {value}")
 
 
-@click.group("vf")
+@click.group("vf", cls=Group)
 def vf_group() -> None:
     """NVIDIA vendor-specific vGPU types on SR-IOV VFs."""
 
