@@ -393,8 +393,16 @@ def record(state: State, vm: str, domain_uuid: Optional[str], devices: list[Devi
     """Add devices to a VM's allocation (created pending unless told otherwise).
 
     `clock`: this boot's id and CLOCK_BOOTTIME (lifecycle.boot_clock), recorded
-    with a new allocation so a dead pending start can be proven dead."""
+    with a new allocation so a dead pending start can be proven dead. An
+    allocation of another domain under that name is replaced, never merged
+    into (what it held and this one does not name is then no one's:
+    `lifecycle.release_ownerless`)."""
     alloc = state.allocations.get(vm)
+    if alloc is not None and domain_uuid is not None and \
+            alloc.domain_uuid not in (None, domain_uuid):
+        log.warning("%s: the allocation of domain %s is replaced by one of domain %s", vm,
+                    alloc.domain_uuid, domain_uuid)
+        alloc = None
     if alloc is None:
         alloc = Allocation(vm, domain_uuid, status, utc_now(), [],
                            boot_id=clock[0] if clock else None,

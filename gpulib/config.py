@@ -57,6 +57,7 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
     "release": {
         "destroy_on_demand": ("yes", "bool"),
         "clear_retry_seconds": ("5", "float"),
+        "arrival_timeout": ("10", "float"),
     },
     "allocator": {
         "policy": ("spread", "policy"),

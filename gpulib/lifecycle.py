@@ -41,6 +41,7 @@ from gpulib.usage import DomainDevices, running_domains
 # them: onStart comes here for its store and clock, and needs neither.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from typing import Callable, Optional
 
     from gpulib import mdevctl
@@ -51,6 +52,9 @@ _ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
 # A pending allocation younger than this may belong to a VM that is starting:
 # the agent's 30 s transformer limit, libvirt's own start, and a wide margin.
 PENDING_GRACE_SECONDS = 120.0
+# How long the devices `migrate begin` made wait for the incoming domain's
+# `prepare begin`, which libvirt calls at once ([release] arrival_timeout).
+ARRIVAL_GRACE_SECONDS = 10.0
 
 
 def open_store(ctx: Context, config: Optional[Config] = None,
@@ -326,6 +330,9 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
     out = settle_intents(ctx, state, liveness)
     out += release_not_running(ctx, state, liveness, destroy_on_demand, pending_only=True,
                                checkpoint=checkpoint)
+    if destroy_on_demand:
+        # Not made again below: an on-demand vGPU nobody owns any more.
+        out += release_ownerless(ctx, state, liveness, checkpoint)
     defs = mdevctl.read_definitions(ctx)
     out += follow_definitions(ctx, state, defs)
     wanted: list[tuple[str, str, str, list[tuple[str, str]], str]] = []
@@ -436,9 +443,23 @@ def from_other_boot(alloc: Allocation, clock: tuple[Optional[str], float]) -> bo
     return alloc.uptime is not None and alloc.uptime > uptime + 1.0
 
 
+def stop_unfinished(alloc: Allocation, liveness: Liveness,
+                    clock: tuple[Optional[str], float]) -> bool:
+    """Whether an allocation is a stop that did not complete: active, made in
+    this boot, and its VM has no status file (ARCHITECTURE.md, Liveness).
+
+    The onStop or `release end` that should have ended it was killed, met a
+    full disk or never came. Asked by name only (one directory listing, which
+    every hook makes anyway): a status file under the name whose UUID differs
+    is left to the start of that name, reconnect and reconcile."""
+    return alloc.status == "active" and alloc.vm not in liveness.names() and \
+        not from_other_boot(alloc, clock)
+
+
 def pending_is_dead(alloc: Allocation, liveness: Liveness,
                     clock: tuple[Optional[str], float],
-                    grace: float = PENDING_GRACE_SECONDS) -> bool:
+                    grace: float = PENDING_GRACE_SECONDS,
+                    arrival_grace: float = ARRIVAL_GRACE_SECONDS) -> bool:
     """Whether an allocation's VM does not run and is not starting.
 
     The proof, in order:
@@ -447,6 +468,9 @@ def pending_is_dead(alloc: Allocation, liveness: Liveness,
     * it was made in another boot (`from_other_boot`): dead, nothing of an
       earlier boot runs or starts;
     * an active one of this boot whose VM does not run: dead (it stopped);
+    * a pending one made by `migrate begin` (`arriving`): dead once
+      `arrival_grace` seconds have passed without its `prepare begin`
+      (libvirt calls it at once; an abandoned migration sends no `release end`);
     * a pending one of this boot: dead once `grace` seconds of CLOCK_BOOTTIME
       have passed (a clock that never jumps; negative means another boot);
     * a record without that clock (schema 1): its wall-clock age decides, and a
@@ -462,7 +486,8 @@ def pending_is_dead(alloc: Allocation, liveness: Liveness,
     _, uptime = clock
     if alloc.uptime is not None:
         elapsed = uptime - alloc.uptime
-        return elapsed < 0 or elapsed >= grace
+        limit = min(grace, arrival_grace) if alloc.arriving else grace
+        return elapsed < 0 or elapsed >= limit
     age = age_seconds(alloc.since)
     return age >= grace or age <= -grace
 
@@ -470,53 +495,121 @@ def pending_is_dead(alloc: Allocation, liveness: Liveness,
 def release_not_running(ctx: Context, state: State, liveness: Liveness,
                         destroy_on_demand: bool = True, grace: float = PENDING_GRACE_SECONDS,
                         pending_only: bool = False, keep: Optional[str] = None,
-                        checkpoint: Optional[Callable[[State], None]] = None
-                        ) -> list[Outcome]:
+                        checkpoint: Optional[Callable[[State], None]] = None,
+                        arrival_grace: float = ARRIVAL_GRACE_SECONDS) -> list[Outcome]:
     """Release allocations of VMs that are not running, once proven dead
     (`pending_is_dead`).
 
-    `pending_only` (the hooks' cheap cleanup) leaves active allocations of
-    this boot to `gpulib reconcile` and the VM's own stop; dead pending ones
-    and everything from an earlier boot go. `keep`: a VM starting now."""
+    `pending_only` (the hooks' cheap cleanup) judges an active allocation of
+    this boot by its VM's name alone (`stop_unfinished`: a stop that did not
+    complete is finished now, before any start is judged); a status file
+    under its name keeps it whatever UUID it names, for reconcile to judge.
+    Dead pending ones and everything from an earlier boot go. `keep`: a VM
+    starting or stopping now (its own hook decides for it)."""
     out: list[Outcome] = []
     clock = boot_clock(ctx)
     for vm, alloc in sorted(state.allocations.items()):
         if vm == keep:
             continue
-        if pending_only and alloc.status != "pending" and not from_other_boot(alloc, clock):
+        ended = stop_unfinished(alloc, liveness, clock)
+        if pending_only and alloc.status == "active" and not ended and \
+                not from_other_boot(alloc, clock):
             continue
-        if not pending_is_dead(alloc, liveness, clock, grace):
+        if not ended and not pending_is_dead(alloc, liveness, clock, grace, arrival_grace):
             continue
-        boot = "an earlier boot" if from_other_boot(alloc, clock) else "this boot"
-        log.warning("releasing the %s allocation of %s: it is not running (made %s, in %s)",
-                    alloc.status, vm, alloc.since, boot)
+        held = ", ".join(f"{d.kind} {d.id}" for d in alloc.devices) or "nothing"
+        if ended:
+            # Named as what it is: the VM stopped, its stop never finished.
+            log.warning("%s: held by stopped VM %s, released now (its stop did not "
+                        "complete; made %s)", held, vm, alloc.since)
+        elif alloc.arriving:
+            log.warning("%s: held by an incoming migration of %s that libvirt abandoned "
+                        "(no prepare begin followed), released now", held, vm)
+        else:
+            boot = "an earlier boot" if from_other_boot(alloc, clock) else "this boot"
+            log.warning("releasing the %s allocation of %s: it is not running (made %s, in %s)",
+                        alloc.status, vm, alloc.since, boot)
         from gpulib.allocator import release
 
         actions = release(ctx.sysfs, state, vm, liveness, destroy_on_demand=destroy_on_demand,
                           retry_seconds=0.5, checkpoint=checkpoint)
+        if ended:
+            detail = f"held by stopped VM {vm}, released now"
+        elif alloc.arriving:
+            detail = f"held by an abandoned incoming migration of {vm}, released now"
+        else:
+            boot = "an earlier boot" if from_other_boot(alloc, clock) else "this boot"
+            detail = f"made {alloc.since}, in {boot}"
         out.append(Outcome("vm", vm, f"released {alloc.status} allocation", True,
-                           "; ".join(actions) or f"made {alloc.since}, in {boot}"))
+                           "; ".join([detail, *actions])))
+    return out
+
+
+# A name for the removal intents of devices no VM owns any more.
+OWNERLESS = "ownerless"
+
+
+def release_ownerless(ctx: Context, state: State, liveness: Liveness,
+                      checkpoint: Optional[Callable[[State], None]] = None,
+                      reuse: Iterable[str] = ()) -> list[Outcome]:
+    """Destroy the on-demand devices no allocation and no intent names and no
+    running VM uses: made for a VM whose stop left them to another VM that
+    was using them (journal: "kept"), or to a replaced allocation. Their last
+    user has stopped; left live, they would block their owner's next start
+    (the same derived UUID). `reuse`: devices a start now running names (it
+    takes them). Costs nothing when every on-demand device has an owner."""
+    named = {d.id for a in state.allocations.values() for d in a.devices}
+    named.update(i.id for i in state.intents)
+    named.update(reuse)
+    loose = [Device("mdev", u, on_demand=True) for u, r in sorted(state.vgpus.items())
+             if r.on_demand and u not in named]
+    loose += [Device("vf", a, on_demand=True) for a, r in sorted(state.vf_types.items())
+              if r.on_demand and a not in named]
+    if not loose:
+        return []
+    # The running domains' devices, read only now that a device may go.
+    gone = [d for d in loose if liveness.user_of(d.id) is None]
+    out = []
+    from gpulib.journal import release_devices
+
+    for d in loose:
+        if d not in gone:
+            log.info("on-demand %s %s has no owner; running VM %s uses it: kept until it "
+                     "stops", d.kind, d.id, liveness.user_of(d.id))
+    for d, line in zip(gone, release_devices(ctx.sysfs, state, OWNERLESS, gone, liveness,
+                                             checkpoint, 0.5)):
+        log.warning("on-demand %s %s: its owner stopped and no running VM uses it: %s",
+                    d.kind, d.id, line)
+        out.append(Outcome(d.kind, d.id, "released ownerless on-demand device",
+                           not line.startswith("FAILED"), line))
     return out
 
 
 def release_stale(ctx: Context, state: State, liveness: Liveness, config: Config,
-                  keep: Optional[str] = None, store: Optional[StateStore] = None) -> None:
-    """Release what VMs that are not running left (ARCHITECTURE.md, "What a
-    start and a stop do"): pending allocations of starts proven dead, and
-    every allocation of an earlier boot (pending_is_dead); removals
-    announced first (`store`'s checkpoint). Every hook's and arrival's cheap
-    cleanup."""
-    release_not_running(ctx, state, liveness,
-                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
-                        pending_only=True, keep=keep,
-                        checkpoint=store.checkpoint if store is not None else None)
+                  keep: Optional[str] = None, store: Optional[StateStore] = None,
+                  reuse: Iterable[str] = ()) -> None:
+    """Release what VMs that are not running left (ARCHITECTURE.md, Liveness):
+    stops that did not complete (`stop_unfinished`), pending allocations of
+    starts proven dead (abandoned arrivals included), every allocation of an
+    earlier boot (pending_is_dead), then on-demand devices left without an
+    owner (`release_ownerless`); removals announced first (`store`'s
+    checkpoint). Every hook's and arrival's cheap cleanup, before a start is
+    judged. `reuse`: devices the start now running names."""
+    destroy = config.get_bool("release", "destroy_on_demand")
+    checkpoint = store.checkpoint if store is not None else None
+    release_not_running(ctx, state, liveness, destroy_on_demand=destroy,
+                        pending_only=True, keep=keep, checkpoint=checkpoint,
+                        arrival_grace=config.get_float("release", "arrival_timeout"))
+    if destroy:
+        release_ownerless(ctx, state, liveness, checkpoint, reuse)
 
 
 def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
               grace: float = PENDING_GRACE_SECONDS,
               running: Optional[list[DomainDevices]] = None,
               checkpoint: Optional[Callable[[State], None]] = None,
-              tool_timeout: float = 10.0) -> list[Outcome]:
+              tool_timeout: float = 10.0,
+              arrival_grace: float = ARRIVAL_GRACE_SECONDS) -> list[Outcome]:
     from gpulib import mdev
     from gpulib.occupancy import Occupancy
 
@@ -530,7 +623,9 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
         out += migpool.settle_instances(ctx, state, migtool.Tool.find(ctx.root, tool_timeout),
                                         checkpoint)
     out += release_not_running(ctx, state, liveness, destroy_on_demand, grace,
-                               checkpoint=checkpoint)
+                               checkpoint=checkpoint, arrival_grace=arrival_grace)
+    if destroy_on_demand:
+        out += release_ownerless(ctx, state, liveness, checkpoint)
     occ = Occupancy.build(sysfs, state, domains)
     live = mdev.live_mdevs(sysfs)
     for uuid, rec in sorted(state.vgpus.items()):

@@ -605,7 +605,10 @@ def arrive(ctx: Context, config: Config, dom: Domain) -> list[Choice]:
                 destroy = config.get_bool("release", "destroy_on_demand")
                 journal.release([d for d in dropped if d.on_demand and destroy],
                                 retry_seconds=0.5)
-            record(state, vm, domain_uuid, devices, status="pending", clock=boot_clock(ctx))
+            # Arriving until `prepare begin` records the start again: an
+            # arrival libvirt abandons is dead after [release] arrival_timeout.
+            record(state, vm, domain_uuid, devices, status="pending",
+                   clock=boot_clock(ctx)).arriving = True
             records = records_here(sysfs, state, choices)
             journal.commit()
         except BaseException:

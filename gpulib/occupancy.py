@@ -271,7 +271,10 @@ class Occupancy:
 
         An allocation made in an earlier boot whose VM does not run holds
         nothing (its VM is dead; the boot unit or the next hook releases it):
-        the report does not call its devices used meanwhile."""
+        the report does not call its devices used meanwhile. Nor does an
+        active allocation whose VM has no status file (a stop that did not
+        complete: `lifecycle.stop_unfinished`). `running` must be every
+        running domain."""
         tree = Tree(sysfs, {u: r.parent for u, r in state.vgpus.items()},
                     {u: r.type_id for u, r in state.vgpus.items()},
                     {a: r.type_id for a, r in state.vf_types.items()})
@@ -282,16 +285,25 @@ class Occupancy:
                 d.id == i.id for d in getattr(state.allocations.get(i.vm), "devices", ())))
         running = list(running)
         clock: Optional[tuple[Optional[str], float]] = None
+        over: list[str] = []
         for vm, alloc in state.allocations.items():
             if alloc.boot_id is not None or alloc.uptime is not None:
                 from gpulib.lifecycle import boot_clock_of, from_other_boot
 
                 if clock is None:
                     clock = boot_clock_of(sysfs)
-                if from_other_boot(alloc, clock) and all(d.name != vm for d in running):
+                if all(d.name != vm for d in running) and (
+                        alloc.status == ACTIVE or from_other_boot(alloc, clock)):
+                    # Of an earlier boot, or a stop of this boot that did not
+                    # complete (active, no status file): its run is over and the
+                    # next hook finishes it before judging a start.
+                    over += [node_id(d.kind, d.id) for d in alloc.devices if d.on_demand]
                     continue
             for d in alloc.devices:
                 occ.add(Hold(vm, alloc.status, node_id(d.kind, d.id)))
+        if over:
+            # Its on-demand devices are destroyed then: not offered meanwhile.
+            occ.undone = occ.undone | frozenset(over)
         occ.add_running(running)
         return occ
 

@@ -97,6 +97,9 @@ HOOK_LOCK_TIMEOUT_CAP = 20.0
 the agent kills a hook after 30 s, so a hook gives up in time to answer with
 its one-line error. `gpulib doctor` flags a configured value above it."""
 
+# The reason given for a state file that is gone while its copy is not.
+MISSING = "the file is missing, its copy is not"
+
 # --------------------------------------------------------------------------
 # The file and its lock.
 
@@ -240,9 +243,11 @@ class Repair:
         pooled = sum(1 for r in st.vgpus.values() if pool_of(r)) + \
             sum(1 for r in st.vf_types.values() if pool_of(r))
         source = st.extra.get(REBUILT_FROM_KEY) or "the host"
+        where = f"the damaged file is {self.moved_to}" if self.moved_to else \
+            "the file itself was missing"
         return (f"from {source}: {len(st.vgpus)} vGPU(s), {len(st.vf_types)} VF type(s), "
                 f"{pooled} pool member(s), {len(st.allocations)} allocation(s) ({vms}); "
-                f"the damaged file is {self.moved_to}")
+                f"{where}")
 
 
 def _changed_part(doc: dict[str, Any], loaded: Optional[dict[str, Any]]) -> dict[str, Any]:
@@ -385,7 +390,16 @@ class StateStore:
         self.corrupt_reason = None
         raw = self._read()
         if raw is None:
-            return State()
+            copy = self.backup_state() if os.path.lexists(self.backup_path) else None
+            if copy is None:
+                return State()
+            # Lost, not new: its copy is what gpulib knew (the next change
+            # rebuilds the file from it and the host, as a damaged one).
+            self.corrupt_reason = MISSING
+            log.error("state file %s is missing beside its copy %s: reading the copy; the "
+                      "next change will rebuild it from the copy and the host",
+                      self.state_path, self.backup_path)
+            return copy
         try:
             return self._parse(raw)[0]
         except CorruptStateError as e:
@@ -671,6 +685,9 @@ class StateStore:
         self._checkpointed = False
         self._last_written = None
         if raw is None:
+            if self._bak_existed and self.backup_state() is not None:
+                return self._recover_missing()
+            # No file and no usable copy: gpulib starts empty (a new host).
             state = State()
             return state, dumps(state)
         try:
@@ -692,6 +709,22 @@ class StateStore:
             return state, ""
         own = self._loaded_from(state, raw)
         return state, dumps(state) if own is None else own
+
+    def _recover_missing(self) -> tuple[State, str]:
+        """A missing state file beside a usable copy: rebuilt exactly as a
+        damaged one is (the copy and the host, `rebuild`), written at once and
+        logged; `last_repair` says so (`gpulib status`). Read as empty, it
+        would give a pending start's device again, lose on-demand flags, and
+        the next write would overwrite the copy."""
+        state = self._rebuilt(MISSING)
+        text = dumps(state)
+        self._write(text)
+        # A failed start's revert_checkpoints puts back this, not nothing.
+        self._raw_before = text.encode("ascii")
+        self.last_repair = Repair(MISSING, "", State.from_json(json.loads(text)))
+        log.error("state file %s was missing: rebuilt %s", self.state_path,
+                  self.last_repair.summary())
+        return state, text
 
     def _loaded_from(self, state: State, raw: bytes) -> Optional[str]:
         """The file's own text, standing for `state` as loaded (None: not ASCII,

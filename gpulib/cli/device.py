@@ -170,6 +170,6 @@ def _repair(store: StateStore) -> tuple[State, dict[str, Any]]:
                    "rebuilt": {"vgpus": sorted(repair.rebuilt.vgpus),
                                "vf_types": sorted(repair.rebuilt.vf_types),
                                "allocations": sorted(repair.rebuilt.allocations)},
-                   "message": f"state file {path} was corrupt ({repair.reason}): moved it to "
-                              f"{repair.moved_to} and rebuilt it from the host: "
-                              f"{repair.summary()}"}
+                   "message": f"state file {path} was corrupt ({repair.reason}): " +
+                              (f"moved it to {repair.moved_to} and " if repair.moved_to
+                               else "") + f"rebuilt it: {repair.summary()}"}

@@ -91,7 +91,9 @@ def reconcile_cmd(env: Env, as_json: bool) -> None:
                                                                    "destroy_on_demand"),
                              checkpoint=store.checkpoint,
                              tool_timeout=env.config.get_float("discovery",
-                                                               "nvidia_smi_timeout"))
+                                                               "nvidia_smi_timeout"),
+                             arrival_grace=env.config.get_float("release",
+                                                                "arrival_timeout"))
     from gpulib import counters
     counters.note(env.ctx.root, "releases", by="reconcile",
                   times=sum(o.action.startswith("released") for o in outcomes))
@@ -101,10 +103,11 @@ def reconcile_cmd(env: Env, as_json: bool) -> None:
 @click.command("release")
 @click.argument("vm")
 @click.option("--force", is_flag=True,
-              help="Release it even while the VM runs (its vGPUs are destroyed under it).")
+              help="Release it even while the VM runs or starts (its vGPUs are destroyed "
+                   "under it).")
 @click.pass_obj
 def release_cmd(env: Env, vm: str, force: bool) -> None:
-    """Release what VM holds (as its stop hook does); refused while it runs."""
+    """Release what VM holds (as its stop hook does); refused while it runs or starts."""
     from gpulib.liveness import Liveness
 
     vm = check_vm_name(vm)
@@ -115,6 +118,16 @@ def release_cmd(env: Env, vm: str, force: bool) -> None:
         if alloc is not None and not force and liveness.is_running(vm, alloc.domain_uuid):
             raise GpulibError(f"{vm} is running: its devices stay held (stop it first, or "
                               "use --force to take them from the running VM)")
+        if alloc is not None and alloc.status == "pending" and not \
+                liveness.is_running(vm, alloc.domain_uuid):
+            # A pending allocation is a start under way: `mdev remove` and
+            # `device unmanage` refuse its devices too (one notion of held).
+            if not force:
+                raise GpulibError(f"{vm} is starting (pending allocation since {alloc.since}): "
+                                  "its devices stay held (let the start finish or fail, run "
+                                  "gpulib reconcile once it is over, or use --force)")
+            click.echo(f"gpulib: warning: {vm} is starting: releasing its devices anyway "
+                       "(--force)", err=True)
         if alloc is not None and force and liveness.is_running(vm, alloc.domain_uuid):
             click.echo(f"gpulib: warning: {vm} is running: releasing its devices anyway "
                        "(--force)", err=True)

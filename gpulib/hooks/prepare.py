@@ -218,7 +218,7 @@ class Preparer:
             settle(self.sysfs, state, liveness,
                    only=[i for i in state.intents if i.vm == self.vm and i.id not in wanted])
             release_stale(self.ctx, state, liveness, self.config, keep=self.vm,
-                          store=self.store)
+                          store=self.store, reuse=wanted)
             alloc = state.allocations.get(self.vm)
             if alloc is not None and alloc.domain_uuid not in (None, self.domain_uuid):
                 # Same name, another domain (the old one is not running): it is
@@ -473,7 +473,19 @@ def record_running(ctx: Context, config: Config, dom: Domain) -> None:
     vm = check_vm_name(dom.name_checked())
     domain_uuid = dom.uuid_checked() if dom.uuid else None
     sysfs = ctx.sysfs
-    with open_store(ctx, config).transaction() as state:
+    store = open_store(ctx, config)
+    with store.transaction() as state:
+        alloc = state.allocations.get(vm)
+        if alloc is not None and domain_uuid is not None and \
+                alloc.domain_uuid not in (None, domain_uuid):
+            # The allocation of another domain of that name (not the one that
+            # runs): replaced, as a start replaces it. Its on-demand devices
+            # go, through the journal, unless the running domain names them.
+            log.warning("%s runs as domain %s: the allocation of domain %s under its name "
+                        "is released", vm, domain_uuid, alloc.domain_uuid)
+            release(sysfs, state, vm, Liveness(sysfs), retry_seconds=0.5,
+                    destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
+                    checkpoint=store.checkpoint)
         devices = []
         for h in dom.mdev_hostdevs():
             uuid = h.uuid_checked()

@@ -32,7 +32,8 @@ def main(argv: list[str]) -> int:
 
         from gpulib.hooks.vmstate import change
 
-        outcome = change(PROGRAM, vm_arg, started=method in STARTS)
+        # onStop names the VM only, late or not: it never ends a newer start.
+        outcome = change(PROGRAM, vm_arg, started=method in STARTS, ends_run=False)
         logging.getLogger("gpulib.hooks.statechange").info("%s %s: %s", method, vm_arg,
                                                             outcome)
         return 0

@@ -46,9 +46,15 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
     return store.update(start)
 
 
-def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
+def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> list[str]:
     """onStop / release end: release what the VM held, unless it runs (a late,
-    repeated or failed stop: libvirt's status file still names it)."""
+    repeated or failed stop: libvirt's status file still names it).
+
+    A stop belongs to the run it ends (ARCHITECTURE.md, Liveness). libvirt's
+    `release end` (`ends_run`: serialized per domain, after a stop or a
+    failed start) ends the run whatever its allocation's status. CloudStack's
+    onStop names the VM only and comes when it comes: a *pending* allocation
+    is a newer start, which it never releases nor destroys anything of."""
     from gpulib.allocator import release
 
     store = open_store(ctx, config)
@@ -57,6 +63,11 @@ def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
         liveness = Liveness(ctx.sysfs)
         settle_left(ctx, state, liveness)
         release_stale(ctx, state, liveness, config, keep=vm, store=store)
+        alloc = state.allocations.get(vm)
+        if not ends_run and alloc is not None and alloc.status == "pending":
+            log.warning("a late onStop of %s: its allocation is pending (a newer start, "
+                        "since %s): nothing released", vm, alloc.since)
+            return [f"kept: {vm} is starting again (pending allocation)"]
         return release(ctx.sysfs, state, vm, liveness,
                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
                        retry_seconds=config.get_float("release", "clear_retry_seconds"),
@@ -70,11 +81,11 @@ def deactivate(ctx: Context, config: Config, vm: str) -> list[str]:
     return actions
 
 
-def change(program: str, vm_arg: str, started: bool) -> str:
+def change(program: str, vm_arg: str, started: bool, ends_run: bool = True) -> str:
     """A VM started (allocation active) or stopped (released): one line for the log.
 
-    The start/stop hook and libvirt's `started`/`release` operations share it.
-    """
+    The start/stop hook and libvirt's `started`/`release` operations share it;
+    `ends_run` False: the agent's onStop (see `deactivate`)."""
     from gpulib.hooks.common import start
     from gpulib.validate import check_vm_name
 
@@ -82,4 +93,4 @@ def change(program: str, vm_arg: str, started: bool) -> str:
     ctx, config = start(program)
     if started:
         return "allocation active" if activate(ctx, config, vm) else "nothing held"
-    return "; ".join(deactivate(ctx, config, vm)) or "nothing held"
+    return "; ".join(deactivate(ctx, config, vm, ends_run)) or "nothing held"
