@@ -278,8 +278,12 @@ def test_metadata_request_on_plain_libvirt_host(demo: str) -> None:
     # asked again (a retried start): the same devices, nothing new
     again = as_agent(demo, xml)
     assert canonical(again.stdout) == canonical(res.stdout)
-    # stop: on-demand vGPUs are destroyed
+    # the agent's onStop never ends a pending allocation (a newer start's)
     assert run([STATE_CHANGE, "onStop", "meta-vm"], demo).returncode == 0
+    for u in uuids:
+        assert os.path.islink(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
+    # libvirt's release end (the start failed): on-demand vGPUs are destroyed
+    assert run([QEMU_HOOK, "meta-vm", "release", "end", "-"], demo).returncode == 0
     for u in uuids:
         assert not os.path.lexists(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
 
