@@ -478,8 +478,9 @@ def _state(exp: Exposition, ctx: Context, config: Config) -> State:
     except GpulibError:
         state, healthy = State(), False
     exp.family("gpulib_state_healthy", "gauge",
-               "1 when gpulib's state file is missing or readable and valid, 0 when it is "
-               "corrupt, unreadable or from a newer gpulib.").add(1 if healthy else 0)
+               "1 when gpulib's state file is readable and valid (or missing with no copy: "
+               "a new host), 0 when it is corrupt, missing beside its copy, unreadable or "
+               "from a newer gpulib.").add(1 if healthy else 0)
     try:
         mtime: Optional[float] = os.stat(ctx.state_path).st_mtime
     except OSError:
