@@ -6,12 +6,18 @@ a stop (status file gone, `release end`), onStop late, twice or never, a
 retried start, a start under a running VM's name, a host reboot (new boot
 id; live vGPUs, VF types and status files gone; the boot unit's restore), a
 kill -9 at a chosen write of a stop, a full state directory, a damaged
-state file, reconcile, release, unmanage and pool apply.
+state file, reconcile, release, unmanage and pool apply; and the ways a stop
+may miss its run (ARCHITECTURE.md, Liveness): a late onStop after a new
+start, a lost stop, a missing state file, reconnect under another domain
+UUID, a migration libvirt abandons after `migrate begin`.
 
-After every step: no device tree held by two VMs, no device of a running VM
-removed or retyped, the state file parses. After the boot unit or reconcile:
-every allocation belongs to a running VM or a pending start within its
-grace, no on-demand vGPU without an owner, pool membership as configured.
+After every step: no device tree held by two VMs (nor in two runs), no
+device of a running VM removed or retyped, no pending start's device freed,
+the state file parses; once a hook has run, nothing is held by a run that
+is over (an active allocation without a status file, an abandoned arrival).
+After the boot unit or reconcile: every allocation belongs to a running VM
+or a pending start within its grace, no on-demand vGPU without an owner,
+pool membership as configured.
 
 The hooks run in this process through the functions their executables call
 (a process per step would make the machine too slow to explore); the kills
@@ -39,7 +45,7 @@ from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.domain import parse_domain
 from gpulib.errors import GpulibError
-from gpulib.hooks.prepare import Preparer, StartMode
+from gpulib.hooks.prepare import Preparer, StartMode, record_running
 from gpulib.hooks.vmstate import activate, deactivate
 from gpulib.lifecycle import open_store, reconcile, restore
 from gpulib.liveness import Liveness
@@ -95,8 +101,14 @@ class Lives(RuleBasedStateMachine):
         self.boot = 1
         self.host.write_file(BOOT_ID, f"boot-{self.boot}\n", 0o444)
         self.root = self.host.root
+        # An arrival libvirt abandons is over at once: no clock to wait for.
+        with open(os.path.join(self.root, "etc/gpulib/gpulib.conf"), "a") as conf:
+            conf.write("\n[release]\narrival_timeout = 0\n")
         self.ctx = Context.for_root(self.root, simulate=True)
         self.config = Config.load(self.ctx.config_path)
+        # Whether a hook has run to its end since the last run ended: then
+        # nothing is held by a run that is over.
+        self.hook_ran = False
         # What libvirt would run for each VM: the XML its last start produced.
         self.prepared: dict[str, str] = {}
         self.running: dict[str, str] = {}  # name -> the XML libvirt runs
@@ -119,6 +131,7 @@ class Lives(RuleBasedStateMachine):
             Preparer(self.ctx, self.config, dom, mode).run()
         except GpulibError:
             return None
+        self.hook_ran = True
         return dom.to_xml()
 
     # -- rules -------------------------------------------------------------------------------------
@@ -155,6 +168,7 @@ class Lives(RuleBasedStateMachine):
             # libvirt fails to start a domain whose mdev is gone (released meanwhile,
             # by an administrator or a reboot): `release end` follows.
             deactivate(self.ctx, self.config, name)
+            self.hook_ran = True
             return
         self._status_file(name, xml)
         self.running[name] = xml
@@ -164,10 +178,12 @@ class Lives(RuleBasedStateMachine):
         if name in self.running or self.prepared.pop(name, None) is None:
             return
         deactivate(self.ctx, self.config, name)  # release end after a failed start
+        self.hook_ran = True
 
     @rule(name=st.sampled_from(sorted(VMS)))
     def on_start(self, name: str) -> None:
         activate(self.ctx, self.config, name)
+        self.hook_ran = True
 
     @rule(name=st.sampled_from(sorted(VMS)))
     def libvirt_stops(self, name: str) -> None:
@@ -175,11 +191,80 @@ class Lives(RuleBasedStateMachine):
             return
         self.host.stop_domain(name)
         deactivate(self.ctx, self.config, name)  # release end
+        self.hook_ran = True
 
     @rule(name=st.sampled_from(sorted(VMS)))
     def on_stop(self, name: str) -> None:
         """The agent's onStop: late, twice, or for a VM that still runs."""
-        deactivate(self.ctx, self.config, name)
+        before = self._snapshot().get("allocations", {}).get(name)
+        deactivate(self.ctx, self.config, name, ends_run=False)
+        self.hook_ran = True
+        if before is not None and before["status"] == "pending":
+            after = self._snapshot()["allocations"].get(name)
+            assert after is not None and after["devices"] == before["devices"], \
+                "an onStop ended a pending allocation (a newer start)"
+
+    @rule(name=st.sampled_from(sorted(VMS)), plan=st.sampled_from(sorted(PLANS)))
+    def late_on_stop_after_a_new_start(self, name: str, plan: str) -> None:
+        """The VM stops; the agent starts it again before the old run's onStop."""
+        if self.running.pop(name, None) is None:
+            return
+        self.host.stop_domain(name)
+        self.hook_ran = False
+        out = self._prepare(name, VMS[name], plan, edit=True)
+        if out is None:
+            return
+        self.prepared[name] = out
+        before = self._snapshot()["allocations"].get(name)
+        live = set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
+        deactivate(self.ctx, self.config, name, ends_run=False)  # the late onStop
+        assert self._snapshot()["allocations"].get(name) == before
+        assert live <= set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def stop_lost(self, name: str) -> None:
+        """libvirt stops the VM; neither onStop nor release end ever comes."""
+        if self.running.pop(name, None) is None:
+            return
+        self.host.stop_domain(name)
+        self.hook_ran = False
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def reconnect_as_another_domain(self, name: str) -> None:
+        """libvirtd restarts and finds `name` running as another domain (redefined
+        and started without the hooks), with the devices it runs with."""
+        xml = self.running.get(name)
+        if xml is None:
+            return
+        dom = parse_domain(xml.replace(VMS[name], OTHER_UUID))
+        self.host.stop_domain(name)
+        self._status_file(name, dom.to_xml())
+        self.running[name] = dom.to_xml()
+        record_running(self.ctx, self.config, dom)
+        self.hook_ran = True
+        alloc = self._snapshot()["allocations"].get(name)
+        assert alloc is None or alloc["domain_uuid"] == OTHER_UUID
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def migration_abandoned(self, name: str) -> None:
+        """`migrate begin` of `name` arriving here with an on-demand vGPU; libvirt
+        abandons it: no prepare begin, no release end."""
+        from gpulib.migration import arrive
+
+        if name in self.running or name in self.prepared:
+            return
+        if self._snapshot().get("allocations", {}).get(name) is not None:
+            return
+        # The XML the source's start made: a vGPU with its record of what it is.
+        out = self._prepare(name, VMS[name], "vgpus", edit=True)
+        if out is None:
+            return
+        deactivate(self.ctx, self.config, name)  # gone from here: it runs elsewhere
+        try:
+            arrive(self.ctx, self.config, parse_domain(out))
+        except GpulibError:
+            return
+        self.hook_ran = False  # its timeout (0) has passed once the next hook runs
 
     @rule(name=st.sampled_from(sorted(VMS)), n=st.integers(1, 4),
           mode=st.sampled_from(["kill", "enospc"]))
@@ -196,6 +281,7 @@ class Lives(RuleBasedStateMachine):
                              capture_output=True, env=env, cwd=str(REPO), timeout=60)
         assert b"Traceback" not in res.stderr, res.stderr
         assert res.returncode in (0, 4, 137), res.stderr
+        self.hook_ran = res.returncode == 0
 
     @rule()
     def host_reboots(self) -> None:
@@ -212,15 +298,14 @@ class Lives(RuleBasedStateMachine):
         store = open_store(self.ctx, self.config)
         with store.transaction() as state:
             restore(self.ctx, state, autostart_wait=0, checkpoint=store.checkpoint)
-        # Run again in the same boot, the unit leaves an active allocation of
-        # this boot whose VM is gone to that VM's stop and to reconcile.
-        self.after_cleanup_only_live_owners(this_boot_active=True)
+        self.after_cleanup_only_live_owners()
 
     @rule()
     def reconcile(self) -> None:
         store = open_store(self.ctx, self.config)
         with store.transaction() as state:
-            reconcile(self.ctx, state, checkpoint=store.checkpoint)
+            reconcile(self.ctx, state, checkpoint=store.checkpoint, arrival_grace=0)
+        self.hook_ran = True
         self.after_cleanup_only_live_owners()
 
     @rule(name=st.sampled_from(sorted(VMS)))
@@ -256,6 +341,21 @@ class Lives(RuleBasedStateMachine):
         Path(self.root, STATE).write_bytes(damage)
         open_store(self.ctx, self.config).update(lambda s: None)
 
+    @rule()
+    def state_file_missing(self) -> None:
+        """The state file is gone (its copy is not): the next run rebuilds it."""
+        path = Path(self.root, STATE)
+        before = self._snapshot()
+        if not path.exists() or not Path(self.root, STATE + ".bak").exists():
+            return
+        path.unlink()
+        open_store(self.ctx, self.config).update(lambda s: None)
+        after = self._snapshot()
+        for vm, alloc in before.get("allocations", {}).items():
+            if alloc["status"] == "pending":
+                assert after["allocations"].get(vm, {}).get("devices") == alloc["devices"], \
+                    f"{vm}'s pending start lost with the state file"
+
     # -- invariants -------------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
         path = Path(self.root, STATE)
@@ -290,6 +390,17 @@ class Lives(RuleBasedStateMachine):
                     assert g1 is None or g1 != g2, (vm1, n1, vm2, n2)
 
     @invariant()
+    def nothing_held_by_a_run_that_is_over(self) -> None:
+        """Once a hook ran: no active allocation without its VM's status file,
+        no arrival left waiting for a prepare begin that never comes."""
+        if not self.hook_ran:
+            return
+        names = {d.name for d in running_domains(self.ctx.sysfs)}
+        for vm, alloc in self._snapshot().get("allocations", {}).items():
+            assert alloc["status"] != "active" or vm in names, f"{vm}'s stop left {alloc}"
+            assert not alloc.get("arriving"), f"{vm}'s abandoned arrival holds {alloc}"
+
+    @invariant()
     def running_vms_keep_their_devices(self) -> None:
         live = set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
         for d in running_domains(self.ctx.sysfs):
@@ -299,10 +410,10 @@ class Lives(RuleBasedStateMachine):
                 assert nvidia.current_type(self.ctx.sysfs, a) != 0, \
                     f"{d.name}'s VF {a} lost its type"
 
-    def after_cleanup_only_live_owners(self, this_boot_active: bool = False) -> None:
-        """Checked right after the boot unit and reconcile (the rules call it).
-        `this_boot_active`: active allocations of this boot may stay (the boot
-        unit's cleanup); none of an earlier boot may, whatever their status."""
+    def after_cleanup_only_live_owners(self) -> None:
+        """Checked right after the boot unit and reconcile (the rules call it):
+        none of an earlier boot stays, whatever its status, nor an active one
+        whose VM does not run."""
         doc = self._snapshot()
         allocs = doc.get("allocations", {})
         names = {d.name for d in running_domains(self.ctx.sysfs)}
@@ -311,8 +422,7 @@ class Lives(RuleBasedStateMachine):
             if vm in names:
                 continue
             assert alloc.get("boot_id") == boot, (vm, alloc)
-            assert alloc["status"] == "pending" or (this_boot_active
-                                                    and alloc["status"] == "active"), (vm, alloc)
+            assert alloc["status"] == "pending", (vm, alloc)
         owned = {d["id"] for a in allocs.values() for d in a["devices"]}
         removing = {i["id"] for i in doc.get("intents", [])}
         for uuid, rec in doc.get("vgpus", {}).items():
@@ -349,18 +459,21 @@ def test_the_machine_sees_a_running_vm_keep_its_vgpu(tmp_path: Path) -> None:
         machine.teardown()
 
 
-def test_an_active_vm_that_is_gone_is_left_to_reconcile_then_released(tmp_path: Path) -> None:
-    """The agent said onStart, but the VM is not running (it never started, or
-    stopped without a stop hook): the boot unit run again in the same boot
-    leaves it, reconcile releases it, and a reboot's boot unit would too."""
+def test_a_lost_stop_is_finished_by_the_next_hook(tmp_path: Path) -> None:
+    """The VM ran and stopped without a stop hook: the next hook (another VM's
+    onStart, or the boot unit run again in the same boot) releases it; an
+    onStart of a VM that does not run leaves its allocation pending."""
     machine = Lives()
     try:
         machine.start("vm-a", "vgpus", "transformer")
         machine.on_start("vm-a")
+        assert machine._snapshot()["allocations"]["vm-a"]["status"] == "pending"
+        machine.libvirt_starts("vm-a")
+        machine.on_start("vm-a")
         assert machine._snapshot()["allocations"]["vm-a"]["status"] == "active"
-        machine.boot_unit()
-        assert machine._snapshot()["allocations"]["vm-a"]["status"] == "active"
-        machine.reconcile()
+        machine.stop_lost("vm-a")
+        machine.on_start("vm-b")
+        machine.nothing_held_by_a_run_that_is_over()
         assert machine._snapshot()["allocations"] == {}
         machine.start("vm-a", "vgpus", "transformer")
         machine.on_start("vm-a")

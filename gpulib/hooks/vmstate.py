@@ -37,6 +37,23 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
         alloc = state.allocations.get(vm)
         if alloc is None:
             return False
+        if vm not in liveness.names():
+            # Active means running: an onStart with no status file comes late,
+            # after the VM stopped again. A pending allocation stays pending (a
+            # start of its own); an active one is a stop that did not complete,
+            # finished now as any hook finishes another VM's.
+            if alloc.status != "active":
+                log.warning("onStart of %s, which does not run (no status file): its "
+                            "allocation stays pending", vm)
+                return True
+            from gpulib.allocator import release
+
+            log.warning("onStart of %s, which does not run (no status file): held by "
+                        "stopped VM %s, released now", vm, vm)
+            release(ctx.sysfs, state, vm, liveness,
+                    destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
+                    retry_seconds=0.5, checkpoint=store.checkpoint)
+            return False
         if alloc.status != "active":
             alloc.status = "active"
             alloc.since = utc_now()
