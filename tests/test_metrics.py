@@ -488,6 +488,7 @@ def test_hooks_count_what_they_did(tmp_path: Path) -> None:
     other = mdev_xml("i-2-11-VM", "0f3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b", uuid)
     r = as_agent(root, other)
     assert r.returncode == 1 and b"in use" in r.stdout
+    host.add_running_domain("i-2-10-VM", DOMAIN_UUID, mdevs=(uuid,))  # libvirt runs it
     assert subprocess.run([STATE_CHANGE, "onStart", "i-2-10-VM"], env=hook_env(root)
                           ).returncode == 0
     t = totals(root)
@@ -495,6 +496,7 @@ def test_hooks_count_what_they_did(tmp_path: Path) -> None:
     assert t["gpulib_starts_refused_total hook=transformer reason=device"] == 1
     assert t["gpulib_vgpus_created_total kind=mdev"] == 1
     assert t["gpulib_releases_total by=stop"] == 0
+    host.stop_domain("i-2-10-VM")
     assert subprocess.run([STATE_CHANGE, "onStop", "i-2-10-VM"], env=hook_env(root)
                           ).returncode == 0
     # A second stop releases nothing: not counted.

@@ -696,14 +696,23 @@ def test_the_incoming_start_accepts_what_migrate_begin_made(tmp_path: Path, kind
     assert res.returncode == 0, res.stderr
     out = res.stdout
     held = state_of(dst.root)["allocations"]["mig-1"]["devices"]
-    # libvirt goes on with the XML it got: prepare begin, then started begin.
+    # libvirt goes on with the XML it got: prepare begin, its status file, then
+    # started begin.
     for op in ("prepare", "started"):
+        if op == "started":
+            dom = parse_domain(out.decode())
+            assert dom.uuid is not None
+            dst.add_running_domain("mig-1", dom.uuid,
+                                   mdevs=tuple(h.uuid_checked() for h in dom.mdev_hostdevs()),
+                                   pci=tuple(str(h.address) for h in dom.pci_hostdevs()),
+                                   managed=False)
         r = run([QEMU_HOOK, "mig-1", op, "begin", "-"], dst.root, stdin=out)
         assert r.returncode == 0, r.stderr
     alloc = state_of(dst.root)["allocations"]["mig-1"]
     assert alloc["devices"] == held and alloc["status"] == "active"
     assert state_of(dst.root)["intents"] == []
     # ... and its stop, later, destroys what was made for it (on demand).
+    dst.stop_domain("mig-1")
     r = run([QEMU_HOOK, "mig-1", "release", "end", "-"], dst.root, stdin=out)
     assert r.returncode == 0 and state_of(dst.root)["allocations"] == {}
     made = sources(out.decode())[0]

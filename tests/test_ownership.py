@@ -24,7 +24,7 @@ from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import Allocation
 from gpulib.usage import running_domains
 from tests.conftest import DATA
-from tests.hookrun import QEMU_HOOK, STATE_CHANGE, as_agent, hook_env, mdev_xml, run
+from tests.hookrun import QEMU_HOOK, as_agent, hook_env, mdev_xml, run
 from tests.hosts import tree_contents
 
 STATE = "var/lib/gpulib/state.json"
@@ -413,7 +413,7 @@ def test_kill_at_every_write_then_retry_succeeds_and_nothing_leaks(tmp_path: Pat
         assert st["intents"] == [], "every interrupted intent settled"
         assert {d["id"] for d in st["allocations"][name]["devices"]} == set(uuids)
         # Stop: nothing leaks (on-demand vGPUs destroyed, pool ones kept known).
-        assert run([STATE_CHANGE, "onStop", name], root).returncode == 0
+        assert run([QEMU_HOOK, name, "release", "end", "-"], root).returncode == 0
         st = state_of(root)
         assert st["allocations"] == {}
         left = set(os.listdir(os.path.join(root, "sys/bus/mdev/devices")))
@@ -439,7 +439,7 @@ def test_kill_at_every_write_of_a_start_that_only_records(tmp_path: Path) -> Non
         root = build_demo(str(tmp_path / f"k{n}")).root
         # Started and stopped once: its pool vGPU is live and free.
         assert as_agent(root, xml).returncode == 0
-        assert run([STATE_CHANGE, "onStop", name], root).returncode == 0
+        assert run([QEMU_HOOK, name, "release", "end", "-"], root).returncode == 0
         before = state_of(root)
         res = _crash_run(root, n, xml)
         if res.returncode == 0:
@@ -496,7 +496,7 @@ def test_retry_adopts_its_own_orphan_in_place(tmp_path: Path, xml: str) -> None:
     st = state_of(root)
     assert st.get("intents", []) == []
     assert {d["id"] for d in st["allocations"][name]["devices"]} == set(uuids)
-    assert run([STATE_CHANGE, "onStop", name], root).returncode == 0
+    assert run([QEMU_HOOK, name, "release", "end", "-"], root).returncode == 0
     st = state_of(root)
     assert st["allocations"] == {}
     left = set(os.listdir(os.path.join(root, devices)))

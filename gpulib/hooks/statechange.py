@@ -4,7 +4,8 @@ Run after a VM started (`onStart`, also `start`) and after it stopped
 (`onStop`, also `stop`). onStart turns the VM's pending allocation active;
 onStop releases it (vGPUs made on demand are destroyed, pool vGPUs return to
 their pool), unless it is pending: the agent's onStop is asynchronous, and a
-pending allocation is a newer start of the VM (ARCHITECTURE.md, Liveness). A VM gpulib knows nothing of is not an error. The agent ignores
+pending allocation is a newer start of the VM (ARCHITECTURE.md, Liveness).
+A VM gpulib knows nothing of is not an error. The agent ignores
 the output; the exit code is 0 unless something is really broken.
 
 Exit codes: 0 ok (also: nothing to do), 1 release failed, 2 bad usage or VM
