@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpulib.cli import main
+from gpulib.sim.fakehost import FakeHost
 from tests.hookrun import STATE_CHANGE, TRANSFORMER, hook_env
 from tests.hosts import t4_farm
 
@@ -30,6 +32,10 @@ def start_vm(root: str, i: int) -> tuple[int, str, float]:
                          stderr=subprocess.STDOUT, env=env, timeout=30)
     if res.returncode != 0:
         return res.returncode, res.stdout.decode(), time.monotonic() - t0
+    # libvirt runs it (its status file), then the agent says onStart.
+    mdevs = re.findall(r"address uuid=['\"]([0-9a-f-]{36})", res.stdout.decode())
+    FakeHost(root).add_running_domain(name, f"00000000-0000-4000-8000-{i:012x}",
+                                      mdevs=tuple(mdevs))
     started = subprocess.run([STATE_CHANGE, "onStart", name], capture_output=True, env=env,
                              timeout=30)
     return started.returncode, res.stdout.decode(), time.monotonic() - t0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import Context
-from gpulib.lifecycle import boot_clock, open_store, release_stale
+from gpulib.lifecycle import boot_clock, open_store, pending_is_dead, release_stale
 from gpulib.liveness import Liveness
 from gpulib.state import State, utc_now
 
@@ -36,23 +36,6 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
         release_stale(ctx, state, liveness, config, keep=vm, store=store)
         alloc = state.allocations.get(vm)
         if alloc is None:
-            return False
-        if vm not in liveness.names():
-            # Active means running: an onStart with no status file comes late,
-            # after the VM stopped again. A pending allocation stays pending (a
-            # start of its own); an active one is a stop that did not complete,
-            # finished now as any hook finishes another VM's.
-            if alloc.status != "active":
-                log.warning("onStart of %s, which does not run (no status file): its "
-                            "allocation stays pending", vm)
-                return True
-            from gpulib.allocator import release
-
-            log.warning("onStart of %s, which does not run (no status file): held by "
-                        "stopped VM %s, released now", vm, vm)
-            release(ctx.sysfs, state, vm, liveness,
-                    destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
-                    retry_seconds=0.5, checkpoint=store.checkpoint)
             return False
         if alloc.status != "active":
             alloc.status = "active"
@@ -81,7 +64,12 @@ def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> 
         settle_left(ctx, state, liveness)
         release_stale(ctx, state, liveness, config, keep=vm, store=store)
         alloc = state.allocations.get(vm)
-        if not ends_run and alloc is not None and alloc.status == "pending":
+        if not ends_run and alloc is not None and alloc.status == "pending" and not (
+                alloc.arriving and pending_is_dead(
+                    alloc, liveness, boot_clock(ctx),
+                    arrival_grace=config.get_float("release", "arrival_timeout"))):
+            # (An arrival libvirt abandoned is no start: it goes, as any hook
+            # releases it.)
             log.warning("a late onStop of %s: its allocation is pending (a newer start, "
                         "since %s): nothing released", vm, alloc.since)
             return [f"kept: {vm} is starting again (pending allocation)"]
