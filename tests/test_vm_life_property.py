@@ -475,9 +475,10 @@ def test_a_lost_stop_is_finished_by_the_next_hook(tmp_path: Path) -> None:
         machine.on_start("vm-a")
         assert machine._snapshot()["allocations"]["vm-a"]["status"] == "active"
         machine.stop_lost("vm-a")
-        machine.on_start("vm-b")
+        machine.start("vm-b", "rtx", "transformer")  # the next hook: another VM's start
         machine.nothing_held_by_a_run_that_is_over()
-        assert machine._snapshot()["allocations"] == {}
+        assert list(machine._snapshot()["allocations"]) == ["vm-b"]
+        machine.libvirt_fails_to_start("vm-b")
         machine.start("vm-a", "vgpus", "transformer")
         machine.on_start("vm-a")
         machine.host_reboots()
