@@ -18,10 +18,10 @@ import time
 
 from gpulib import logger
 from gpulib.config import Config
-from gpulib.context import BOOT_ID, Context
+from gpulib.context import Context
 from gpulib.errors import GpulibError, InputError
 from gpulib.lazyre import lazy
-from gpulib.liveness import Liveness
+from gpulib.liveness import Liveness, boot_clock_of, from_other_boot
 from gpulib.pci import PciAddress, list_addresses
 from gpulib.records import pool_of
 from gpulib.state import (
@@ -34,7 +34,6 @@ from gpulib.state import (
     VgpuRecord,
     utc_now,
 )
-from gpulib.sysfs import Sysfs
 from gpulib.usage import DomainDevices, running_domains
 
 # The vGPU modules and the allocator are imported where a function needs
@@ -416,31 +415,10 @@ def boot_clock(ctx: Context) -> tuple[Optional[str], float]:
     return boot_clock_of(ctx.sysfs)
 
 
-def boot_clock_of(sysfs: Sysfs) -> tuple[Optional[str], float]:
-    """`boot_clock` from the host's files alone."""
-    boot_id = sysfs.read(BOOT_ID)
-    boot_id = boot_id.strip() if boot_id else None
-    try:
-        uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (AttributeError, OSError):  # not Linux
-        uptime = time.monotonic()
-    return boot_id or None, uptime
-
-
 def stamp(ctx: Context, alloc: Allocation) -> None:
     """Mark an allocation as made now, in this boot (see pending_is_dead)."""
     alloc.since = utc_now()
     alloc.boot_id, alloc.uptime = boot_clock(ctx)
-
-
-def from_other_boot(alloc: Allocation, clock: tuple[Optional[str], float]) -> bool:
-    """Whether an allocation was made in an earlier boot: the kernel's boot_id
-    differs, or (without one) the boot clock it recorded is ahead of this
-    boot's (CLOCK_BOOTTIME starts at 0 at every boot)."""
-    boot_id, uptime = clock
-    if alloc.boot_id is not None and boot_id is not None:
-        return alloc.boot_id != boot_id
-    return alloc.uptime is not None and alloc.uptime > uptime + 1.0
 
 
 def stop_unfinished(alloc: Allocation, liveness: Liveness,

@@ -20,9 +20,10 @@ about to be destroyed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
-from gpulib.context import RUNNING_DOMAINS
+from gpulib.context import BOOT_ID, RUNNING_DOMAINS
 from gpulib.sysfs import ReadFailure
 from gpulib.usage import (
     MAX_STATUS_BYTES,
@@ -36,6 +37,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Optional
 
+    from gpulib.records import Allocation
     from gpulib.sysfs import Sysfs
 
 
@@ -103,3 +105,27 @@ class Liveness:
             self._devices = found
         return self._devices.get(device)
 
+
+# -- this boot ----------------------------------------------------------------------------------
+# An allocation of an earlier boot is dead whatever its VM's name: nothing of
+# that boot runs. Asked by the lifecycle's releases and by the occupancy.
+
+def boot_clock_of(sysfs: Sysfs) -> tuple[Optional[str], float]:
+    """This boot's id and the seconds since it (CLOCK_BOOTTIME), from the host's files alone."""
+    boot_id = sysfs.read(BOOT_ID)
+    boot_id = boot_id.strip() if boot_id else None
+    try:
+        uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):  # not Linux
+        uptime = time.monotonic()
+    return boot_id or None, uptime
+
+
+def from_other_boot(alloc: Allocation, clock: tuple[Optional[str], float]) -> bool:
+    """Whether an allocation was made in an earlier boot: the kernel's boot_id
+    differs, or (without one) the boot clock it recorded is ahead of this
+    boot's (CLOCK_BOOTTIME starts at 0 at every boot)."""
+    boot_id, uptime = clock
+    if alloc.boot_id is not None and boot_id is not None:
+        return alloc.boot_id != boot_id
+    return alloc.uptime is not None and alloc.uptime > uptime + 1.0

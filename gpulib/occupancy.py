@@ -288,7 +288,7 @@ class Occupancy:
         over: list[str] = []
         for vm, alloc in state.allocations.items():
             if alloc.boot_id is not None or alloc.uptime is not None:
-                from gpulib.lifecycle import boot_clock_of, from_other_boot
+                from gpulib.liveness import boot_clock_of, from_other_boot
 
                 if clock is None:
                     clock = boot_clock_of(sysfs)

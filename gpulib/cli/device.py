@@ -9,7 +9,8 @@ import click
 from gpulib import report
 from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.errors import GpulibError
-from gpulib.lifecycle import boot_clock, from_other_boot, open_store
+from gpulib.lifecycle import boot_clock, open_store
+from gpulib.liveness import from_other_boot
 from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
 from gpulib.state import Allocation, State, StateStore
