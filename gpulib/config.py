@@ -165,6 +165,17 @@ class PoolConfig:
         self.count = count
         self.per_parent = per_parent
 
+    def targets(self, parents: list[str]) -> dict[str, int]:
+        """How many members the pool wants on each of its parents (GPUs for
+        MIG-backed pools): `per_parent` on each, or `count` spread over them."""
+        if self.per_parent is not None:
+            return {p: self.per_parent for p in parents}
+        total = self.count or 0
+        out = {p: 0 for p in parents}
+        for i in range(total if parents else 0):
+            out[parents[i % len(parents)]] += 1
+        return out
+
 
 class Config:
     def __init__(self, path: Optional[str] = None) -> None:

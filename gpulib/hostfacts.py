@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 from gpulib import mdev, nvidia
 from gpulib.config import Config, keeps_console
 from gpulib.context import Context
+from gpulib.definitions import follow_definitions
 from gpulib.errors import InputError
-from gpulib.lifecycle import follow_definitions
 from gpulib.mdevctl import Definition, read_definitions
 from gpulib.occupancy import declaring_pools, whole_gpu_refusal
 from gpulib.pci import (

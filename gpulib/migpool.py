@@ -35,10 +35,11 @@ from gpulib.config import Config, PoolConfig
 from gpulib.context import Context
 from gpulib.discovery import Gpu, Inventory
 from gpulib.errors import GpulibError
-from gpulib.lifecycle import Outcome
 from gpulib.nvidiasmi import ToolFailed
 from gpulib.occupancy import Occupancy
+from gpulib.outcome import Outcome
 from gpulib.pci import PciAddress, physical_function
+from gpulib.profiles import serves
 from gpulib.state import GpuInstanceRecord, Intent, State, VfRecord, placement_of
 
 TYPE_CHECKING = False
@@ -236,13 +237,6 @@ class Applier:
 
 # -- which pools are MIG-backed ------------------------------------------------------------------
 
-def _matches(pool: PoolConfig, type_id: int, name: Optional[str]) -> bool:
-    """The pool's type, as the pools match a vendor VF's type (one rule)."""
-    from gpulib import pools
-
-    return pools._vendor_matches(pool, type_id, name)
-
-
 def plans(pool: PoolConfig, inventory: Inventory, numbers: nvidiasmi.Numbers,
           unmanaged: frozenset[str]) -> list[MigPlan]:
     """The GPUs the pool selects on which its type is MIG-backed (NVIDIA's
@@ -254,7 +248,7 @@ def plans(pool: PoolConfig, inventory: Inventory, numbers: nvidiasmi.Numbers,
                 not any(vf.nvidia is not None for vf in gpu.vfs):
             continue
         for tid, n in sorted(numbers.get(gpu.address, {}).items()):
-            if n.gi_profile is not None and _matches(pool, tid, n.name):
+            if n.gi_profile is not None and serves(pool.profile, pool.type_id, tid, n.name):
                 out.append(MigPlan(gpu, tid, n.name or str(tid), n.gi_profile))
                 break
     return out
@@ -284,13 +278,6 @@ def mig_backed(config: Config, inventory: Inventory, state: State, root: str,
     found = {name: plans(pool, inventory, numbers, unmanaged)
              for name, pool in sorted(config.pools.items())}
     return {name: p for name, p in found.items() if p}, tool
-
-
-def targets(pool: PoolConfig, gpus: list[str]) -> dict[str, int]:
-    """How many the pool wants on each GPU, as for its other kinds."""
-    from gpulib import pools
-
-    return pools._targets(pool, gpus)
 
 
 # -- pool apply ----------------------------------------------------------------------------------
@@ -344,7 +331,7 @@ def _apply_pool(run: Applier, name: str, pool: PoolConfig, plans_: list[MigPlan]
                                    f"{plan.profile} for {plan.name}"))
             continue
         ready.append(plan)
-    want = targets(pool, [str(p.gpu.address) for p in ready])
+    want = pool.targets([str(p.gpu.address) for p in ready])
     for plan in ready:
         _apply_gpu(run, name, plan, want.get(str(plan.gpu.address), 0), occ)
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 from gpulib import logger, mdev, mdevctl, nvidia
 from gpulib.config import Config, PoolConfig
 from gpulib.context import Context
+from gpulib.definitions import follow_definitions, plan_definition, save_definition
 from gpulib.discovery import Gpu, Inventory
 from gpulib.errors import GpulibError
-from gpulib.lifecycle import Outcome, follow_definitions, plan_definition, save_definition
 from gpulib.occupancy import Occupancy
+from gpulib.outcome import Outcome
 from gpulib.pci import PciAddress
 from gpulib.profiles import serves
 from gpulib.records import is_handmade, pool_of
@@ -76,16 +77,6 @@ def plan(pool: PoolConfig, inventory: Inventory, unmanaged: frozenset[str] = fro
     return p
 
 
-def _targets(pool: PoolConfig, parents: list[str]) -> dict[str, int]:
-    if pool.per_parent is not None:
-        return {p: pool.per_parent for p in parents}
-    total = pool.count or 0
-    out = {p: 0 for p in parents}
-    for i in range(total if parents else 0):
-        out[parents[i % len(parents)]] += 1
-    return out
-
-
 def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
           dry_run: bool = False, checkpoint: Optional[Callable[[State], None]] = None
           ) -> list[Outcome]:
@@ -124,7 +115,7 @@ def _apply_mdev(ctx: Context, state: State, name: str, pool: PoolConfig, p: Pool
     sysfs = ctx.sysfs
     out: list[Outcome] = []
     by_parent = {str(t.parent): t for _, t in p.mdev_parents}
-    targets = _targets(pool, sorted(by_parent))
+    targets = pool.targets(sorted(by_parent))
     members: dict[str, list[str]] = {k: [] for k in by_parent}
     for uuid, rec in sorted(state.vgpus.items()):
         if rec.pool != name or is_handmade(rec):
@@ -193,7 +184,7 @@ def _apply_vf(ctx: Context, state: State, name: str, pool: PoolConfig, p: PoolPl
     by_gpu: dict[str, list[tuple[PciAddress, int, str]]] = {}
     for gpu, vf, tid, tname in p.vf_parents:
         by_gpu.setdefault(str(gpu.address), []).append((vf, tid, tname))
-    targets = _targets(pool, sorted(by_gpu))
+    targets = pool.targets(sorted(by_gpu))
     for gpu_addr, vfs in sorted(by_gpu.items()):
         want = targets.get(gpu_addr, 0)
         members = [a for a, r in state.vf_types.items() if r.pool == name and

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from gpulib import mdev, mdevctl, validate
 from gpulib.cli import main
 from gpulib.context import Context
+from gpulib.definitions import DEFINITIONS_MARKER
 from gpulib.errors import DeviceError, InputError
-from gpulib.lifecycle import DEFINITIONS_MARKER, open_store, restore
+from gpulib.lifecycle import open_store, restore
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.kernel import SimulatedKernel

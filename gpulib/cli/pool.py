@@ -8,7 +8,8 @@ from gpulib import pools
 from gpulib.allocator import release as release_vm
 from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.errors import GpulibError
-from gpulib.lifecycle import Outcome, open_store, reconcile, restore
+from gpulib.lifecycle import open_store, reconcile, restore
+from gpulib.outcome import Outcome
 from gpulib.runtime import discover_host
 from gpulib.validate import check_vm_name
 

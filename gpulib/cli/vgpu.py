@@ -8,8 +8,9 @@ import click
 
 from gpulib import mdev, mdevctl, nvidia, report, validate
 from gpulib.cli.common import Env, Group, emit_json, json_option
+from gpulib.definitions import follow_definitions, plan_definition, save_definition
 from gpulib.errors import GpulibError, InputError
-from gpulib.lifecycle import follow_definitions, open_store, plan_definition, save_definition
+from gpulib.lifecycle import open_store
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, list_addresses, physical_function
 from gpulib.records import HANDMADE, is_handmade, pool_of
