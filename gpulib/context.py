@@ -1,23 +1,17 @@
-"""What an entry point learns from its environment, read once and passed down.
+"""The injected root and every location below it, passed down from the entry point.
 
-`GPULIB_ROOT` (default `/`) puts every path gpulib touches under one root;
-`GPULIB_SIMULATE=1` (honoured only when that root is not `/`) makes writes to
-sysfs also do what the kernel would, through `gpulib.sim.kernel`.
+`GPULIB_ROOT` (default `/`) puts every path gpulib touches under one root.
+The environment is read by `gpulib.entry`, which also honours
+`GPULIB_SIMULATE`: this module never names the simulator.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
-from gpulib import logger
 from gpulib.sysfs import Sysfs
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Callable, Optional
-
-log = logger.get(__name__)
+    from typing import Callable, Optional
 
 # Root-relative locations, the one definition of each (ARCHITECTURE.md, "Paths").
 # Its drop-ins are `<CONFIG_FILE>.d/*.conf`, which gpulib.config reads after
@@ -67,30 +61,9 @@ class Context:
         self.on_lock: Optional[Callable[[], None]] = None
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Context:
-        env = os.environ if environ is None else environ
-        root = env.get("GPULIB_ROOT") or "/"
-        simulate = env.get("GPULIB_SIMULATE", "") == "1"
-        return cls.for_root(root, simulate=simulate)
-
-    @classmethod
-    def for_root(cls, root: str, simulate: bool = False) -> Context:
-        real_root = os.path.realpath(root) == "/"
-        if simulate and real_root:
-            # Never pretend on a real host: a simulated write there would
-            # leave the real kernel and gpulib's state disagreeing.
-            log.warning("GPULIB_SIMULATE ignored: GPULIB_ROOT is the real root")
-            simulate = False
-        if simulate:
-            write = _simulated_kernel_write(root)
-            # The fault mode (gpulib.sim.faults) is looked for only here, so
-            # a real host's reads never consult a fault table.
-            from gpulib.sim.faults import FaultySysfs, load_table
-
-            faults = load_table(root)
-            if faults:
-                return cls(FaultySysfs(root, faults, kernel_write=write))
-            return cls(Sysfs(root, kernel_write=write, simulated=True))
+    def for_root(cls, root: str) -> Context:
+        """The context of a real host's tree at `root` (a simulated one is
+        `gpulib.entry`'s)."""
         return cls(Sysfs(root))
 
     def path(self, rel: str) -> str:
@@ -108,18 +81,3 @@ class Context:
     def config_path(self) -> str:
         return self.path(CONFIG_FILE)
 
-
-def _simulated_kernel_write(root: str) -> Callable[[str, str], None]:
-    """The simulated kernel's write, the kernel loaded at the first write: a
-    run that writes nothing to sysfs (most starts and stops) then imports
-    no more of the simulator than a real host's run imports of it (none)."""
-    kernel: list[Any] = []
-
-    def write(path: str, data: str) -> None:
-        if not kernel:
-            from gpulib.sim.kernel import SimulatedKernel
-
-            kernel.append(SimulatedKernel(root))
-        kernel[0].write(path, data)
-
-    return write

@@ -21,6 +21,7 @@ import pytest
 
 from gpulib.config import Config
 from gpulib.context import Context
+from gpulib.entry import context_for_root
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo
 
@@ -184,7 +185,7 @@ def shared(hosts: SharedHost, request: pytest.FixtureRequest) -> Iterator[FakeHo
 
 @pytest.fixture
 def ctx(host: FakeHost) -> Context:
-    return Context.for_root(host.root, simulate=True)
+    return context_for_root(host.root, simulate=True)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import pytest
 from gpulib.cloudstack import AGENT_HOOKS_DIR, STATE_CHANGE_HOOK, TRANSFORMER_HOOK
 from gpulib.context import Context
 from gpulib.doctor import LIBVIRT_HOOK
+from gpulib.entry import context_for_root
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo, build_pool64, models
 
@@ -67,7 +68,7 @@ def a10_host(tmp: str, numvfs: int = 4) -> FakeHost:
 
 
 def simulated(host: FakeHost) -> Context:
-    return Context.for_root(host.root, simulate=True)
+    return context_for_root(host.root, simulate=True)
 
 
 def t4_farm(tmp: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:

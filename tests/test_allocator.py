@@ -28,6 +28,7 @@ from gpulib.allocator import (
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.domain import PassthroughRequest, VgpuRequest
+from gpulib.entry import context_for_root
 from gpulib.errors import NotAvailableError
 from gpulib.lifecycle import open_store, reconcile, restore
 from gpulib.liveness import Liveness
@@ -64,7 +65,7 @@ class Allocations(RuleBasedStateMachine):
         super().__init__()
         self.tmp = tempfile.TemporaryDirectory()
         self.host = build(os.path.join(self.tmp.name, "h"))
-        self.ctx = Context.for_root(self.host.root, simulate=True)
+        self.ctx = context_for_root(self.host.root, simulate=True)
         self.config = Config()
         self.store = open_store(self.ctx, self.config)
         self.counter = 0
@@ -176,7 +177,7 @@ ITS_VGPU = "0000000a-0000-4000-8000-000000000000"  # another VM's vGPU on the T4
 @pytest.fixture(scope="module")
 def chooser_host(tmp_path_factory: Any) -> Iterator[tuple[Context, list[str]]]:
     host = build(str(tmp_path_factory.mktemp("choices") / "h"))
-    ctx = Context.for_root(host.root, simulate=True)
+    ctx = context_for_root(host.root, simulate=True)
     vfs = [str(vf) for _, vf in virtfn_links(ctx.sysfs, A10)]
     yield ctx, vfs
 

@@ -30,6 +30,7 @@ from gpulib.domain import (
     derive_uuid,
     parse_domain,
 )
+from gpulib.entry import context_for_root
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.hooks.prepare import Preparer, StartMode
 from gpulib.sim.fakehost import FakeHost
@@ -222,7 +223,7 @@ def test_gpu_by_model_prefers_the_vm_memory_node(tmp_path: Path) -> None:
         add_model(host, t4, f"0000:{bus:02x}:00.0", node_of_bus,
                   parent=f"0000:{bus - 1:02x}:00.0",
                   driver="vfio-pci")
-    ctx = Context.for_root(host.root, simulate=True)
+    ctx = context_for_root(host.root, simulate=True)
     config = Config()
     cases: list[tuple[Optional[str], str]] = [("1", "0000:8b:00.0"), ("0", "0000:3b:00.0"),
                                               (None, "0000:3b:00.0")]

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from gpulib import cli
+from gpulib.entry import context_for_root
 from gpulib.hooks import qemu
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
@@ -257,7 +258,6 @@ def test_a_device_that_cannot_be_given_for_a_while_is_never_dropped(tmp_path: Pa
     them from allocation."""
     from gpulib import cloudstack
     from gpulib.config import Config
-    from gpulib.context import Context
     from gpulib.runtime import discover_host
     from gpulib.sim import faults
     from gpulib.sim.hosts import add_sriov_gpu
@@ -278,12 +278,12 @@ def test_a_device_that_cannot_be_given_for_a_while_is_never_dropped(tmp_path: Pa
                            "on_demand": False, "created": "2026-01-01T00:00:00Z"}},
         "vf_types": {vfs[0]: {"type_id": A10_6Q, "name": "NVIDIA A10-6Q", "pool": None,
                               "on_demand": False}}}), 0o600)
-    ctx = Context.for_root(host.root, simulate=True)
+    ctx = context_for_root(host.root, simulate=True)
     current = f"sys/bus/pci/devices/{vfs[0]}/nvidia/current_vgpu_type"
 
     def report() -> dict[str, Any]:
         # A context of its own, as each `gpulib discover` (it reads the faults).
-        fresh = Context.for_root(host.root, simulate=True)
+        fresh = context_for_root(host.root, simulate=True)
         doc = cloudstack.render(discover_host(fresh, Config(), learn=False))
         check_agent_document(doc)
         return doc

@@ -18,6 +18,7 @@ from gpulib.cli import inventory
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import discover
+from gpulib.entry import context_for_root
 from gpulib.pci import group_number
 from gpulib.runtime import discover_host
 from gpulib.sim import faults
@@ -182,7 +183,7 @@ def test_names_from_pci_ids_under_the_root(tmp_path: Path) -> None:
 
 def test_unreadable_attribute_degrades_only_that_device(handmade_root: str) -> None:
     faults.inject(handmade_root, "sys/bus/pci/devices/0000:ca:00.0/sriov_totalvfs", "eacces")
-    ctx = Context.for_root(handmade_root, simulate=True)
+    ctx = context_for_root(handmade_root, simulate=True)
     inv = discover_host(ctx)
     assert len(inv.gpus) == 5
     broken = next(g for g in inv.gpus if str(g.address) == "0000:ca:00.0")

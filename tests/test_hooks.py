@@ -14,6 +14,7 @@ import pytest
 from lxml import etree
 
 from gpulib.domain import derive_uuid
+from gpulib.entry import context_for_root
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, build_demo
 from gpulib.xmlns import GPULIB_NS
 from tests.conftest import DATA, GOLDEN
@@ -211,9 +212,8 @@ def test_corrupt_state_is_rebuilt_and_the_vm_still_starts(demo: str) -> None:
     Path(demo, STATE).write_text('{"version": 1, "vgpus": ')
     # After a rebuild the registry only knows live vGPUs: make the fixture's live.
     from gpulib import mdev
-    from gpulib.context import Context
     from gpulib.pci import PciAddress
-    ctx = Context.for_root(demo, simulate=True)
+    ctx = context_for_root(demo, simulate=True)
     mdev.create(ctx.sysfs, PciAddress.parse("0000:af:00.0"), "nvidia-232", DEMO_POOL_MDEVS[0])
     res = as_agent(demo, (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text())
     assert res.returncode == 0, res.stdout

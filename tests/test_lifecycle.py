@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpulib import mdev, nvidia
+from gpulib.entry import context_for_root
 from gpulib.errors import DeviceError, InputError, NotAvailableError
 from gpulib.pci import PciAddress
 from tests.hosts import a10_host, simulated, t4_host, tree_contents
@@ -179,8 +180,7 @@ def test_sriov_numvfs_needs_to_go_through_zero(tmp_path: Path) -> None:
 
 
 def test_simulation_is_never_active_on_the_real_root() -> None:
-    from gpulib.context import Context
-    ctx = Context.for_root("/", simulate=True)
+    ctx = context_for_root("/", simulate=True)
     assert ctx.sysfs.simulated is False
 
 

@@ -21,6 +21,7 @@ from gpulib import mdev, mdevctl, validate
 from gpulib.cli import main
 from gpulib.context import Context
 from gpulib.definitions import DEFINITIONS_MARKER
+from gpulib.entry import context_for_root
 from gpulib.errors import DeviceError, InputError
 from gpulib.lifecycle import open_store, restore
 from gpulib.pci import PciAddress
@@ -55,7 +56,7 @@ def live(host: FakeHost) -> dict[str, tuple[str, str]]:
 
 
 def ctx_of(host: FakeHost) -> Context:
-    return Context.for_root(host.root, simulate=True)
+    return context_for_root(host.root, simulate=True)
 
 
 def do_restore(host: FakeHost, **kw: Any) -> list[Any]:

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from gpulib import counters, metrics
 from gpulib.config import Config
 from gpulib.context import Context
+from gpulib.entry import context_for_root
 from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
@@ -1153,7 +1154,7 @@ def test_large_host_series_are_per_gpu_and_type_unless_asked(built: dict[str, st
 
     conf = tmp_path / "gpulib.conf"
     conf.write_text("[metrics]\nparent_series = yes\n")
-    ctx = Context.for_root(built["large"], simulate=True)
+    ctx = context_for_root(built["large"], simulate=True)
     detail = parse(metrics.render(ctx, Config.load(str(conf)), fold=False))
     per_parent = matching(detail, "gpulib_vgpu_creatable_instances")
     assert len(per_parent) == 8 * 16 * 24

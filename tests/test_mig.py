@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpulib import mig
-from gpulib.context import Context
+from gpulib.entry import context_for_root
 from gpulib.errors import NotAvailableError
 from gpulib.nvidia import creatable_types, current_type, gpu_instance, set_type
 from gpulib.pci import PciAddress
@@ -205,7 +205,7 @@ def vfs_of(host: FakeHost, pf: str) -> list[PciAddress]:
 
 
 def test_the_mig_host_as_built(host: FakeHost) -> None:
-    ctx = Context.for_root(host.root, simulate=True)
+    ctx = context_for_root(host.root, simulate=True)
     mig_vfs = vfs_of(host, MIG_GPU)
     assert str(mig_vfs[0]) == "0000:41:00.4" and len(mig_vfs) == 8
     # In MIG mode without a GPU instance a VF can take no type.
@@ -222,7 +222,7 @@ def test_the_mig_host_as_built(host: FakeHost) -> None:
 
 
 def test_creatable_types_follow_the_free_gpu_instances(host: FakeHost) -> None:
-    ctx = Context.for_root(host.root, simulate=True)
+    ctx = context_for_root(host.root, simulate=True)
     sysfs = ctx.sysfs
     a, b, c = vfs_of(host, MIG_GPU)[:3]
     made = tool(host, "mig", "-i", "00000000:41:00.0", "-cgi", "19:6", "-C")

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from lxml import etree
 
 from gpulib.domain import DeviceType, derive_uuid, parse_domain
+from gpulib.entry import context_for_root
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import models
@@ -556,9 +557,8 @@ def test_attach_records_the_type_and_a_request_alone_also_says_it(src: FakeHost,
                                                                   dst: FakeHost) -> None:
     from gpulib.attach import Wanted, plan_attach
     from gpulib.config import Config
-    from gpulib.context import Context
 
-    ctx = Context.for_root(src.root, simulate=True)
+    ctx = context_for_root(src.root, simulate=True)
     xml = (f"<domain type='kvm'><name>att-1</name><uuid>{U_VM}</uuid>"
            "<devices><emulator>/usr/bin/qemu-system-x86_64</emulator></devices></domain>")
     change = plan_attach(ctx, Config.load(ctx.config_path), xml,

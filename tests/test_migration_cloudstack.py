@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from gpulib import mdev
-from gpulib.context import Context
 from gpulib.domain import derive_uuid, parse_domain
+from gpulib.entry import context_for_root
 from tests.helpers.cloudstack_migrate import RELEASES, GpuDevice, rewrite
 from tests.hosts import tree_contents
 from tests.test_migration import (
@@ -53,7 +53,7 @@ def vf_type(root: str, vf: str) -> str:
 
 def set_vf_type(root: str, vf: str, tid: int) -> None:
     """Type a VF as the driver does (the simulated kernel updates the lists)."""
-    Context.for_root(root, simulate=True).sysfs.write(
+    context_for_root(root, simulate=True).sysfs.write(
         f"sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type", str(tid))
 
 
@@ -188,7 +188,7 @@ def test_cloudstacks_pool_mdev_not_live_is_made_live_and_kept(tmp_path: Path) ->
     members = sorted(u for u, r in state_of(dst.root)["vgpus"].items() if r["pool"])
     # After a reboot the kernel has none; the agent still reports them.
     for u in members:
-        mdev.remove(Context.for_root(dst.root, simulate=True).sysfs, u)
+        mdev.remove(context_for_root(dst.root, simulate=True).sysfs, u)
     assert live_mdevs(dst.root) == set()
     chosen = members[1]
     xml = rewrite(live, [GpuDevice(chosen, mdev=True)])

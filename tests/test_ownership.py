@@ -17,6 +17,7 @@ from lxml import etree
 
 from gpulib import cloudstack
 from gpulib.context import Context
+from gpulib.entry import context_for_root
 from gpulib.lifecycle import PENDING_GRACE_SECONDS, open_store, pending_is_dead, reconcile
 from gpulib.liveness import Liveness
 from gpulib.sim.fakehost import FakeHost
@@ -367,7 +368,7 @@ def test_reconcile_releases_a_pending_allocation_from_the_future(demo: str) -> N
     alloc = st["allocations"]["i-2-33-VM"]
     alloc.update(since="2099-01-01T00:00:00Z", boot_id=None, uptime=None)
     Path(demo, STATE).write_text(json.dumps(st))
-    ctx = Context.for_root(demo, simulate=True)
+    ctx = context_for_root(demo, simulate=True)
     with open_store(ctx).transaction() as state:
         reconcile(ctx, state)
     assert state_of(demo)["allocations"] == {}
@@ -529,7 +530,7 @@ def test_retry_after_the_vgpu_vanished_names_a_live_vgpu(demo: str) -> None:
     assert as_agent(demo, PLAIN).returncode == 0
     held = [d["id"] for d in state_of(demo)["allocations"]["plain-1"]["devices"]]
     # As after a reboot: the kernel forgot them; the pending allocation remains.
-    ctx = Context.for_root(demo, simulate=True)
+    ctx = context_for_root(demo, simulate=True)
     for u in held:
         ctx.sysfs.write(f"sys/bus/mdev/devices/{u}/remove", "1")
         assert not os.path.exists(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
@@ -590,7 +591,7 @@ def test_a_failed_state_write_rolls_back_the_start(demo: str,
     from gpulib.errors import StateError
     from gpulib.hooks.prepare import Preparer, StartMode
 
-    ctx = Context.for_root(demo, simulate=True)
+    ctx = context_for_root(demo, simulate=True)
     config = Config.load(ctx.config_path)
     before = tree_contents(demo)
     real = atomicfile.write_atomic

@@ -21,6 +21,7 @@ from gpulib import atomicfile, cloudstack, report
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.domain import parse_domain
+from gpulib.entry import context_for_root
 from gpulib.errors import GpulibError
 from gpulib.hooks import prepare as prepare_mod
 from gpulib.hooks.vmstate import activate, deactivate
@@ -146,7 +147,7 @@ class Ownership(RuleBasedStateMachine):
                   typed_vfs: int, stray: int = 0) -> None:
         self.host = build(os.path.join(self.tmp.name, "h"), rtx, t4, a10_vfs, pool_live,
                           typed_vfs, stray)
-        self.ctx = Context.for_root(self.host.root, simulate=True)
+        self.ctx = context_for_root(self.host.root, simulate=True)
         self.config = Config.load(self.ctx.config_path)
         add_strays(self.ctx, t4, a10_vfs, typed_vfs, stray)
         self.first_live = self._live()

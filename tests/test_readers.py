@@ -27,6 +27,7 @@ from gpulib import cloudstack as cloudstack_mod
 from gpulib import usage
 from gpulib.config import Config
 from gpulib.context import LOG_FAILURES_FILE, Context
+from gpulib.entry import context_for_root
 from gpulib.errors import ConfigError, DeviceError
 from gpulib.logs import FailureNote, LazyFileHandler
 from gpulib.pci import PciAddress, list_addresses
@@ -269,7 +270,7 @@ def test_ids_are_shape_checked(tmp_path: Path, content: str) -> None:
 def test_fault_table_fails_reads_through_any_path(host: str) -> None:
     faults.inject(host, f"{DEV}/{RTX}", "eio")
     faults.inject(host, f"{DEV}/{T4}/vendor", "ebusy")
-    sysfs = Context.for_root(host, simulate=True).sysfs
+    sysfs = context_for_root(host, simulate=True).sysfs
     canonical = sysfs.resolve(f"{DEV}/{RTX}")
     for rel in (f"{DEV}/{RTX}/vendor", f"{canonical}/vendor"):
         got = sysfs.read_result(rel)
@@ -784,6 +785,6 @@ def test_one_random_fault_on_a_random_host(picks: list[tuple[str, int]], data: A
 def test_discovery_in_process_reports_listing_failure(host: str) -> None:
     faults.inject(host, DEV, "eio")
     with pytest.raises(DeviceError, match="cannot list the PCI devices"):
-        list_addresses(Context.for_root(host, simulate=True).sysfs)
+        list_addresses(context_for_root(host, simulate=True).sysfs)
     with pytest.raises(DeviceError):
-        discover_host(Context.for_root(host, simulate=True))
+        discover_host(context_for_root(host, simulate=True))

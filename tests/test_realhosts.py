@@ -26,6 +26,7 @@ from lxml import etree
 from gpulib import cli, cloudstack
 from gpulib import doctor as dr
 from gpulib.context import Context
+from gpulib.entry import context_for_root
 from gpulib.hooks import qemu, statechange, transformer
 from gpulib.occupancy import Tree
 from gpulib.pci import PciAddress, virtfn_links
@@ -643,7 +644,7 @@ def test_attach_and_detach_keep_the_gpus_of_a_shared_group_apart(tmp_path: Path)
     from gpulib.config import Config
 
     host = shared_group_host(str(tmp_path / "h"))
-    ctx, config = Context.for_root(host.root, simulate=True), Config()
+    ctx, config = context_for_root(host.root, simulate=True), Config()
     xml = FakeHost.domain_xml(VM, VM_UUID)
     xml = plan_attach(ctx, config, xml, Wanted(gpu=MI210_A)).after
     assert source_addresses(xml) == [PciAddress.parse(MI210_A)]

@@ -19,6 +19,7 @@ from gpulib import cli, counters, mdev, nvidiasmi, report
 from gpulib import doctor as dr
 from gpulib import snapshot as snap
 from gpulib.context import Context
+from gpulib.entry import context_for_root
 from gpulib.pci import PciAddress
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import NVIDIA_SMI_CALLS, FakeHost
@@ -107,7 +108,7 @@ def test_replay_gives_the_same_discovery(demo_snapshot: Any, tmp_path: Any) -> N
 def test_replay_works_as_simulated_root(demo_snapshot: Any, tmp_path: Any) -> None:
     _, tarball, _ = demo_snapshot
     root = unpack(tarball, str(tmp_path / "replay"))
-    ctx = Context.for_root(root, simulate=True)
+    ctx = context_for_root(root, simulate=True)
     made = mdev.create(ctx.sysfs, PciAddress.parse(DEMO_T4), "nvidia-232")
     assert made.parent == PciAddress.parse(DEMO_T4)
     doc = document(root)

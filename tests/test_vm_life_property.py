@@ -42,8 +42,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from gpulib import nvidia
 from gpulib.allocator import release
 from gpulib.config import Config
-from gpulib.context import Context
 from gpulib.domain import parse_domain
+from gpulib.entry import context_for_root
 from gpulib.errors import GpulibError
 from gpulib.hooks.prepare import Preparer, StartMode, record_running
 from gpulib.hooks.vmstate import activate, deactivate
@@ -104,7 +104,7 @@ class Lives(RuleBasedStateMachine):
         # An arrival libvirt abandons is over at once: no clock to wait for.
         with open(os.path.join(self.root, "etc/gpulib/gpulib.conf"), "a") as conf:
             conf.write("\n[release]\narrival_timeout = 0\n")
-        self.ctx = Context.for_root(self.root, simulate=True)
+        self.ctx = context_for_root(self.root, simulate=True)
         self.config = Config.load(self.ctx.config_path)
         # Whether a hook has run to its end since the last run ended: then
         # nothing is held by a run that is over.
@@ -292,7 +292,7 @@ class Lives(RuleBasedStateMachine):
         self.boot += 1
         self.host = reboot(self.host, build_demo)
         self.host.write_file(BOOT_ID, f"boot-{self.boot}\n", 0o444)
-        self.ctx = Context.for_root(self.root, simulate=True)
+        self.ctx = context_for_root(self.root, simulate=True)
         self.running.clear()
         self.prepared.clear()
         self.boot_unit()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import Context
+from gpulib.entry import context_from_env
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ class Env:
 
     @classmethod
     def from_environment(cls, verbose: int = 0) -> Env:
-        env = cls(Context.from_env(), verbose)
+        env = cls(context_from_env(), verbose)
         # Logging is set up from what can be read: a bad gpulib.conf must not
         # stop the commands that still work with it (discover, doctor). What
         # reading it logs is held until logging is set up (else it would go

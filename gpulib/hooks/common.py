@@ -163,10 +163,10 @@ def start(program: str) -> tuple[Context, Config]:
     """Context, configuration and logging for one hook run."""
     from gpulib import logs
     from gpulib.config import Config
-    from gpulib.context import Context
+    from gpulib.entry import context_from_env
     from gpulib.state import HOOK_LOCK_TIMEOUT_CAP
 
-    ctx = Context.from_env()
+    ctx = context_from_env()
     # The agent gives a hook 30 s: no lock_timeout may make it wait longer.
     ctx.lock_wait_cap = HOOK_LOCK_TIMEOUT_CAP
     ctx.on_lock = check_not_upgraded

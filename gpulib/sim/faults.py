@@ -20,7 +20,7 @@ fault; a fault on a directory applies to everything below it:
   nothing writes, the one kind of blocking read a tree can hold for real.
 
 The table is read when the entry point builds its context with
-`GPULIB_SIMULATE=1` (`gpulib.context`); without a table the plain `Sysfs` is
+`GPULIB_SIMULATE=1` (`gpulib.entry`); without a table the plain `Sysfs` is
 used, so the production path never looks at faults.
 """
 
