@@ -278,7 +278,7 @@ class Gpu:
         # never offered or given whole; its vGPUs may be.
         self.console = False
         # The numbers of its NVIDIA vendor-specific VF types by type id, from
-        # NVIDIA's tool (`nvidiasmi.attach`; discovery itself runs nothing).
+        # NVIDIA's tool (`runtime.attach_type_numbers`; discovery itself runs nothing).
         self.nvidia_numbers: dict[int, TypeNumbers] = {}
         # Its MIG mode and instances, from NVIDIA's tool (`migtool.attach`);
         # None: not asked, or the GPU has no MIG.
@@ -382,6 +382,12 @@ class Inventory:
             if g.address == address:
                 return g
         return None
+
+    def vendor_vf_gpus(self) -> list[PciAddress]:
+        """The GPUs with NVIDIA vendor-specific VFs (read or not): those whose
+        types' numbers a report asks NVIDIA's tool for."""
+        return [g.address for g in self.gpus
+                if any(vf.nvidia is not None for vf in [*g.vfs, *g.unread_vfs])]
 
     def owner_of(self, address: PciAddress) -> Optional[tuple[Gpu, Optional[VirtualFunction]]]:
         """The GPU (and VF) a PCI address belongs to."""

@@ -61,7 +61,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any, NamedTuple, Optional
 
-    from gpulib.discovery import Inventory
 
 log = logger.get(__name__)
 
@@ -412,23 +411,3 @@ def lookup(root: str, gpus: list[PciAddress], timeout: float = DEFAULT_TIMEOUT,
         log.info("nvidia-smi lists no vGPU types of %s: their numbers are null",
                  ", ".join(map(str, unlisted)))
     return found, Cache(driver, found, now if unlisted else None), True
-
-
-def wanted(inventory: Inventory) -> list[PciAddress]:
-    """The GPUs whose types' numbers a report asks for: those with NVIDIA
-    vendor-specific VFs."""
-    return [g.address for g in inventory.gpus
-            if any(vf.nvidia is not None for vf in [*g.vfs, *g.unread_vfs])]
-
-
-def attach(inventory: Inventory, root: str, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Give each GPU with vendor-specific VFs the numbers of its types
-    (`Gpu.nvidia_numbers`); the others are not asked about."""
-    gpus = wanted(inventory)
-    if not gpus:
-        return
-    found = numbers(root, gpus, timeout)
-    asked = set(gpus)
-    for g in inventory.gpus:
-        if g.address in asked:
-            g.nvidia_numbers = found.get(g.address, {})

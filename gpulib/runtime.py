@@ -10,7 +10,7 @@ profiles). Newly seen names are written back under the lock, best effort.
 
 from __future__ import annotations
 
-from gpulib import logger
+from gpulib import logger, nvidiasmi
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import Discovery, Inventory, Known
@@ -70,6 +70,21 @@ def discover_host(ctx: Context, config: Optional[Config] = None,
         # from the host, never replaced by an empty registry.
         _remember_names(open_store(ctx, config, timeout=2.0), disc.new_names)
     return inventory
+
+
+def attach_type_numbers(inventory: Inventory, root: str,
+                        timeout: float = nvidiasmi.DEFAULT_TIMEOUT) -> None:
+    """Give each GPU with vendor-specific VFs the numbers of its types
+    (`Gpu.nvidia_numbers`, from NVIDIA's tool, cached: `nvidiasmi.numbers`);
+    the others are not asked about."""
+    gpus = inventory.vendor_vf_gpus()
+    if not gpus:
+        return
+    found = nvidiasmi.numbers(root, gpus, timeout)
+    asked = set(gpus)
+    for g in inventory.gpus:
+        if g.address in asked:
+            g.nvidia_numbers = found.get(g.address, {})
 
 
 def pool_inventory(ctx: Context, state: State, occupancy: Occupancy) -> Inventory:

@@ -499,7 +499,7 @@ class Collector:
             log.warning("snapshot: NVIDIA vGPU type numbers left out: %s", exc.message)
             gpus = []
         else:
-            gpus = nvidiasmi.wanted(inventory)
+            gpus = inventory.vendor_vf_gpus()
         version = nvidiasmi.DRIVER_VERSION
         st = self._lstat(version)
         if st is not None and stat.S_ISREG(st.st_mode):

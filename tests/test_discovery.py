@@ -13,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpulib import cloudstack, nvidiasmi, report
+from gpulib import cloudstack, report
 from gpulib.cli import inventory
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import discover
 from gpulib.entry import context_for_root
 from gpulib.pci import group_number
-from gpulib.runtime import discover_host
+from gpulib.runtime import attach_type_numbers, discover_host
 from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sysfs import Sysfs
@@ -250,7 +250,7 @@ def test_demo_host_golden(tmp_path: Path, fmt: str, regen_golden: bool) -> None:
     host = demo_host(str(tmp_path))
     inv = discover_host(Context.for_root(host.root), learn=False)
     # The numbers of the A10's and L40S's types, from the demo's nvidia-smi.
-    nvidiasmi.attach(inv, host.root)
+    attach_type_numbers(inv, host.root)
     doc = cloudstack.render(inv) if fmt == "cloudstack" else report.document(inv)
     text = json.dumps(doc, indent=2) + "\n"
     golden = GOLDEN / "discovery" / f"demo-{fmt}.json"

@@ -45,9 +45,9 @@ def render(env: Env, fmt: str) -> str:
     if fmt != "table":
         # The numbers of NVIDIA vendor-specific VF types, from NVIDIA's tool
         # (cached; asked only on hosts with such VFs).
-        from gpulib import nvidiasmi
+        from gpulib.runtime import attach_type_numbers
 
-        nvidiasmi.attach(inventory, env.ctx.root, timeout)
+        attach_type_numbers(inventory, env.ctx.root, timeout)
     if fmt == "cloudstack":
         from gpulib import cloudstack
 
