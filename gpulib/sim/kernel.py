@@ -41,9 +41,9 @@ from gpulib import logger
 from gpulib.lazyre import lazy
 from gpulib.nvidia import parse_creatable
 from gpulib.pci import group_number
-from gpulib.sim.fakehost import make_attr_files, mdev_attr_spec, relative_symlink
-from gpulib.sim.fakehost import read_attribute as _read
-from gpulib.sim.fakehost import rewrite_attribute as _write
+from gpulib.sim.attrs import make_attr_files, mdev_attr_spec, relative_symlink
+from gpulib.sim.attrs import read_attribute as _read
+from gpulib.sim.attrs import rewrite_attribute as _write
 from gpulib.sim.migdriver import MigGpu
 from gpulib.validate import decimal
 

@@ -34,8 +34,8 @@ import os
 from typing import Any, Optional
 
 from gpulib import mig
-from gpulib.sim.fakehost import read_attribute as _read
-from gpulib.sim.fakehost import rewrite_attribute as _write
+from gpulib.sim.attrs import read_attribute as _read
+from gpulib.sim.attrs import rewrite_attribute as _write
 
 STATE_FILE = ".sim-mig.json"
 IDLE_GPU_INSTANCE = "-1"

@@ -29,7 +29,7 @@ from typing import Optional
 
 from gpulib import mig
 from gpulib.pci import PciAddress
-from gpulib.sim.fakehost import read_attribute as _read
+from gpulib.sim.attrs import read_attribute as _read
 from gpulib.sim.migdriver import NOT_FOUND, MigError, MigGpu
 
 INVALID = ("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.")
