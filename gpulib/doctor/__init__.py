@@ -88,7 +88,7 @@ from gpulib.doctor.core import (
     worst,
 )
 from gpulib.doctor.discovery import agent_document_problems
-from gpulib.doctor.facts import Doctor, run
+from gpulib.doctor.runner import Doctor, run
 
 __all__ = [
     "AGENT_HOOK_EXECUTABLES", "AGENT_PROPERTIES", "AMD_VENDOR", "BOOT_ID", "CHECK_IDS",

@@ -12,9 +12,14 @@ from gpulib.slotted import FrozenSlotted
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Union
+    from typing import Any, Protocol, Union
 
-    from gpulib.doctor.core import Distro
+    class Distro(Protocol):
+        """What rendering needs of a distribution (`gpulib.doctor.core.Distro`,
+        above this module: named by its shape, not imported)."""
+
+        def kernel_args_fix(self, add: str = "", remove: str = "",
+                            where: str = "/etc/default/grub") -> str: ...
 
 
 # Hand-written records (gpulib.slotted), not dataclasses: `gpulib metrics` runs

@@ -10,10 +10,10 @@ from gpulib.doctor.core import FAIL, HOST_DISPLAY_DRIVERS, OK, WARN, Result, is_
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpulib.doctor.actions import Action
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "driver-binding"
     tokens, stub = d.stub_ids()
     on_cmdline = (f"the kernel command line has {' '.join(tokens)}" if tokens else

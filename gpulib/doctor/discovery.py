@@ -13,7 +13,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Optional
 
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 
 _LIBVIRT_KEYS = {"domain", "bus", "slot", "function"}
@@ -108,7 +108,7 @@ def agent_document_problems(doc: Any) -> list[tuple[str, str]]:
     return out
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "discovery"
     inventory = d.inventory
     # The document as the agent reads it: through JSON (the same data model as

@@ -1,4 +1,5 @@
-"""The facts every check reads, each read once, and the loop that runs the checks.
+"""The facts every check reads, each read once (the loop that runs the
+checks is `gpulib.doctor.runner`, above the checks).
 
 The doctor never writes: discovery runs without learning names, the state
 file is read without the lock, and the lock is only tried.
@@ -25,7 +26,6 @@ from gpulib.doctor.core import (
     PROC_STAT,
     SETUP_JOURNAL,
     Distro,
-    Report,
     Result,
     host_path,
 )
@@ -38,14 +38,15 @@ from gpulib.validate import decimal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Callable, Optional
+    from typing import Optional
 
     from gpulib.doctor.actions import Action
 
 log = logger.get(__name__)
 
-class Doctor:
-    """Runs the checks against the host below `ctx`'s root; never writes."""
+class Facts:
+    """What the checks read of the host below `ctx`'s root, each read once;
+    never writes. The checks are run by `gpulib.doctor.runner.Doctor`."""
 
     def __init__(self, ctx: Context, config: Optional[Config] = None,
                  lock_timeout: float = 2.0, clock_ticks: Optional[int] = None,
@@ -332,63 +333,3 @@ class Doctor:
         """A finding whose fix text is its actions, rendered for this distribution."""
         return Result(check, status, subject, message, render(actions, self.distro) or None,
                       actions=actions, pending=pending)
-
-    # -- running ------------------------------------------------------------------------
-    def checks(self) -> list[tuple[str, Callable[[Doctor], list[Result]]]]:
-        from gpulib.doctor import (
-            binding,
-            config,
-            discovery,
-            groups,
-            hooks,
-            iommu,
-            libvirt,
-            logfailures,
-            mdev,
-            mig,
-            migration,
-            nouveau,
-            selinux,
-            sriov,
-            state,
-        )
-
-        return [
-            ("iommu", iommu.check),
-            ("nouveau", nouveau.check),
-            ("driver-binding", binding.check),
-            ("iommu-group", groups.check),
-            ("sriov", sriov.check),
-            ("mdev", mdev.check),
-            ("mig", mig.check),
-            ("hooks", hooks.check),
-            ("libvirt", libvirt.check),
-            ("migration", migration.check),
-            ("config", config.check),
-            ("state", state.check),
-            ("discovery", discovery.check),
-            ("logging", logfailures.check),
-            ("selinux", selinux.check),
-        ]
-
-    def run(self, only: Optional[list[str]] = None) -> Report:
-        results: list[Result] = []
-        for check_id, check in self.checks():
-            if only and check_id not in only:
-                continue
-            try:
-                found = check(self)
-            except Exception as exc:  # one broken check must not hide the others
-                log.exception("doctor check %s failed", check_id)
-                reason = " ".join(str(exc).split()) or type(exc).__name__
-                found = [Result(check_id, FAIL, "gpulib", f"the check could not run: {reason}",
-                                "report this as a gpulib bug, with the tarball of "
-                                "`gpulib snapshot` attached")]
-            results.extend(found)
-        return Report(results, self.distro)
-
-
-def run(ctx: Context, config: Optional[Config] = None, lock_timeout: float = 2.0,
-        only: Optional[list[str]] = None) -> Report:
-    """Run every check (or `only` these ids) against the host below ctx's root."""
-    return Doctor(ctx, config, lock_timeout=lock_timeout).run(only)

@@ -9,10 +9,10 @@ from gpulib.pci import PCI_DEVICES
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "iommu-group"
     problems: list[Result] = []
     gpus = d.passthrough_gpus()

@@ -25,10 +25,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Optional
 
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 
-def _hook_problem(d: Doctor, rel: str, executable: str, restart: str = "") -> Optional[Result]:
+def _hook_problem(d: Facts, rel: str, executable: str, restart: str = "") -> Optional[Result]:
     path = host_path(rel)
     st = d.stat_in_root(rel)
     if st is None:
@@ -47,7 +47,7 @@ def _hook_problem(d: Doctor, rel: str, executable: str, restart: str = "") -> Op
         return Result("hooks", FAIL, path, f"{path} is not executable", f"chmod 0755 {path}")
     return None
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "hooks"
     problems: list[Result] = []
     ok: list[str] = []

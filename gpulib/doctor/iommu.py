@@ -19,12 +19,12 @@ from gpulib.pci import group_number
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpulib.doctor.actions import Action
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 OFF_ARGS = ("intel_iommu=off", "amd_iommu=off", "iommu=off")
 
 
-def _where(d: Doctor) -> str:
+def _where(d: Facts) -> str:
     """The file an argument goes to (as shown), as gpulib setup edits: /etc/default/grub
     where its value takes effect, else gpulib's own drop-in (`bootconfig.owned_edit`)."""
     grub = d.next_boot.grub
@@ -41,7 +41,7 @@ def _values(args: list[str], name: str) -> list[str]:
     return [v for a in args if a.startswith(prefix) for v in a[len(prefix):].split(",")]
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid, subject = "iommu", host_path(PROC_CMDLINE)
     vendor = d.cpu_vendor()
     units = sorted(d.sysfs.listdir("sys/class/iommu"))

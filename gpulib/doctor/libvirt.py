@@ -25,10 +25,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Optional
 
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 
-def _daemon_start(d: Doctor) -> tuple[str, Optional[float], str]:
+def _daemon_start(d: Facts) -> tuple[str, Optional[float], str]:
     """(daemon, start time or None, why unknown)."""
     for daemon, pidfile in LIBVIRT_DAEMONS:
         text = d.sysfs.read(pidfile)
@@ -60,7 +60,7 @@ def _daemon_start(d: Doctor) -> tuple[str, Optional[float], str]:
         return daemon, btime + started / ticks, ""
     return "libvirtd", None, "cannot tell when libvirtd started (no /run/libvirtd.pid)"
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "libvirt"
     hook = host_path(LIBVIRT_HOOK)
     st = d.stat_in_root(LIBVIRT_HOOK, follow=False)

@@ -13,10 +13,10 @@ from gpulib.sysfs import ReadFailure
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpulib.context import Context
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     shown = host_path(LOG_FAILURES_FILE)
     notes = read_failures(d.ctx)
     if not notes:

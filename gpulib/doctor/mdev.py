@@ -12,10 +12,10 @@ if TYPE_CHECKING:
     from typing import Any, Optional
 
     from gpulib.config import PoolConfig
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 
-def _mig_backed_numbers(d: Doctor) -> nvidiasmi.Numbers:
+def _mig_backed_numbers(d: Facts) -> nvidiasmi.Numbers:
     """The numbers of NVIDIA's tool the reports cached (the doctor runs it not)."""
     import os
 
@@ -23,7 +23,7 @@ def _mig_backed_numbers(d: Doctor) -> nvidiasmi.Numbers:
     return cache.gpus if cache is not None else {}
 
 
-def _mig_backed(d: Doctor, name: str, pool: PoolConfig, numbers: nvidiasmi.Numbers) -> bool:
+def _mig_backed(d: Facts, name: str, pool: PoolConfig, numbers: nvidiasmi.Numbers) -> bool:
     """Whether the pool's type is MIG-backed on its GPUs (NVIDIA's tool said
     so, or its members say so): it is offered only while a GPU instance is free."""
     from gpulib import migpool
@@ -33,7 +33,7 @@ def _mig_backed(d: Doctor, name: str, pool: PoolConfig, numbers: nvidiasmi.Numbe
     return bool(migpool.plans(pool, d.inventory, numbers, frozenset()))
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "mdev"
     # Each parent with its (type id, the type that answers for its name)
     # pairs and their instances left, as discovery keeps them: a large host

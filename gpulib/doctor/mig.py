@@ -23,12 +23,12 @@ from gpulib.doctor.core import FAIL, OK, WARN, Result
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpulib.discovery import Gpu
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 CID = "mig"
 
 
-def _layouts(d: Doctor) -> dict[str, mig.Layout]:
+def _layouts(d: Facts) -> dict[str, mig.Layout]:
     gpus = migtool.wanted(d.inventory)
     have = {str(g.address): g.mig for g in gpus if g.mig is not None}
     missing = [g for g in gpus if g.mig is None]
@@ -40,7 +40,7 @@ def _layouts(d: Doctor) -> dict[str, mig.Layout]:
     return have
 
 
-def _mig_backed_types(d: Doctor, gpu: Gpu) -> tuple[bool, bool]:
+def _mig_backed_types(d: Facts, gpu: Gpu) -> tuple[bool, bool]:
     """(known, offered): whether the cached numbers of NVIDIA's tool say
     anything of the GPU's types, and whether one of them is MIG-backed."""
     import os
@@ -56,7 +56,7 @@ def _label(gpu: Gpu) -> str:
     return f"{gpu.address} ({gpu.device_name or 'GPU'})"
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     layouts = _layouts(d)
     gpus = {str(g.address): g for g in d.inventory.gpus}
     problems: list[Result] = []

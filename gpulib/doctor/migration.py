@@ -24,7 +24,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Optional
 
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
     from gpulib.sysfs import Sysfs
 
 LIBVIRT_NEEDED = (8, 6, 0)
@@ -130,7 +130,7 @@ def versions(sysfs: Sysfs) -> tuple[Optional[Version], Optional[Version]]:
     return (libvirt or libvirt_from_library(sysfs), qemu or qemu_from_dpkg(sysfs))
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "migration"
     libvirt, qemu = versions(d.sysfs)
     seen = []

@@ -15,13 +15,13 @@ from gpulib.nvidia import NVIDIA_VENDOR
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpulib.doctor.actions import Action
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 # Compiled on first use: only a host with modprobe files needs it.
 _BLACKLIST_NOUVEAU = lazy(r"^\s*blacklist\s+nouveau\s*(#.*)?$", re.M)
 
 
-def _nouveau_blacklist(d: Doctor) -> list[str]:
+def _nouveau_blacklist(d: Facts) -> list[str]:
     found: list[str] = []
     for rel in d.next_boot.modprobe_files():
         text = d.sysfs.read(rel)
@@ -39,7 +39,7 @@ BLACKLIST_LINES = ("blacklist nouveau", "options nouveau modeset=0")
 DRACUT_BLACKLIST = "etc/dracut.conf.d/gpulib-blacklist-nouveau.conf"
 
 
-def blacklist_actions(d: Doctor) -> list[Action]:
+def blacklist_actions(d: Facts) -> list[Action]:
     """The blacklist file (what it holds now plus the lines it lacks) and, where dracut
     makes the initramfs, its name in dracut's configuration: dracut's images hold
     /etc/modprobe.d only where they are host-only (EL's default, not Debian's)."""
@@ -53,7 +53,7 @@ def blacklist_actions(d: Doctor) -> list[Action]:
     return out + dracut_actions(d)
 
 
-def dracut_actions(d: Doctor) -> list[Action]:
+def dracut_actions(d: Facts) -> list[Action]:
     """Where dracut makes the initramfs: the blacklist file named in its configuration."""
     if d.next_boot.initramfs_tool() != DRACUT:
         return []
@@ -65,12 +65,12 @@ def dracut_actions(d: Doctor) -> list[Action]:
     return [WriteFile(DRACUT_BLACKLIST, content)]
 
 
-def initramfs_actions(d: Doctor) -> list[Action]:
+def initramfs_actions(d: Facts) -> list[Action]:
     argv = d.initramfs_argv()
     return [RunCommand(argv)] if argv else [Manual(d.initramfs_update())]
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "nouveau"
     loaded = d.sysfs.isdir("sys/module/nouveau")
     nvidia = [g for g in d.inventory.gpus if g.fn.vendor_id == NVIDIA_VENDOR]
@@ -116,7 +116,7 @@ def check(d: Doctor) -> list[Result]:
                    f"nouveau is not loaded and is blacklisted ({', '.join(blacklisted)})")]
 
 
-def _initramfs_outstanding(d: Doctor) -> str:
+def _initramfs_outstanding(d: Facts) -> str:
     """The initramfs rebuild gpulib setup planned and did not complete ("" if none)."""
     items = d.journal.get("outstanding")
     for item in items if isinstance(items, list) else []:

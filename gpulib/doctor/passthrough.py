@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from typing import Optional
 
     from gpulib.doctor.actions import Action
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 VFIO_CONF = MODPROBE_DIR + "/gpulib-vfio.conf"
 # vfio-pci loaded at boot whatever else loads: systemd-modules-load on every family,
@@ -52,7 +52,7 @@ HOST_NEEDED = {0x01: "storage", 0x02: "network"}
 VFIO_MODULES = ("vfio", "vfio_iommu_type1", "vfio_pci")
 
 
-def file_text(d: Doctor, rel: str) -> str:
+def file_text(d: Facts, rel: str) -> str:
     """A configuration file's whole text ("" when absent): not an attribute's stripped one."""
     data = d.sysfs.read_bytes(rel)
     return "" if data is None else data.decode("utf-8", "replace")
@@ -62,7 +62,7 @@ def ids_of(fn: PciFunction) -> str:
     return f"{fn.vendor_id:04x}:{fn.device_id:04x}"
 
 
-def all_functions(d: Doctor) -> list[PciFunction]:
+def all_functions(d: Facts) -> list[PciFunction]:
     out = []
     for name in sorted(d.sysfs.listdir(PCI_DEVICES.rstrip("/"))):
         try:
@@ -74,7 +74,7 @@ def all_functions(d: Doctor) -> list[PciFunction]:
     return out
 
 
-def vgpu_use(d: Doctor, gpu: Gpu) -> list[str]:
+def vgpu_use(d: Facts, gpu: Gpu) -> list[str]:
     """What the GPU is used for as vGPU (empty: nothing), each as a few words."""
     out: list[str] = []
     if gpu.mode != "passthrough":
@@ -97,7 +97,7 @@ def vgpu_use(d: Doctor, gpu: Gpu) -> list[str]:
     return out
 
 
-def driverctl(d: Doctor) -> Optional[str]:
+def driverctl(d: Facts) -> Optional[str]:
     return next((p for p in DRIVERCTL if d.sysfs.exists(p)), None)
 
 
@@ -106,7 +106,7 @@ def override_file(address: PciAddress) -> str:
     return f"{DRIVERCTL_DIR}/pci-{address}"
 
 
-def override_of(d: Doctor, address: PciAddress) -> Optional[str]:
+def override_of(d: Facts, address: PciAddress) -> Optional[str]:
     """The driver driverctl keeps the device on from the next boot on (None: none).
 
     Its udev rule writes the device's `driver_override` when the device appears,
@@ -116,17 +116,17 @@ def override_of(d: Doctor, address: PciAddress) -> Optional[str]:
     return text or None
 
 
-def overridden(d: Doctor, address: PciAddress) -> bool:
+def overridden(d: Facts, address: PciAddress) -> bool:
     """driverctl keeps an override to vfio-pci for the device (from the next boot on)."""
     return override_of(d, address) == "vfio-pci"
 
 
-def configured_ids(d: Doctor) -> list[str]:
+def configured_ids(d: Facts) -> list[str]:
     """vendor:device ids the next boot gives vfio-pci (the last `ids` modprobe reads)."""
     return d.next_boot.vfio_ids()
 
 
-def kept_for_passthrough(d: Doctor, gpu: Gpu) -> bool:
+def kept_for_passthrough(d: Facts, gpu: Gpu) -> bool:
     """The next boot gives the GPU to vfio-pci (gpulib setup, or by hand)."""
     return ids_of(gpu.fn) in configured_ids(d) or overridden(d, gpu.address)
 
@@ -148,14 +148,14 @@ BY_OVERRIDE = "its driverctl override (/" + DRIVERCTL_DIR + "/pci-{address}: `dr
     "list-persisted` lists it now)"
 
 
-def swept_along(d: Doctor, fn: PciFunction) -> bool:
+def swept_along(d: Facts, fn: PciFunction) -> bool:
     """An unnamed device `vfio-pci.ids=` for its id would take at the next boot: it is
     not on vfio-pci now (on a driver, or on none: a driverless twin is taken as
     well), and no driverctl override keeps it on a driver of its own."""
     return not is_vfio_driver(fn.driver) and override_of(d, fn.address) is None
 
 
-def _group(d: Doctor, gpu: Gpu) -> list[PciFunction]:
+def _group(d: Facts, gpu: Gpu) -> list[PciFunction]:
     gpu_fn = PciFunction.read_ids(d.sysfs, gpu.address)
     gpu_fn.driver = gpu.fn.driver
     out = [gpu_fn]
@@ -169,7 +169,7 @@ def _group(d: Doctor, gpu: Gpu) -> list[PciFunction]:
     return out
 
 
-def plan(d: Doctor, gpus: list[Gpu], by_address: set[PciAddress],
+def plan(d: Facts, gpus: list[Gpu], by_address: set[PciAddress],
          include_boot_vga: bool = False, include_vgpu: bool = False) -> PassthroughPlan:
     """Keep `gpus` (with their IOMMU groups) from the host from the next boot on.
 
@@ -235,7 +235,7 @@ def plan(d: Doctor, gpus: list[Gpu], by_address: set[PciAddress],
     return out
 
 
-def _refusal(d: Doctor, gpu: Gpu, by_address: set[PciAddress], include_boot_vga: bool,
+def _refusal(d: Facts, gpu: Gpu, by_address: set[PciAddress], include_boot_vga: bool,
              include_vgpu: bool) -> str:
     if gpu.boot_vga and not include_boot_vga:
         return ("it is the boot VGA device (the host's console); name it with "
@@ -263,7 +263,7 @@ def _refusal(d: Doctor, gpu: Gpu, by_address: set[PciAddress], include_boot_vga:
     return ""
 
 
-def _lines_file(d: Doctor, rel: str, header: str, lines: list[str]) -> Optional[WriteFile]:
+def _lines_file(d: Facts, rel: str, header: str, lines: list[str]) -> Optional[WriteFile]:
     """`rel` with `lines` appended where missing (None: nothing to add)."""
     text = file_text(d, rel)
     have = {" ".join(line.split()).replace("-", "_") for line in text.splitlines()}
@@ -277,7 +277,7 @@ def _lines_file(d: Doctor, rel: str, header: str, lines: list[str]) -> Optional[
     return WriteFile(rel, text + "".join(f"{line}\n" for line in missing))
 
 
-def early_load_actions(d: Doctor) -> list[Action]:
+def early_load_actions(d: Facts) -> list[Action]:
     """vfio-pci loaded at boot before any display driver (none if it already is), by
     systemd-modules-load and from the initramfs of the tool that is installed."""
     out: list[Action] = []
@@ -318,7 +318,7 @@ def vfio_conf_text(old: str, ids: list[str], drivers: list[str]) -> str:
             "".join(f"{line}\n" for line in theirs))
 
 
-def vfio_ids_actions(d: Doctor, take: list[PciFunction]) -> list[Action]:
+def vfio_ids_actions(d: Facts, take: list[PciFunction]) -> list[Action]:
     """vfio-pci takes these ids at the next boot; the ids it is given now (by gpulib's
     earlier runs or by the administrator, in any file or on the command line) stay."""
     sources = d.next_boot.vfio_ids_sources()

@@ -24,7 +24,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Optional
 
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 ENFORCE = "sys/fs/selinux/enforce"
 CONFIG = "etc/selinux/config"
@@ -42,7 +42,7 @@ LABELS = (
 )
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     mode = _mode(d)
     if mode is None:
         return [Result("selinux", OK, "selinux", "SELinux is not enabled on this host")]
@@ -77,14 +77,14 @@ def check(d: Doctor) -> list[Result]:
     return results
 
 
-def _mode(d: Doctor) -> Optional[str]:
+def _mode(d: Facts) -> Optional[str]:
     text = d.ctx.sysfs.read(ENFORCE)
     if text is None:
         return None
     return "enforcing" if text.strip() == "1" else "permissive"
 
 
-def _policy(d: Doctor) -> str:
+def _policy(d: Facts) -> str:
     text = d.ctx.sysfs.read(CONFIG) or ""
     for line in text.splitlines():
         key, _, value = line.strip().partition("=")
@@ -93,7 +93,7 @@ def _policy(d: Doctor) -> str:
     return "targeted"
 
 
-def _module_installed(d: Doctor, policy: str) -> bool:
+def _module_installed(d: Facts, policy: str) -> bool:
     if "/" in policy:
         return False
     for store in MODULE_STORES:

@@ -11,13 +11,13 @@ if TYPE_CHECKING:
     from typing import Optional
 
     from gpulib.doctor.actions import Action
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 SRIOV_MANAGE = "usr/lib/nvidia/sriov-manage"
 UNIT_DIRS = ("etc/systemd/system", "usr/lib/systemd/system", "lib/systemd/system")
 
 
-def boot_unit(d: Doctor) -> Optional[str]:
+def boot_unit(d: Facts) -> Optional[str]:
     """The installed systemd unit that runs sriov-manage at boot (as found, not guessed)."""
     for directory in UNIT_DIRS:
         for name in sorted(d.sysfs.listdir(directory)):
@@ -28,13 +28,13 @@ def boot_unit(d: Doctor) -> Optional[str]:
     return None
 
 
-def unit_enabled(d: Doctor, unit: str) -> bool:
+def unit_enabled(d: Facts, unit: str) -> bool:
     instance = unit.replace("@.", "@ALL.")
     return any(d.sysfs.exists(f"etc/systemd/system/{wants}/{instance}")
                for wants in d.sysfs.listdir("etc/systemd/system") if wants.endswith(".wants"))
 
 
-def _facts(d: Doctor) -> str:
+def _facts(d: Facts) -> str:
     if not d.sysfs.exists(SRIOV_MANAGE):
         return f"; /{SRIOV_MANAGE} is not installed"
     unit = boot_unit(d)
@@ -44,7 +44,7 @@ def _facts(d: Doctor) -> str:
                                                     " but is not enabled")
 
 
-def nvidia_vf_actions(d: Doctor, addr: str) -> list[Action]:
+def nvidia_vf_actions(d: Facts, addr: str) -> list[Action]:
     """The vendor's unit enabled, so the VFs are there from the next boot on (gpulib
     setup changes nothing now); running sriov-manage now is the operator's to do.
     Only what is installed, nothing fetched."""
@@ -64,7 +64,7 @@ def nvidia_vf_actions(d: Doctor, addr: str) -> list[Action]:
                    f"systemctl status {unit.replace('@.', '@ALL.')})")]
 
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid = "sriov"
     problems: list[Result] = []
     enabled = 0

@@ -15,10 +15,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Optional
 
-    from gpulib.doctor.facts import Doctor
+    from gpulib.doctor.facts import Facts
 
 
-def _try_lock(d: Doctor) -> Optional[Result]:
+def _try_lock(d: Facts) -> Optional[Result]:
     import fcntl
 
     path, shown = d.ctx.lock_path, host_path(LOCK_FILE)
@@ -58,7 +58,7 @@ def _try_lock(d: Doctor) -> Optional[Result]:
     finally:
         os.close(fd)
 
-def check(d: Doctor) -> list[Result]:
+def check(d: Facts) -> list[Result]:
     cid, path = "state", host_path(STATE_FILE)
     state = d.state
     problems: list[Result] = []
