@@ -25,6 +25,7 @@ from __future__ import annotations
 from gpulib import logger, mdev, nvidia
 from gpulib.config import Config, Match, keeps_console
 from gpulib.errors import GpulibError
+from gpulib.liveness import running_domains
 from gpulib.occupancy import (
     ACTIVE,
     Hold,
@@ -48,7 +49,6 @@ from gpulib.pci import (
 )
 from gpulib.pciids import PciNames
 from gpulib.sysfs import ReadFailure, Sysfs
-from gpulib.usage import running_domains
 from gpulib.validate import decimal
 
 TYPE_CHECKING = False

@@ -22,7 +22,7 @@ from gpulib.context import Context
 from gpulib.definitions import DEFINITIONS_MARKER, follow_definitions
 from gpulib.errors import GpulibError, InputError
 from gpulib.lazyre import lazy
-from gpulib.liveness import Liveness, boot_clock_of, from_other_boot
+from gpulib.liveness import Liveness, boot_clock_of, from_other_boot, running_domains
 from gpulib.outcome import Outcome
 from gpulib.pci import PciAddress, list_addresses
 from gpulib.state import (
@@ -35,7 +35,7 @@ from gpulib.state import (
     VgpuRecord,
     utc_now,
 )
-from gpulib.usage import DomainDevices, running_domains
+from gpulib.usage import DomainDevices
 
 # The vGPU modules and the allocator are imported where a function needs
 # them: onStart comes here for its store and clock, and needs neither.

@@ -23,15 +23,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from gpulib import usage
 from gpulib.context import BOOT_ID, RUNNING_DOMAINS
 from gpulib.sysfs import ReadFailure
-from gpulib.usage import (
-    MAX_STATUS_BYTES,
-    DomainDevices,
-    running_domains,
-    running_names,
-    status_uuid,
-)
+from gpulib.usage import MAX_STATUS_BYTES, DomainDevices, running_names, status_uuid
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -39,6 +34,16 @@ if TYPE_CHECKING:
 
     from gpulib.records import Allocation
     from gpulib.sysfs import Sysfs
+
+
+def running_domains(sysfs: Sysfs, save_cache: bool = False) -> list[DomainDevices]:
+    """Every running domain of this boot and the devices its status file names:
+    the one answer to "what runs", which every caller asks here, never of
+    libvirt's files itself (`usage` reads them, cached by file identity).
+
+    `save_cache`: keep what was parsed in the cross-process cache (the hooks,
+    `gpulib discover` and `gpulib metrics`; see `usage.running_domains`)."""
+    return usage.running_domains(sysfs, save_cache=save_cache)
 
 
 class Liveness:

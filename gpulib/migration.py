@@ -72,12 +72,11 @@ from gpulib.domain import (
 from gpulib.errors import DeviceError, GpulibError, NotAvailableError
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, open_store, release_stale
-from gpulib.liveness import Liveness
+from gpulib.liveness import Liveness, running_domains
 from gpulib.occupancy import Occupancy, refusal
 from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction, has_gpu_class
 from gpulib.profiles import pick
 from gpulib.state import Device, State
-from gpulib.usage import running_domains
 from gpulib.validate import check_vm_name
 
 if TYPE_CHECKING:

@@ -16,10 +16,10 @@ from gpulib.context import Context
 from gpulib.discovery import Discovery, Inventory, Known
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import open_store
+from gpulib.liveness import running_domains
 from gpulib.occupancy import Occupancy
 from gpulib.records import pool_of
 from gpulib.state import State, StateStore
-from gpulib.usage import running_domains
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -70,8 +70,8 @@ def _set_managed(env: Env, address: str, managed: bool, force: bool = False) -> 
 
 def _holds_in_tree(env: Env, state: State, addr: str) -> list[Any]:
     """Who holds the device, its VFs or the vGPUs on either (or its IOMMU group)."""
+    from gpulib.liveness import running_domains
     from gpulib.occupancy import Occupancy
-    from gpulib.usage import running_domains
 
     occ = Occupancy.build(env.ctx.sysfs, state, running_domains(env.ctx.sysfs))
     return occ.conflicts(addr)

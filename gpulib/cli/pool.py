@@ -50,8 +50,8 @@ def pool_apply(env: Env, dry_run: bool, as_json: bool) -> None:
 @click.pass_obj
 def pool_list(env: Env, as_json: bool) -> None:
     """Pools and their members."""
+    from gpulib.liveness import running_domains
     from gpulib.occupancy import Occupancy
-    from gpulib.usage import running_domains
 
     state = open_store(env.ctx, env.config).load()
     doc = pools.members(env.config, state,

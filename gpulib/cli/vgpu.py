@@ -11,12 +11,12 @@ from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.definitions import follow_definitions, plan_definition, save_definition
 from gpulib.errors import GpulibError, InputError
 from gpulib.lifecycle import open_store
+from gpulib.liveness import running_domains
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, list_addresses, physical_function
 from gpulib.records import HANDMADE, is_handmade, pool_of
 from gpulib.state import State, VfRecord, VgpuRecord
 from gpulib.sysfs import Sysfs
-from gpulib.usage import running_domains
 
 
 def _occupancy(sysfs: Sysfs, state: State) -> Occupancy:

@@ -63,7 +63,7 @@ from gpulib.errors import DeviceError
 from gpulib.hostfacts import HostReader
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, open_store, release_stale
-from gpulib.liveness import Liveness
+from gpulib.liveness import Liveness, running_domains
 from gpulib.occupancy import Occupancy
 from gpulib.pci import (
     PciAddress,
@@ -81,7 +81,7 @@ from gpulib.plan import (
 )
 from gpulib.records import pool_of
 from gpulib.state import Device, State
-from gpulib.usage import DomainDevices, running_domains
+from gpulib.usage import DomainDevices
 from gpulib.validate import check_vm_name
 
 if TYPE_CHECKING:
