@@ -17,8 +17,8 @@ to `logging` only when it would be kept:
   reads its configuration before it knows where its log goes), and
   `release()` hands them on by the rules above;
 
-Only `sys` is imported here. The hooks, which log every start, set up
-`logging` at once (`gpulib.logs.setup`): their records go straight to it.
+Only `sys` is imported here. The hooks and the commands alike set up
+`logging` (`gpulib.logs.setup`) through `configure_later`.
 """
 
 from __future__ import annotations

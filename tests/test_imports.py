@@ -28,7 +28,7 @@ import pytest
 
 from gpulib.context import LOG_DIR
 from tests.hookrun import hook_env
-from tests.hosts import t4_farm, t4_host
+from tests.hosts import demo_host, t4_farm, t4_host
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "gpulib"
@@ -498,3 +498,31 @@ def test_the_gpu_start_path_loads_no_heavy_module(tmp_path: Path, hook: str, arg
     assert sorted(set(HEAVY) & asked) == []  # gpulib asks for none of them
     assert sorted(set(HEAVY) & added) == []  # nor does what it loads, beyond lxml
     assert "click" not in everything
+
+
+def loaded_by(argv: list[str], env: dict[str, str]) -> set[str]:
+    """The modules a run of a hook executable imported (python -X importtime)."""
+    res = subprocess.run([sys.executable, "-X", "importtime", *argv], env=env,
+                         capture_output=True, timeout=60)
+    return {line.rpartition("|")[2].strip()
+            for line in res.stderr.decode(errors="replace").splitlines()
+            if line.startswith("import time:")}
+
+
+def test_a_start_with_nothing_to_log_never_loads_logging(tmp_path: Path) -> None:
+    """The first start of a VM logs the vGPU it makes (logging loaded, the
+    lines in the log); the same start again has nothing to say and loads no
+    logging, nor what logging brings."""
+    host = demo_host(str(tmp_path))
+    xml = (Path(__file__).parent / "data" / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
+    argv = [str(Path(__file__).resolve().parents[1] / "hooks" / "libvirt-vm-xml-transformer"),
+            "transform", xml]
+    env = hook_env(host.root)
+    log = Path(host.root, LOG_DIR, "gpulib.log")
+    first = loaded_by(argv, env)
+    assert "logging" in first and "created mdev" in log.read_text()
+    logged = log.read_text()
+    again = loaded_by(argv, env)
+    assert "gpulib.hooks.prepare" in again
+    assert not again & {"logging", "traceback", "threading"}
+    assert log.read_text() == logged

@@ -161,7 +161,7 @@ def _hand_to_child(fd: int, rest: bytes) -> bool:
 
 def start(program: str) -> tuple[Context, Config]:
     """Context, configuration and logging for one hook run."""
-    from gpulib import logs
+    from gpulib import logger
     from gpulib.config import Config
     from gpulib.entry import context_from_env
     from gpulib.state import HOOK_LOCK_TIMEOUT_CAP
@@ -171,8 +171,18 @@ def start(program: str) -> tuple[Context, Config]:
     ctx.lock_wait_cap = HOOK_LOCK_TIMEOUT_CAP
     ctx.on_lock = check_not_upgraded
     config = Config.load(ctx.config_path)
-    logs.setup(ctx, program, level=config.get("log", "level"),
-               use_syslog=config.get_bool("log", "syslog"))
+    level, use_syslog = config.get("log", "level"), config.get_bool("log", "syslog")
+
+    def install() -> None:
+        from gpulib import logs
+
+        logs.setup(ctx, program, level=level, use_syslog=use_syslog)
+
+    # Python's logging (with traceback, threading, string, weakref) is loaded
+    # for the first record kept: a start or stop that has nothing to log at
+    # the configured level (a VM started again on the device it holds, most
+    # stops) never imports it, a sixth of the GPU transformer's own cost.
+    logger.configure_later(logger.level_number(level), install)
     return ctx, config
 
 
@@ -195,15 +205,14 @@ def run_guarded(program: str, body: Callable[[], int], unexpected_code: int = 1,
 
 def _run_guarded(program: str, body: Callable[[], int], unexpected_code: int,
                  error_code_override: Optional[int]) -> int:
-    import logging
-
+    from gpulib import logger
     from gpulib.errors import GpulibError
 
-    # Until start() configures it, logging would fall back to stderr, which the
-    # agent would read as part of the XML: hooks never log to stderr.
-    root = logging.getLogger()
-    if not root.handlers:
-        root.addHandler(logging.NullHandler())
+    # Until start() says where the log goes, a record is dropped: logging
+    # without a handler would fall back to stderr, which the agent would read
+    # as part of the XML (hooks never log to stderr). Nothing imports logging
+    # for it; should anything else import it, it gets a handler that drops.
+    logger.configure_later(logger.CRITICAL + 1, _drop_records)
     try:
         result = body()
         return int(result or 0)
@@ -216,16 +225,22 @@ def _run_guarded(program: str, body: Callable[[], int], unexpected_code: int,
         error_line(program, exc.message)
         return error_code_override if error_code_override is not None else exc.exit_code
     except Exception as exc:  # a bug must still give one clear line, never a traceback
-        import logging
-
-        logging.getLogger("gpulib.hooks").exception("%s failed unexpectedly", program)
+        logger.get("gpulib.hooks").exception("%s failed unexpectedly", program)
         error_line(program, f"internal error: {type(exc).__name__}: {exc}")
         return error_code_override if error_code_override is not None else unexpected_code
+
+
+def _drop_records() -> None:
+    import logging
+
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.NullHandler())
 
 
 def _log_error(program: str, message: str) -> None:
     # Also into gpulib's own log: a caller may not show stderr (libvirt's
     # reconnect, an exit code the agent only logs).
-    import logging
+    from gpulib import logger
 
-    logging.getLogger("gpulib.hooks").error("%s: %s", program, message)
+    logger.get("gpulib.hooks").error("%s: %s", program, message)

@@ -30,14 +30,12 @@ def main(argv: list[str]) -> int:
     method, vm_arg = argv[1], argv[2]
 
     def body() -> int:
-        import logging
-
+        from gpulib import logger
         from gpulib.hooks.vmstate import change
 
         # onStop names the VM only, late or not: it never ends a newer start.
         outcome = change(PROGRAM, vm_arg, started=method in STARTS, ends_run=False)
-        logging.getLogger("gpulib.hooks.statechange").info("%s %s: %s", method, vm_arg,
-                                                            outcome)
+        logger.get("gpulib.hooks.statechange").info("%s %s: %s", method, vm_arg, outcome)
         return 0
 
     return run_guarded(PROGRAM, body)
