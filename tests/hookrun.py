@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lxml import etree
+
+from gpulib.sim.fakehost import FakeHost
+
 BIN = Path(sys.executable).parent
 TRANSFORMER = str(BIN / "libvirt-vm-xml-transformer")
 STATE_CHANGE = str(BIN / "libvirt-vm-state-change")
@@ -39,3 +43,30 @@ def mdev_xml(name: str, uuid: str, mdev: str) -> str:
     return (f"<domain type='kvm'><name>{name}</name><uuid>{uuid}</uuid><devices>"
             "<hostdev mode='subsystem' type='mdev' model='vfio-pci' display='off'>"
             f"<source><address uuid='{mdev}'/></source></hostdev></devices></domain>")
+
+
+def pci_hostdev(address: str) -> str:
+    """The agent's passthrough <hostdev> for a PCI address (dddd:bb:ss.f)."""
+    d, rest = address.split(":", 1)
+    b, sf = rest.split(":")
+    s, f = sf.split(".")
+    return ("<hostdev mode='subsystem' type='pci' managed='yes'><driver name='vfio'/>"
+            f"<source><address domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>"
+            "</source></hostdev>")
+
+
+def hostdev_uuids(dom: etree._Element) -> list[str]:
+    """The mdev UUIDs a domain's hostdevs name, in order."""
+    return [str(a.get("uuid")) for a in dom.findall("devices/hostdev/source/address")
+            if a.get("uuid")]
+
+
+def libvirt_runs(host: FakeHost, dom: etree._Element) -> None:
+    """libvirt started the domain as the transformer left it (its status file)."""
+    name, uuid = dom.findtext("name"), dom.findtext("uuid")
+    assert name and uuid
+    pci = []
+    for a in dom.findall("devices/hostdev[@type='pci']/source/address"):
+        d, b, sl, f = (int(str(a.get(k)), 16) for k in ("domain", "bus", "slot", "function"))
+        pci.append(f"{d:04x}:{b:02x}:{sl:02x}.{f:x}")
+    host.add_running_domain(name, uuid, pci=tuple(pci), mdevs=tuple(hostdev_uuids(dom)))

@@ -26,7 +26,16 @@ from lxml import etree
 
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo
-from tests.hookrun import QEMU_HOOK, STATE_CHANGE, as_agent, hook_env, run
+from tests.hookrun import (
+    QEMU_HOOK,
+    STATE_CHANGE,
+    as_agent,
+    hook_env,
+    hostdev_uuids,
+    libvirt_runs,
+    pci_hostdev,
+    run,
+)
 
 STATE = "var/lib/gpulib/state.json"
 LOG = "var/log/gpulib/gpulib.log"
@@ -42,15 +51,6 @@ U_PB = "5d8f6b02-9e3a-4c75-b2fa-7a1c5e9d3f86"
 U_OTHER = "0d9e8f7a-6b5c-4d3e-9f2a-1b0c9d8e7f6a"
 META = ("<metadata><gpulib:gpus xmlns:gpulib='http://gpulib.org/xmlns/domain/1'>"
         "<gpulib:vgpu profile='GRID A100-8C' count='{count}'/></gpulib:gpus></metadata>")
-
-
-def _pci(address: str) -> str:
-    d, rest = address.split(":", 1)
-    b, sf = rest.split(":")
-    s, f = sf.split(".")
-    return ("<hostdev mode='subsystem' type='pci' managed='yes'><driver name='vfio'/>"
-            f"<source><address domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>"
-            "</source></hostdev>")
 
 
 def _mdev(uuid: str) -> str:
@@ -102,22 +102,6 @@ def transform_ok(root: str, text: str) -> etree._Element:
     return etree.fromstring(res.stdout)
 
 
-def libvirt_runs(host: FakeHost, dom: etree._Element) -> None:
-    """libvirt started the domain as the transformer left it (its status file)."""
-    name, uuid = dom.findtext("name"), dom.findtext("uuid")
-    assert name and uuid
-    pci = []
-    for a in dom.findall("devices/hostdev[@type='pci']/source/address"):
-        d, b, sl, f = (int(str(a.get(k)), 16) for k in ("domain", "bus", "slot", "function"))
-        pci.append(f"{d:04x}:{b:02x}:{sl:02x}.{f:x}")
-    host.add_running_domain(name, uuid, pci=tuple(pci), mdevs=tuple(uuids_of(dom)))
-
-
-def uuids_of(dom: etree._Element) -> list[str]:
-    return [str(a.get("uuid")) for a in dom.findall("devices/hostdev/source/address")
-            if a.get("uuid")]
-
-
 def started(host: FakeHost, text: str) -> etree._Element:
     """The agent's start: transformer, libvirt runs it, onStart."""
     dom = transform_ok(host.root, text)
@@ -140,10 +124,10 @@ def whole_used_by(root: str, address: str) -> Any:
 
 def test_a_late_onstop_never_frees_a_newer_start(host: FakeHost) -> None:
     root = host.root
-    made = uuids_of(started(host, xml("pa", U_PA, vgpus=2)))
+    made = hostdev_uuids(started(host, xml("pa", U_PA, vgpus=2)))
     host.stop_domain("pa")  # the run ends; the agent's onStop is late
     again = transform_ok(root, xml("pa", U_PA, vgpus=2))  # the agent starts pa again
-    assert uuids_of(again) == made
+    assert hostdev_uuids(again) == made
     assert state_of(root)["allocations"]["pa"]["status"] == "pending"
     res = run([STATE_CHANGE, "onStop", "pa"], root)  # the old run's onStop, at last
     assert res.returncode == 0
@@ -163,12 +147,12 @@ def test_a_late_onstop_never_frees_a_newer_start(host: FakeHost) -> None:
 
 def test_a_late_onstop_of_a_whole_gpu_keeps_the_newer_start(host: FakeHost) -> None:
     root = host.root
-    started(host, xml("pa", U_PA, _pci(RTX)))
+    started(host, xml("pa", U_PA, pci_hostdev(RTX)))
     host.stop_domain("pa")
-    transform_ok(root, xml("pa", U_PA, _pci(RTX)))
+    transform_ok(root, xml("pa", U_PA, pci_hostdev(RTX)))
     assert run([STATE_CHANGE, "onStop", "pa"], root).returncode == 0
     assert state_of(root)["allocations"]["pa"]["status"] == "pending"
-    res = as_agent(root, xml("pb", U_PB, _pci(RTX)))
+    res = as_agent(root, xml("pb", U_PB, pci_hostdev(RTX)))
     assert res.returncode == 1 and b"in use by starting VM pa" in res.stdout, res.stdout
 
 
@@ -176,12 +160,12 @@ def test_a_late_onstop_of_a_whole_gpu_keeps_the_newer_start(host: FakeHost) -> N
 
 def test_a_lost_stop_is_finished_by_the_next_start(host: FakeHost) -> None:
     root = host.root
-    started(host, xml("pa", U_PA, _pci(RTX)))
+    started(host, xml("pa", U_PA, pci_hostdev(RTX)))
     assert whole_used_by(root, RTX) == "pa"
     host.stop_domain("pa")  # no onStop, no release end (lost, killed, ENOSPC)
     # Not reported as held meanwhile: the agent sees the GPU free.
     assert whole_used_by(root, RTX) is None
-    res = as_agent(root, xml("pb", U_PB, _pci(RTX)))
+    res = as_agent(root, xml("pb", U_PB, pci_hostdev(RTX)))
     assert res.returncode == 0, res.stdout
     st = state_of(root)
     assert "pa" not in st["allocations"] and st["allocations"]["pb"]["status"] == "pending"
@@ -192,7 +176,7 @@ def test_a_lost_stop_is_finished_by_the_next_start(host: FakeHost) -> None:
 
 def test_a_lost_stop_of_on_demand_vgpus_destroys_them_at_the_next_hook(host: FakeHost) -> None:
     root = host.root
-    made = uuids_of(started(host, xml("pa", U_PA, vgpus=2)))
+    made = hostdev_uuids(started(host, xml("pa", U_PA, vgpus=2)))
     host.stop_domain("pa")
     # Any hook: here another VM's onStart, which holds nothing.
     assert run([STATE_CHANGE, "onStart", "pz"], root).returncode == 0
@@ -203,7 +187,7 @@ def test_a_lost_stop_of_on_demand_vgpus_destroys_them_at_the_next_hook(host: Fak
 
 def test_reconcile_names_a_lost_stop_as_what_it_is(host: FakeHost) -> None:
     root = host.root
-    started(host, xml("pa", U_PA, _pci(RTX)))
+    started(host, xml("pa", U_PA, pci_hostdev(RTX)))
     host.stop_domain("pa")
     res = cli(root, "reconcile")
     assert "held by stopped VM pa, released now" in res.stdout, res.stdout
@@ -228,7 +212,7 @@ def test_an_abandoned_migration_is_released_after_the_arrival_timeout(tmp_path: 
     host = demo(tmp_path, "quick", "[release]\narrival_timeout = 0\n")
     root = host.root
     incoming = _arrive(tmp_path, root)
-    made = uuids_of(etree.fromstring(incoming.encode()))
+    made = hostdev_uuids(etree.fromstring(incoming.encode()))
     assert made and set(made) <= live_mdevs(root)
     # libvirt abandoned it: no prepare begin, no release end. Any hook frees it.
     assert run([STATE_CHANGE, "onStart", "pz"], root).returncode == 0
@@ -241,7 +225,7 @@ def test_an_arrival_whose_prepare_begin_follows_is_a_start(tmp_path: Path) -> No
     host = demo(tmp_path, "quick", "[release]\narrival_timeout = 0\n")
     root = host.root
     incoming = _arrive(tmp_path, root)
-    made = uuids_of(etree.fromstring(incoming.encode()))
+    made = hostdev_uuids(etree.fromstring(incoming.encode()))
     res = run([QEMU_HOOK, "mig-1", "prepare", "begin", "-"], root, stdin=incoming.encode())
     assert res.returncode == 0, res.stderr
     alloc = state_of(root)["allocations"]["mig-1"]
@@ -261,8 +245,8 @@ def test_an_arrival_within_its_timeout_is_kept(tmp_path: Path, host: FakeHost) -
 
 def test_a_missing_state_file_is_recovered_from_its_copy(host: FakeHost) -> None:
     root = host.root
-    transform_ok(root, xml("pa", U_PA, _pci(RTX)))  # pending: libvirt not running it yet
-    made = uuids_of(transform_ok(root, xml("pc", U_OTHER, vgpus=1)))
+    transform_ok(root, xml("pa", U_PA, pci_hostdev(RTX)))  # pending: libvirt not running it yet
+    made = hostdev_uuids(transform_ok(root, xml("pc", U_OTHER, vgpus=1)))
     assert Path(root, STATE + ".bak").exists()
     Path(root, STATE).unlink()
     res = cli(root, "status", "--json")
@@ -274,7 +258,7 @@ def test_a_missing_state_file_is_recovered_from_its_copy(host: FakeHost) -> None
     assert "was missing" in log_of(root)
     # Removed again, the next start recovers it before judging.
     Path(root, STATE).unlink()
-    res = as_agent(root, xml("pb", U_PB, _pci(RTX)))
+    res = as_agent(root, xml("pb", U_PB, pci_hostdev(RTX)))
     assert res.returncode == 1 and b"in use by starting VM pa" in res.stdout, res.stdout
     st = state_of(root)
     assert st["allocations"]["pa"]["status"] == "pending"
@@ -283,7 +267,7 @@ def test_a_missing_state_file_is_recovered_from_its_copy(host: FakeHost) -> None
 
 def test_without_any_copy_gpulib_starts_empty(host: FakeHost) -> None:
     root = host.root
-    transform_ok(root, xml("pa", U_PA, _pci(RTX)))
+    transform_ok(root, xml("pa", U_PA, pci_hostdev(RTX)))
     Path(root, STATE).unlink()
     Path(root, STATE + ".bak").unlink()
     res = cli(root, "status", "--json")
@@ -295,7 +279,7 @@ def test_without_any_copy_gpulib_starts_empty(host: FakeHost) -> None:
 
 def test_reconnect_under_another_uuid_replaces_the_allocation(host: FakeHost) -> None:
     root = host.root
-    made = uuids_of(started(host, xml("pa", U_PA, _pci(RTX), vgpus=1)))
+    made = hostdev_uuids(started(host, xml("pa", U_PA, pci_hostdev(RTX), vgpus=1)))
     # pa is now another domain (redefined and started outside the hooks) with a pool vGPU.
     host.stop_domain("pa")
     host.add_running_domain("pa", U_OTHER, mdevs=(made[0],))
@@ -313,7 +297,7 @@ def test_reconnect_under_another_uuid_replaces_the_allocation(host: FakeHost) ->
 
 def test_an_ownerless_on_demand_vgpu_goes_when_its_last_user_stops(host: FakeHost) -> None:
     root = host.root
-    made = uuids_of(started(host, xml("pa", U_PA, vgpus=2)))
+    made = hostdev_uuids(started(host, xml("pa", U_PA, vgpus=2)))
     # pb runs with pa's first vGPU, started without gpulib's hooks.
     host.add_running_domain("pb", U_PB, mdevs=(made[0],))
     host.stop_domain("pa")
@@ -328,12 +312,12 @@ def test_an_ownerless_on_demand_vgpu_goes_when_its_last_user_stops(host: FakeHos
     assert made[0] not in live_mdevs(root) and made[0] not in st["vgpus"]
     assert st["intents"] == []
     # pa's next start makes its vGPUs again under the same UUIDs.
-    assert uuids_of(started(host, xml("pa", U_PA, vgpus=2))) == made
+    assert hostdev_uuids(started(host, xml("pa", U_PA, vgpus=2))) == made
 
 
 def test_reconcile_reports_and_removes_an_ownerless_on_demand_vgpu(host: FakeHost) -> None:
     root = host.root
-    made = uuids_of(started(host, xml("pa", U_PA, vgpus=1)))
+    made = hostdev_uuids(started(host, xml("pa", U_PA, vgpus=1)))
     host.add_running_domain("pb", U_PB, mdevs=(made[0],))
     host.stop_domain("pa")
     assert run([STATE_CHANGE, "onStop", "pa"], root).returncode == 0
@@ -350,7 +334,7 @@ def test_reconcile_reports_and_removes_an_ownerless_on_demand_vgpu(host: FakeHos
 
 def test_release_of_a_starting_vm_needs_force(host: FakeHost) -> None:
     root = host.root
-    transform_ok(root, xml("pa", U_PA, _pci(RTX)))
+    transform_ok(root, xml("pa", U_PA, pci_hostdev(RTX)))
     res = cli(root, "release", "pa")
     assert res.returncode != 0 and "pa is starting" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
@@ -377,7 +361,7 @@ def test_a_stop_killed_at_every_write_then_another_start_is_admitted(tmp_path: P
     while True:
         host = demo(tmp_path, f"k{n}")
         root = host.root
-        made = uuids_of(started(host, xml("pa", U_PA, _mdev(POOL_MDEV), vgpus=2)))
+        made = hostdev_uuids(started(host, xml("pa", U_PA, _mdev(POOL_MDEV), vgpus=2)))
         assert POOL_MDEV in made and len(made) == 3
         host.stop_domain("pa")
         res = _worker(root, n, stop)

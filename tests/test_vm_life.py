@@ -22,7 +22,15 @@ from lxml import etree
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo
 from tests.conftest import DATA
-from tests.hookrun import QEMU_HOOK, STATE_CHANGE, as_agent, hook_env, run
+from tests.hookrun import (
+    QEMU_HOOK,
+    STATE_CHANGE,
+    as_agent,
+    hook_env,
+    hostdev_uuids,
+    libvirt_runs,
+    run,
+)
 from tests.hosts import reboot
 
 STATE = "var/lib/gpulib/state.json"
@@ -81,22 +89,6 @@ def transform_ok(root: str, xml: str) -> etree._Element:
     res = as_agent(root, xml)
     assert res.returncode == 0, res.stdout
     return etree.fromstring(res.stdout)
-
-
-def hostdev_uuids(dom: etree._Element) -> list[str]:
-    return [str(a.get("uuid")) for a in dom.findall("devices/hostdev/source/address")
-            if a.get("uuid")]
-
-
-def libvirt_runs(host: FakeHost, dom: etree._Element) -> None:
-    """libvirt started the domain as the transformer left it (its status file)."""
-    name, uuid = dom.findtext("name"), dom.findtext("uuid")
-    assert name and uuid
-    pci = []
-    for a in dom.findall("devices/hostdev[@type='pci']/source/address"):
-        d, b, sl, f = (int(str(a.get(k)), 16) for k in ("domain", "bus", "slot", "function"))
-        pci.append(f"{d:04x}:{b:02x}:{sl:02x}.{f:x}")
-    host.add_running_domain(name, uuid, pci=tuple(pci), mdevs=tuple(hostdev_uuids(dom)))
 
 
 def started_with_vgpus(host: FakeHost, count: int = 2) -> list[str]:

@@ -53,7 +53,7 @@ from gpulib.occupancy import Tree
 from gpulib.sim.hosts import build_demo
 from gpulib.state import State
 from gpulib.usage import running_domains
-from tests.hookrun import hook_env
+from tests.hookrun import hook_env, pci_hostdev
 from tests.hosts import reboot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,21 +67,12 @@ VMS = {"vm-a": "4c7e5a91-8d2f-4b64-a1e9-6f0b4d8c2e75",
 OTHER_UUID = "0d9e8f7a-6b5c-4d3e-9f2a-1b0c9d8e7f6a"
 
 
-def _pci(address: str) -> str:
-    d, rest = address.split(":", 1)
-    b, sf = rest.split(":")
-    s, f = sf.split(".")
-    return ("<hostdev mode='subsystem' type='pci' managed='yes'><driver name='vfio'/>"
-            f"<source><address domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>"
-            "</source></hostdev>")
-
-
 PLANS = {
     "vgpus": ("<metadata><gpulib:gpus xmlns:gpulib='http://gpulib.org/xmlns/domain/1'>"
               "<gpulib:vgpu profile='GRID A100-8C' count='1'/></gpulib:gpus></metadata>", ""),
-    "rtx": ("", _pci(RTX)),
-    "t4": ("", _pci(T4_WHOLE)),
-    "a100-whole": ("", _pci(A100)),
+    "rtx": ("", pci_hostdev(RTX)),
+    "t4": ("", pci_hostdev(T4_WHOLE)),
+    "a100-whole": ("", pci_hostdev(A100)),
     "pool-vgpu": ("", "<hostdev mode='subsystem' type='mdev' model='vfio-pci'>"
                       f"<source><address uuid='{POOL_MDEV}'/></source></hostdev>"),
 }
