@@ -362,6 +362,9 @@ def test_a_v1_state_gets_definitions_once_then_follows_them(host: FakeHost) -> N
                                                   "on_demand": True}]}},
         "unmanaged": ["0000:5e:00.0"]}
     host.write_file("var/lib/gpulib/state.json", json.dumps(v1))
+    # The VM runs (its status file names its vGPU): its allocation is a live
+    # run's, not a stop that did not complete, which restore would end.
+    host.add_running_domain("i-2-3-VM", "7b1c2d3e-4f50-4a6b-8c7d-9e0f1a2b3c4d", mdevs=(U2,))
     outcomes = do_restore(host)
     after = json.loads(Path(host.p("var/lib/gpulib/state.json")).read_text())
     # Nothing lost in the schema-2 migration (owners live in allocations only).
