@@ -7,6 +7,12 @@ the operator asks to keep from the host for passthrough (`--passthrough`,
 are also the doctor's fix text), plus the steps an earlier apply did not
 complete (setup's journal). Planning changes nothing.
 
+A plan with a file setup refuses to edit (a value it cannot know) applies
+nothing: its parts hang together (the vfio-pci ids in gpulib's modprobe file
+lose to an administrator's later file unless the command line gives them too),
+so no file is written, no command runs and the plan promises nothing for the
+next boot.
+
 Applying is a plan that survives a failed step. Every step is checked before
 the first change (the file is not a symbolic link, not immutable, on a
 writable file system, unchanged since the plan; the command is installed);
@@ -93,6 +99,7 @@ _VENDOR_DEVICE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\Z")
 # The failing command's own output shown: its last lines, enough for a hook's message.
 OUTPUT_LINES = 20
 NEXT_BOOT = "at the next boot"
+NOT_APPLIED = "never: not applied while a file is refused"
 # Linux inode flags (FS_IOC_GETFLAGS): a file the kernel will not let root replace.
 _FS_IOC_GETFLAGS = 0x80086601
 _FS_IMMUTABLE_FL = 0x10
@@ -244,6 +251,27 @@ class Plan:
         if text not in self.todo:
             self.todo.append(text)
 
+    @property
+    def blocked(self) -> list[Refusal]:
+        """The files setup refused to edit: the plan's changes hang together (vfio-pci's
+        ids in a modprobe file and on the command line, the initramfs that holds them),
+        so while one is refused nothing is applied."""
+        return [r for r in self.refusals if r.kind == "file"]
+
+    def block(self) -> None:
+        """A refused file: no step takes effect, no reboot is promised, and no GPU is
+        said to leave the host."""
+        if not self.blocked:
+            return
+        for step in self.steps:
+            step.effect = NOT_APPLIED
+        self.todo = [t for t in self.todo if t != "reboot the host"]
+        self.notes = [n for n in self.notes if NEXT_BOOT not in n]
+        shown = self.blocked[0].device
+        self.notes.append(f"nothing is applied while {shown} is refused: no file is written, "
+                          "no command is run, and nothing changes at the next boot; edit it "
+                          "as said, then run gpulib setup again")
+
     def failed(self, error: SetupError) -> None:
         """After a failed apply: no reboot promised; the rest is planned again."""
         self.error, self.error_output = error.message, error.output
@@ -373,6 +401,7 @@ class Planner:
         # the initramfs), then the rest; nothing runs before every file is in place.
         plan.steps = list(self.files.values()) + sorted(
             self.commands, key=lambda s: _command_rank(s.argv or ()))
+        plan.block()
         return plan
 
     # -- from the doctor's actions ------------------------------------------------------
@@ -777,6 +806,8 @@ def _command_problem(step: Step) -> str:
 
 def validate(ctx: Context, plan: Plan) -> None:
     """Every step checked before the first change: SetupError naming what would fail."""
+    if plan.blocked:
+        raise SetupError(f"nothing was changed: {plan.blocked[0].shown}")
     problems: list[str] = []
     for step in plan.steps:
         if step.path is not None:
@@ -801,6 +832,10 @@ def apply(ctx: Context, plan: Plan, reboot_for: list[str],
     """
     import fcntl
 
+    if plan.blocked:  # before the lock file too: nothing at all is written
+        exc = SetupError(f"nothing was changed: {plan.blocked[0].shown}")
+        plan.failed(exc)
+        raise exc
     path = ctx.path(SETUP_LOCK)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

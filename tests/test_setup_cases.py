@@ -485,3 +485,50 @@ def test_a_read_only_file_system_is_found_before_the_first_change(tmp_path: Any)
     for lock in ("var", "var/lib", "var/lib/gpulib", hostsetup.SETUP_LOCK):
         after.pop(lock, None)
     assert after == before
+
+
+def test_a_refused_grub_file_applies_nothing(tmp_path: Any, monkeypatch: Any,
+                                             capsys: Any) -> None:
+    """The plan's parts hang together: vfio-pci's ids in gpulib's modprobe file lose to an
+    administrator's file that sorts later unless the command line gives them too. With the
+    grub file refused, no file is written, no initramfs is made, no reboot is promised,
+    and no GPU is said to leave the host."""
+    host = unprepared_host(str(tmp_path / "h"), "debian12", iommu=True)
+    host.write_file("etc/default/grub", 'GRUB_CMDLINE_LINUX_DEFAULT="quiet $EXTRA"\n')
+    host.write_file("etc/modprobe.d/zz-site-vfio.conf", "options vfio-pci ids=8086:10ed\n")
+    before = tree_state(host.root)
+    code, plan = setup_json(host, monkeypatch, capsys, "--passthrough", GPU)
+    assert code == 1 and plan["steps"], plan
+    assert all(s["takes_effect"].startswith("never") for s in plan["steps"])
+    assert "reboot the host" not in plan["still_to_do"]
+    assert not any("vfio-pci takes it at the next boot" in n for n in plan["notes"])
+    assert any("nothing is applied while /etc/default/grub is refused" in n
+               for n in plan["notes"])
+    code, done = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--passthrough",
+                            GPU)
+    assert code == 1
+    assert done["error"].startswith("nothing was changed: not edited: /etc/default/grub")
+    assert {s.get("done") for s in done["steps"]} == {None}
+    code, out = setup_cli(host, monkeypatch, capsys, "--apply", "--yes", "--passthrough", GPU)
+    assert "[edited]" not in out and "[created]" not in out and "[ran]" not in out
+    assert tree_state(host.root) == before
+    assert not os.path.exists(os.path.join(host.root, dr.SETUP_JOURNAL))
+
+
+def test_the_command_line_s_ids_win_over_a_later_modprobe_file(tmp_path: Any,
+                                                               monkeypatch: Any,
+                                                               capsys: Any) -> None:
+    """An administrator's `options vfio-pci ids=` in a file that sorts after gpulib's:
+    the next boot's effective ids (the last one modprobe passes: the command line's)
+    hold theirs and the GPU's, in one `vfio-pci.ids=`."""
+    host = unprepared_host(str(tmp_path / "h"), "debian12", iommu=True)
+    host.write_file("etc/modprobe.d/zz-site-vfio.conf", "options vfio-pci ids=8086:10ed\n")
+    code, _ = setup_cli(host, monkeypatch, capsys, "--apply", "--yes", "--passthrough", GPU)
+    assert code == 0
+    ctx = Context.for_root(host.root)
+    facts = dr.Doctor(ctx)
+    sources = facts.next_boot.vfio_ids_sources()
+    assert sources[-1].shown == "the kernel command line"
+    assert sources[-1].keys == ["8086:10ed", "10de:2484", "10de:228b"]
+    assert sum(a.startswith("vfio-pci.ids=") for a in facts.next_boot.args()) == 1
+    assert read(host, "etc/modprobe.d/zz-site-vfio.conf") == "options vfio-pci ids=8086:10ed\n"

@@ -44,7 +44,7 @@ def setup(env: Env, do_apply: bool, yes: bool, as_json: bool, only: tuple[str, .
     code = 0
     failure = ""
     if do_apply and plan.steps:
-        if not yes:
+        if not yes and not plan.blocked:  # a refused plan applies nothing: nothing to ask
             if not sys.stdin.isatty():
                 raise InputError("--apply without --yes needs a terminal to ask on")
             click.echo(plan.text(), nl=False, err=as_json)
