@@ -532,3 +532,37 @@ def test_the_command_line_s_ids_win_over_a_later_modprobe_file(tmp_path: Any,
     assert sources[-1].keys == ["8086:10ed", "10de:2484", "10de:228b"]
     assert sum(a.startswith("vfio-pci.ids=") for a in facts.next_boot.args()) == 1
     assert read(host, "etc/modprobe.d/zz-site-vfio.conf") == "options vfio-pci ids=8086:10ed\n"
+
+
+def test_a_failed_initramfs_after_an_earlier_apply_is_named_not_pending(
+        tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    """An apply completed (nouveau's blacklist waits for the reboot); a second one in the
+    same boot fails at the initramfs. The doctor names that step, not the earlier
+    apply's reboot."""
+    host = unprepared_host(str(tmp_path / "h"), "debian12", iommu=True)
+    code, _ = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--check", "nouveau")
+    assert code == 0
+    (r,) = doctor(host, ["nouveau"]).results
+    assert r.pending == "reboot"
+    ctx = Context.for_root(host.root)
+    plan, reboot_for = hostsetup.make_plan(ctx, passthrough=(GPU,))
+    plan.run_commands = True
+    for step in plan.steps:
+        if step.argv is not None:
+            name = step.argv[0]
+            step.argv = (_script(tmp_path, name, "exit 1\n" if name == "update-initramfs"
+                                 else "exit 0\n"),)
+    with pytest.raises(hostsetup.SetupError, match="failed with exit 1"):
+        hostsetup.apply(ctx, plan, reboot_for)
+    journal = json.loads(read(host, dr.SETUP_JOURNAL))
+    assert "nouveau" in journal["pending_reboot"]  # the earlier apply's record stays
+    assert [o["argv"][0].rsplit("/", 1)[-1] for o in journal["outstanding"]] == \
+        ["update-initramfs"]
+    (r,) = doctor(host, ["nouveau"]).results
+    assert r.pending is None and r.status == "fail", r.message
+    assert "a reboot is pending" not in r.message
+    assert "did not complete" in r.message and "update-initramfs" in r.message
+    binding = [r for r in doctor(host, ["driver-binding"]).results if r.subject == GPU]
+    assert binding and binding[0].pending is None
+    assert "did not complete" in binding[0].message and "a reboot is pending" not in \
+        binding[0].message

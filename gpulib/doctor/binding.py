@@ -80,6 +80,10 @@ def check(d: Facts) -> list[Result]:
             actions: list[Action] = list(found.actions)
             for _, why in found.refusals:
                 msg += f"; gpulib setup would not take it: {why}"
+            unfinished = d.setup_outstanding(cid)
+            if unfinished:
+                msg += (f"; gpulib setup's `{unfinished}` did not complete: run gpulib setup "
+                        "--apply again before rebooting")
             if actions:
                 actions.append(Manual(f"(gpulib setup --apply --passthrough {gpu.address} "
                                       "does this; nothing is rebound before the reboot)"))

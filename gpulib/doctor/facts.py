@@ -288,10 +288,16 @@ class Facts:
         return self._journal
 
     def setup_pending(self, check: str) -> Optional[str]:
-        """When gpulib setup applied `check`'s fix during this boot: its time, else None."""
+        """When gpulib setup applied `check`'s fix during this boot: its time, else None.
+
+        None too while a command that serves `check` is outstanding (a later apply's
+        initramfs that failed): the fix waits for that step, not for a reboot, whatever
+        an earlier apply of this boot completed."""
         j = self.journal
         pending = j.get("pending_reboot")
         if not isinstance(pending, list) or check not in pending:
+            return None
+        if self.setup_outstanding(check):
             return None
         applied = j.get("applied_at")
         current = self.boot_id()
@@ -314,6 +320,16 @@ class Facts:
                  (items if isinstance(items, list) else [])
                  if isinstance(item, dict) and isinstance(item.get("argv"), list)]
         return "; ".join(shown)
+
+    def setup_outstanding(self, check: str) -> str:
+        """The commands gpulib setup planned for `check` and did not complete, as text
+        ("" if none)."""
+        items = self.journal.get("outstanding")
+        shown = [" ".join(str(a) for a in item["argv"]) for item in
+                 (items if isinstance(items, list) else [])
+                 if isinstance(item, dict) and isinstance(item.get("argv"), list)
+                 and isinstance(item.get("checks"), list) and check in item["checks"]]
+        return "; ".join(dict.fromkeys(shown))
 
     def vfio_pending(self, ids: set[tuple[int, int]]) -> Optional[str]:
         """gpulib setup configured vfio-pci for these ids in this boot: when, else None."""

@@ -85,14 +85,22 @@ def check(d: Facts) -> list[Result]:
         if bound:
             msg += f" and drives {', '.join(bound)}"
         if blacklisted:
-            applied = d.setup_pending(cid)
+            # an initramfs gpulib setup did not finish making (any apply's) is what the
+            # blacklist waits for, not the reboot an earlier apply promised
+            unfinished = _initramfs_outstanding(d)
+            applied = None if unfinished else d.setup_pending(cid)
             if applied:
                 return [d.result(cid, WARN, "/sys/module/nouveau",
                                  f"{msg}; blacklisted ({', '.join(blacklisted)}) by gpulib "
                                  f"setup at {applied}: a reboot is pending",
                                  [Reboot()], pending="reboot")]
-            msg += (f" although blacklisted ({', '.join(blacklisted)}): the initramfs or an "
-                    "earlier boot still loads it")
+            if unfinished:
+                msg += (f" although blacklisted ({', '.join(blacklisted)}): gpulib setup's "
+                        f"`{unfinished}` did not complete, so the initramfs may still load "
+                        "it; run gpulib setup --apply again before rebooting")
+            else:
+                msg += (f" although blacklisted ({', '.join(blacklisted)}): the initramfs or "
+                        "an earlier boot still loads it")
             actions: list[Action] = [*dracut_actions(d), *initramfs_actions(d), Reboot()]
         else:
             msg += " and not blacklisted"
