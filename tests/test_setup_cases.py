@@ -566,3 +566,55 @@ def test_a_failed_initramfs_after_an_earlier_apply_is_named_not_pending(
     assert binding and binding[0].pending is None
     assert "did not complete" in binding[0].message and "a reboot is pending" not in \
         binding[0].message
+
+
+ADMIN_BLACKLIST = "etc/modprobe.d/nvidia-blacklists-nouveau.conf"
+
+
+def _debian_dracut(host: FakeHost) -> None:
+    host.write_file("usr/bin/dracut", "#!/bin/sh\n", 0o755)
+    host.write_file(ADMIN_BLACKLIST, "blacklist nouveau\n")
+
+
+def test_dracut_puts_the_administrator_s_blacklist_in_the_initramfs(
+        tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    """Debian with dracut (its images are not host-only): the blacklist is in a file of
+    the administrator's; dracut's configuration names that file, not gpulib's (which
+    does not exist)."""
+    host = unprepared_host(str(tmp_path / "h"), "debian12", iommu=True)
+    _debian_dracut(host)
+    (r,) = doctor(host, ["nouveau"]).results
+    assert r.status == "fail" and "although blacklisted" in r.message
+    code, done = setup_json(host, monkeypatch, capsys, "--apply", "--yes", "--check", "nouveau")
+    assert code == 0, done
+    assert [s.get("path") or s["argv"] for s in done["steps"]] == [
+        "/etc/dracut.conf.d/gpulib-blacklist-nouveau.conf", ["dracut", "-f", "--regenerate-all"]]
+    conf = read(host, "etc/dracut.conf.d/gpulib-blacklist-nouveau.conf")
+    assert f'install_items+=" /{ADMIN_BLACKLIST} "' in conf
+    assert not os.path.exists(host.p("etc/modprobe.d/blacklist-nouveau.conf"))
+    (r,) = doctor(host, ["nouveau"]).results
+    assert r.pending == "reboot"
+    # after the reboot: nouveau not loaded, and nothing outstanding
+    host.write_file("proc/sys/kernel/random/boot_id", "booted-again\n")
+    os.rmdir(host.p("sys/module/nouveau"))
+    host.bind_driver(GPU, None)
+    assert doctor(host, ["nouveau"]).summary() == {"nouveau": "ok"}
+    code, again = setup_json(host, monkeypatch, capsys, "--check", "nouveau")
+    assert code == 0 and again["steps"] == []
+
+
+def test_the_doctor_names_a_blacklist_dracut_leaves_out(tmp_path: Any, monkeypatch: Any,
+                                                         capsys: Any) -> None:
+    """nouveau not loaded and blacklisted, but dracut's images would not hold the file:
+    the doctor names it; on a host-only dracut (EL's) /etc/modprobe.d is in anyway."""
+    host = unprepared_host(str(tmp_path / "h"), "debian12", iommu=True)
+    _debian_dracut(host)
+    os.rmdir(host.p("sys/module/nouveau"))
+    host.bind_driver(GPU, None)
+    (r,) = doctor(host, ["nouveau"]).results
+    assert r.status == "warn" and f"/{ADMIN_BLACKLIST}" in r.message and "dracut" in r.message
+    _, done = setup_json(host, monkeypatch, capsys, "--check", "nouveau")
+    assert [s.get("path") or s["argv"] for s in done["steps"]] == [
+        "/etc/dracut.conf.d/gpulib-blacklist-nouveau.conf", ["dracut", "-f", "--regenerate-all"]]
+    host.write_file("etc/dracut.conf.d/10-site.conf", 'hostonly="yes"\n')
+    assert doctor(host, ["nouveau"]).summary() == {"nouveau": "ok"}

@@ -299,6 +299,7 @@ TWIN = "0000:5e:00.0"
 TWIN_AUDIO = "0000:5e:00.1"
 ADMIN_VFIO = "etc/modprobe.d/vfio.conf"
 ADMIN_IDS = "8086:10ed"  # the administrator's own passthrough device (an 82599 VF)
+ADMIN_BLACKLIST = "etc/modprobe.d/nvidia-blacklists-nouveau.conf"
 
 
 def _build_trixie(path: str) -> None:
@@ -332,8 +333,9 @@ def trixie(tmp_path_factory: Any) -> Iterator[DebianRoot]:
                           parent="0000:5d:00.0")
         host.add_function(TWIN_AUDIO, 0x10DE, 0x228B, 0x040300, iommu_group=group,
                           parent="0000:5d:00.0")
-        # the administrator's own vfio-pci ids
+        # the administrator's own vfio-pci ids, and their own nouveau blacklist
         root.write(ADMIN_VFIO, f"options vfio-pci ids={ADMIN_IDS}\n")
+        root.write(ADMIN_BLACKLIST, "blacklist nouveau\n")
         yield root
 
 
@@ -404,7 +406,9 @@ def test_setup_on_debian_13_with_dracut_keeps_what_is_not_gpulibs(trixie: Debian
     files = root.run("lsinitrd", f"/boot/initrd.img-{kernel}").stdout
     assert re.search(r"/vfio-pci\.ko(\.\w+)?$", files, re.M), files[-2000:]
     assert "etc/modprobe.d/gpulib-vfio.conf" in files
-    assert "etc/modprobe.d/blacklist-nouveau.conf" in files
+    # the administrator's blacklist, named in dracut's configuration (gpulib wrote none)
+    assert ADMIN_BLACKLIST in files and "blacklist-nouveau.conf" not in files
+    assert f"/{ADMIN_BLACKLIST}" in root.read("etc/dracut.conf.d/gpulib-blacklist-nouveau.conf")
 
     # the next boot, as modprobe will see it: the ids it passes vfio-pci, the last wins
     args = normal[0].split(None, 2)[2]

@@ -19,14 +19,18 @@ if TYPE_CHECKING:
 
 # Compiled on first use: only a host with modprobe files needs it.
 _BLACKLIST_NOUVEAU = lazy(r"^\s*blacklist\s+nouveau\s*(#.*)?$", re.M)
+_HOSTONLY = lazy(r'^\s*hostonly\s*=\s*"?(yes|no)"?', re.M)
+_INSTALL_ITEMS = lazy(r'^\s*install_items\s*\+?=\s*"([^"]*)"', re.M)
+
+
+def _blacklist_files(d: Facts) -> list[str]:
+    """The modprobe files (root-relative) that blacklist nouveau, in modprobe's order."""
+    return [rel for rel in d.next_boot.modprobe_files()
+            if _BLACKLIST_NOUVEAU.search(d.sysfs.read(rel) or "")]
 
 
 def _nouveau_blacklist(d: Facts) -> list[str]:
-    found: list[str] = []
-    for rel in d.next_boot.modprobe_files():
-        text = d.sysfs.read(rel)
-        if text and _BLACKLIST_NOUVEAU.search(text):
-            found.append(host_path(rel))
+    found = [host_path(rel) for rel in _blacklist_files(d)]
     for name in ("modprobe.blacklist", "rd.driver.blacklist", "module_blacklist"):
         if any("nouveau" in v.split(",") for v in d.params(name)):
             found.append(f"{name}=nouveau on the kernel command line")
@@ -50,19 +54,50 @@ def blacklist_actions(d: Facts) -> list[Action]:
         text += "\n"
     out: list[Action] = [WriteFile(BLACKLIST_FILE,
                                    text + "".join(f"{line}\n" for line in missing))]
-    return out + dracut_actions(d)
+    files = list(dict.fromkeys([*_blacklist_files(d), BLACKLIST_FILE]))
+    return out + dracut_actions(d, files)
 
 
-def dracut_actions(d: Facts) -> list[Action]:
-    """Where dracut makes the initramfs: the blacklist file named in its configuration."""
-    if d.next_boot.initramfs_tool() != DRACUT:
+def dracut_content(files: list[str]) -> str:
+    return ("# gpulib setup: the nouveau blacklist in every initramfs\n"
+            f'install_items+=" {" ".join("/" + f for f in files)} "\n')
+
+
+def dracut_lacks(d: Facts, files: list[str], judged: bool = False) -> list[str]:
+    """Where dracut makes the initramfs: the blacklist files dracut's configuration does
+    not name (empty elsewhere, or when it names them all). `judged`: what the doctor
+    holds against the host, where a host-only image holds /etc/modprobe.d anyway."""
+    if d.next_boot.initramfs_tool() != DRACUT or not files:
         return []
-    content = ("# gpulib setup: the nouveau blacklist in every initramfs\n"
-               f'install_items+=" /{BLACKLIST_FILE} "\n')
+    if judged and _host_only(d):
+        files = [f for f in files if not f.startswith(MODPROBE_DIR + "/")]
     data = d.sysfs.read_bytes(DRACUT_BLACKLIST)
-    if data is not None and data.decode("utf-8", "replace") == content:
+    named = _INSTALL_ITEMS.findall(data.decode("utf-8", "replace")) if data else []
+    items = {w for value in named for w in value.split()}
+    return [f for f in files if "/" + f not in items]
+
+
+def _host_only(d: Facts) -> bool:
+    """dracut makes host-only images (EL's and SUSE's default; Debian's is not): the
+    last `hostonly=` of its configuration files, in the order dracut reads them."""
+    value = "yes" if d.distro.family in ("rhel", "suse") else "no"
+    names: dict[str, str] = {}
+    for directory in ("usr/lib/dracut/dracut.conf.d", "etc/dracut.conf.d"):
+        for name in d.sysfs.listdir(directory):
+            if name.endswith(".conf"):
+                names[name] = f"{directory}/{name}"  # /etc's hides /usr/lib's
+    for rel in ["etc/dracut.conf", *(names[n] for n in sorted(names))]:
+        for m in _HOSTONLY.finditer(d.sysfs.read(rel) or ""):
+            value = m.group(1)
+    return value == "yes"
+
+
+def dracut_actions(d: Facts, files: list[str]) -> list[Action]:
+    """Where dracut makes the initramfs: the files that blacklist nouveau (whoever wrote
+    them) named in its configuration, so every image holds them."""
+    if not dracut_lacks(d, files):
         return []
-    return [WriteFile(DRACUT_BLACKLIST, content)]
+    return [WriteFile(DRACUT_BLACKLIST, dracut_content(files))]
 
 
 def initramfs_actions(d: Facts) -> list[Action]:
@@ -101,7 +136,8 @@ def check(d: Facts) -> list[Result]:
             else:
                 msg += (f" although blacklisted ({', '.join(blacklisted)}): the initramfs or "
                         "an earlier boot still loads it")
-            actions: list[Action] = [*dracut_actions(d), *initramfs_actions(d), Reboot()]
+            actions: list[Action] = [*dracut_actions(d, _blacklist_files(d)),
+                                     *initramfs_actions(d), Reboot()]
         else:
             msg += " and not blacklisted"
             actions = [*blacklist_actions(d), *initramfs_actions(d), Reboot()]
@@ -113,6 +149,14 @@ def check(d: Facts) -> list[Result]:
                          "nouveau is not loaded but not blacklisted either: it may claim the "
                          "NVIDIA GPUs at the next boot",
                          [*blacklist_actions(d), *initramfs_actions(d)])]
+    lacks = dracut_lacks(d, _blacklist_files(d), judged=True)
+    if lacks:
+        shown = ", ".join(host_path(f) for f in lacks)
+        return [d.result(cid, WARN, host_path(DRACUT_BLACKLIST),
+                         f"nouveau is not loaded and is blacklisted ({', '.join(blacklisted)}), "
+                         f"but dracut's configuration does not put {shown} in the initramfs: "
+                         "an initramfs made without it may load nouveau at the next boot",
+                         [*dracut_actions(d, _blacklist_files(d)), *initramfs_actions(d)])]
     unfinished = _initramfs_outstanding(d)
     if unfinished:
         return [d.result(cid, WARN, "/boot",
