@@ -618,3 +618,22 @@ def test_the_doctor_names_a_blacklist_dracut_leaves_out(tmp_path: Any, monkeypat
         "/etc/dracut.conf.d/gpulib-blacklist-nouveau.conf", ["dracut", "-f", "--regenerate-all"]]
     host.write_file("etc/dracut.conf.d/10-site.conf", 'hostonly="yes"\n')
     assert doctor(host, ["nouveau"]).summary() == {"nouveau": "ok"}
+
+
+def test_on_ubuntu_s_layout_the_ids_advice_names_the_file_that_wins(
+        tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    """A cloud image's drop-in supersedes /etc/default/grub's value: the doctor's advice
+    for vfio-pci.ids names gpulib's drop-in (what setup edits), not the overridden file,
+    and runs after the first leave /etc/default/grub alone."""
+    host = unprepared_host(str(tmp_path / "h"), "ubuntu2404", iommu=True)
+    host.write_file(CLOUDIMG, CLOUDIMG_TEXT)
+    binding = [r for r in doctor(host, ["driver-binding"]).results if r.subject == GPU]
+    assert binding and f"GRUB_CMDLINE_LINUX_DEFAULT in /{OWN_DROP_IN}" in (binding[0].fix or "")
+    assert "in /etc/default/grub," not in (binding[0].fix or "")
+    grub = read(host, "etc/default/grub")
+    for args in (("--check", "iommu"), ("--passthrough", GPU), ("--passthrough", GPU), ()):
+        code, done = setup_json(host, monkeypatch, capsys, "--apply", "--yes", *args)
+        assert code == 0, done
+        assert "/etc/default/grub" not in [s.get("path") for s in done["steps"]]
+    assert read(host, "etc/default/grub") == grub
+    assert "vfio-pci.ids=10de:2484,10de:228b" in read(host, OWN_DROP_IN)

@@ -13,6 +13,7 @@ import re
 import time
 
 from gpulib import logger
+from gpulib.bootconfig import DEFAULT_GRUB, GPULIB_DROP_IN
 from gpulib.bootstate import NextBoot, RunningBoot, initramfs_argv
 from gpulib.config import Config
 from gpulib.context import SNAPSHOT_MANIFEST, STATE_DIR, STATE_FILE, Context
@@ -320,6 +321,19 @@ class Facts:
                  (items if isinstance(items, list) else [])
                  if isinstance(item, dict) and isinstance(item.get("argv"), list)]
         return "; ".join(shown)
+
+    def args_where(self) -> str:
+        """The file a kernel argument goes to (as shown), as gpulib setup edits it: the
+        file whose value wins if it is /etc/default/grub or gpulib's own drop-in, else
+        (another drop-in supersedes /etc/default/grub's value: a cloud image's) gpulib's
+        drop-in, sourced last (`bootconfig.owned_edit`)."""
+        grub = self.next_boot.grub
+        if grub is None:
+            return "/" + DEFAULT_GRUB
+        where = grub.where(self.distro.grub_key)
+        if where in (DEFAULT_GRUB, GPULIB_DROP_IN) or not self.next_boot.drop_ins:
+            return "/" + where
+        return "/" + GPULIB_DROP_IN
 
     def setup_outstanding(self, check: str) -> str:
         """The commands gpulib setup planned for `check` and did not complete, as text

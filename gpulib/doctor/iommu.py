@@ -10,10 +10,10 @@ holds is one even when this boot went without it.
 
 from __future__ import annotations
 
-from gpulib.bootconfig import GPULIB_DROP_IN, superseded
+from gpulib.bootconfig import superseded
 from gpulib.context import PROC_CMDLINE
 from gpulib.doctor.actions import KernelArgs, Manual, Reboot, RunCommand
-from gpulib.doctor.core import DEFAULT_GRUB, FAIL, OK, WARN, Result, host_path
+from gpulib.doctor.core import FAIL, OK, WARN, Result, host_path
 from gpulib.pci import group_number
 
 TYPE_CHECKING = False
@@ -25,15 +25,7 @@ OFF_ARGS = ("intel_iommu=off", "amd_iommu=off", "iommu=off")
 
 
 def _where(d: Facts) -> str:
-    """The file an argument goes to (as shown), as gpulib setup edits: /etc/default/grub
-    where its value takes effect, else gpulib's own drop-in (`bootconfig.owned_edit`)."""
-    grub = d.next_boot.grub
-    if grub is None:
-        return host_path(DEFAULT_GRUB)
-    where = grub.where(d.distro.grub_key)
-    if where in (DEFAULT_GRUB, GPULIB_DROP_IN) or not d.next_boot.drop_ins:
-        return host_path(where)
-    return host_path(GPULIB_DROP_IN)
+    return d.args_where()
 
 
 def _values(args: list[str], name: str) -> list[str]:

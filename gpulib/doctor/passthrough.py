@@ -346,7 +346,8 @@ def vfio_ids_actions(d: Facts, take: list[PciFunction]) -> list[Action]:
         argv = d.initramfs_argv()
         out.append(RunCommand(argv) if argv else Manual(d.initramfs_update()))
     if existing != (arg,):  # last: its fix text ends with the reboot
-        out.append(KernelArgs(add=(arg,), remove=tuple(a for a in existing if a != arg)))
+        out.append(KernelArgs(add=(arg,), remove=tuple(a for a in existing if a != arg),
+                              where=d.args_where()))
     if out:
         out.append(Reboot())
     return out
