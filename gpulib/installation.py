@@ -188,6 +188,32 @@ def _held_by_trusted(fd: int) -> bool:
     return False
 
 
+# What every executable says when the installed package is incomplete: dpkg or rpm
+# between one file and the next (an install, an upgrade's old executable meeting new
+# modules, a removal), whichever of gpulib's modules a run reaches for.
+INCOMPLETE = "gpulib is being installed or removed: nothing was done"
+
+
+def incomplete_line(program: str, exc: BaseException) -> Optional[str]:
+    """The one line for an ImportError of gpulib's own modules (a module missing, or a
+    name an older or newer module lacks); None for any other error (a bug, a missing
+    dependency), which keeps its own report."""
+    name = getattr(exc, "name", None)
+    if isinstance(exc, ImportError) and isinstance(name, str) and \
+            (name == "gpulib" or name.startswith("gpulib.")):
+        return f"{program}: {INCOMPLETE}"
+    return None
+
+
+def incomplete(program: str, exc: BaseException) -> NoReturn:
+    """Exit 3 with one line when `exc` says the installation is incomplete; else raise
+    it again."""
+    line = incomplete_line(program, exc)
+    if line is None:
+        raise exc
+    _exit_3(line)
+
+
 def _busy(program: str, wait: float) -> NoReturn:
     _exit_3(f"{program}: gpulib is being upgraded and the upgrade did not end within "
             f"{wait:g} s: nothing was done; run it again")

@@ -286,4 +286,67 @@ def test_an_executable_whose_modules_are_gone_says_so(site: Path, tmp_path: Path
                        capture_output=True,
                        text=True, env=_env(site, tmp_path), cwd=tmp_path, timeout=30)
     assert (r.returncode, r.stdout) == (3, "")
-    assert r.stderr == f"{exe}: gpulib is being removed: nothing was done\n"
+    assert r.stderr == f"{exe}: gpulib is being installed or removed: nothing was done\n"
+
+
+VM_XML = (TOP / "tests" / "data" / "cloudstack-xml" / "passthrough-1gpu.xml").read_text(
+    encoding="utf-8")
+# Each executable as its callers run it, on a path that reaches far into gpulib.
+RUNS = {
+    "libvirt-vm-xml-transformer": (["transform", VM_XML], ""),
+    "gpulib-qemu-hook": (["{vm}", "prepare", "begin", "-"], VM_XML),
+    "libvirt-vm-state-change": (["onStart", "{vm}"], ""),
+    "gpulib": (["doctor"], ""),
+}
+
+
+def _gpulib_modules(site: Path, tmp_path: Path, exe: str) -> list[str]:
+    """The gpulib modules a run of `exe` imports (`-X importtime`), as files under site."""
+    args, stdin = RUNS[exe]
+    r = _run_exe(site, tmp_path, exe, ["-X", "importtime"], args, stdin)
+    names = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
+             if line.startswith("import time:")}
+    out = []
+    for name in sorted(n for n in names if n.split(".")[0] == "gpulib"):
+        rel = name.replace(".", "/")
+        if (site / rel).is_dir() or name.endswith("._version"):
+            continue  # a package without __init__ still imports (a namespace package)
+        out.append(rel + ".py")
+    return out
+
+
+def _run_exe(site: Path, tmp_path: Path, exe: str, flags: list[str], args: list[str],
+             stdin: str) -> subprocess.CompletedProcess[str]:
+    import re
+
+    vm = re.search(r"<name>([^<]+)</name>", VM_XML)
+    assert vm is not None
+    return subprocess.run([sys.executable, "-S", *flags, str(TOP / "hooks" / exe),
+                           *(a.replace("{vm}", vm.group(1)) for a in args)],
+                          input=stdin, capture_output=True, text=True,
+                          env=_env(site, tmp_path), cwd=tmp_path, timeout=60)
+
+
+@pytest.mark.parametrize("exe", sorted(RUNS))
+def test_every_module_missing_gives_one_line_and_exit_3(site: Path, tmp_path: Path,
+                                                         exe: str) -> None:
+    """An install or a removal between files: whichever of gpulib's modules a run reaches
+    for is missing, the run says so in one line and exits 3 (never a traceback)."""
+    modules = _gpulib_modules(site, tmp_path, exe)
+    assert len(modules) > 5, modules
+    args, stdin = RUNS[exe]
+    bad = []
+    for rel in modules:
+        path = site / rel
+        aside = path.with_name(path.name + ".aside")
+        os.replace(path, aside)
+        try:
+            r = _run_exe(site, tmp_path, exe, [], args, stdin)
+        finally:
+            os.replace(aside, path)
+        line = "gpulib is being installed or removed: nothing was done\n"
+        # the qemu hook's own messages name gpulib (libvirt shows the hook's path beside)
+        names = {exe, "gpulib"} if exe == "gpulib-qemu-hook" else {exe}
+        if (r.returncode, r.stdout) != (3, "") or r.stderr not in {f"{n}: {line}" for n in names}:
+            bad.append(f"{rel}: exit {r.returncode}: {r.stderr[-300:]!r}")
+    assert not bad, bad

@@ -29,6 +29,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     gc.disable()
     try:
         return _main(sys.argv[1:] if argv is None else list(argv))
+    except ImportError as exc:  # one of gpulib's modules is gone or not there yet
+        from gpulib.installation import incomplete
+
+        incomplete("gpulib", exc)
     finally:
         if collecting:
             gc.enable()

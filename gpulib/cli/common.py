@@ -10,7 +10,7 @@ import click
 
 from gpulib.cli.env import Env
 from gpulib.cli.plain import internal_error
-from gpulib.errors import EXIT_USAGE, GpulibError
+from gpulib.errors import EXIT_BUSY, EXIT_USAGE, GpulibError
 
 __all__ = ["Env", "Group", "emit_json", "json_option", "run_main"]
 
@@ -56,6 +56,14 @@ def run_main(group: click.Group, args: list[str]) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
+    except ImportError as exc:
+        from gpulib.installation import incomplete_line
+
+        line = incomplete_line("gpulib", exc)
+        if line is None:
+            return internal_error(exc)
+        click.echo(line, err=True)
+        return EXIT_BUSY
     except Exception as exc:
         return internal_error(exc)
     sys.stdout.flush()

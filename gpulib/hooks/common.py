@@ -225,6 +225,12 @@ def _run_guarded(program: str, body: Callable[[], int], unexpected_code: int,
         error_line(program, exc.message)
         return error_code_override if error_code_override is not None else exc.exit_code
     except Exception as exc:  # a bug must still give one clear line, never a traceback
+        if isinstance(exc, ImportError):
+            from gpulib.installation import INCOMPLETE, incomplete_line
+
+            if incomplete_line(program, exc):  # the package is between files
+                error_line(program, INCOMPLETE)
+                return 3
         logger.get("gpulib.hooks").exception("%s failed unexpectedly", program)
         error_line(program, f"internal error: {type(exc).__name__}: {exc}")
         return error_code_override if error_code_override is not None else unexpected_code
