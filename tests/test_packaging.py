@@ -183,7 +183,7 @@ def test_downgrade_refusal_says_the_way_back(tmp_path: Path) -> None:
     back to a release from before the version scheme (whose preinst refuses
     any install over a newer one's kept files) takes a purge, and the message
     says how to keep /etc/gpulib through it."""
-    newer, older = "0.1.0.440", "0.1.0.439"
+    newer, older = "0.2.0.500", "0.2.0.499"
     state = tmp_path / "var-lib-gpulib"
     scripts = _built_maintainer_scripts(tmp_path, older, state)
     prerm_of_newer = _built_maintainer_scripts(tmp_path / "newer", newer, state)["prerm"]
@@ -233,6 +233,82 @@ def test_downgrade_refusal_says_the_way_back(tmp_path: Path) -> None:
         f"gpulib: To go back anyway (your /etc/gpulib stays): mv /etc/gpulib /etc/gpulib.keep; "
         f"mv {state} {state}.{newer}; apt-get purge gpulib; install 0.1.0; then rm -r "
         f"/etc/gpulib; mv /etc/gpulib.keep /etc/gpulib.")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def _builds_with_serial() -> list[tuple[str, str]]:
+    """(commit, version) of every 0.2.0.N build below HEAD in this history."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("no git history here")
+    if _git("rev-parse", "--is-shallow-repository").strip() == "true":
+        pytest.skip("a shallow clone: the builds' serials cannot be counted")
+    head = _git("rev-parse", "HEAD").strip()
+    out = []
+    for commit in _git("rev-list", "HEAD").split():
+        if commit == head:
+            continue
+        serial = int(_git("rev-list", "--count", commit))
+        if serial < 451:  # 0.2.0.451: the first build of the version scheme
+            continue
+        out.append((commit, f"0.2.0.{serial}"))
+    return out
+
+
+def _refusal_of(commit: str, version: str) -> str:
+    """That build's preinst refusal, runnable alone: its function(s) and the line that
+    calls it for `install`/`upgrade` (the rest changes the machine)."""
+    text = _git("show", f"{commit}:packaging/debian/gpulib.preinst")
+    if "#GPULIB_INSTALLATION_LOCK#" in text:
+        lock = _git("show", f"{commit}:packaging/debian/installation-lock.sh")
+        text = text.replace("#GPULIB_INSTALLATION_LOCK#", lock)
+    text = text.replace("@GPULIB_VERSION@", version)
+    function = re.search(r"^refuse_downgrade\(\) \{\n.*?^\}\n", text, re.M | re.S)
+    calls = re.findall(r"^\s+(refuse_downgrade .*)$", text, re.M)
+    assert function and len(calls) == 1, commit
+    constants = "".join(m + "\n" for m in re.findall(r"^[A-Z_]+=[^$\s`]*$", text, re.M))
+    return f"{constants}VERSION={version}\n{function.group(0)}{calls[0]}\n"
+
+
+def test_the_way_back_works_for_every_earlier_build(tmp_path: Path) -> None:
+    """The refusal of a downgrade to any 0.2.0.N build below this one prints a way back;
+    that build's own preinst is then run as dpkg runs it at the end of that way: after
+    a remove (its configuration files kept: `install NEWER`) with the state moved aside,
+    or after a purge (`install`). It must go through, for every build."""
+    newer = "0.2.0.99999"
+    state = tmp_path / "var-lib-gpulib"
+    state.mkdir()
+    (state / "state.json").write_text("{}")
+    lock = DEBIAN / "installation-lock.sh"
+    checked: dict[tuple[str, str], str] = {}
+    builds = _builds_with_serial()
+    assert builds, "no 0.2.0.N build below HEAD"
+    for commit, version in builds:
+        r = subprocess.run(["sh", "-c", f'. "$1"; STATEDIR={state}; shift; refuse_downgrade "$@"',
+                            "sh", str(lock), newer, version], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 1, (version, r.stderr)
+        (way,) = [line for line in r.stderr.splitlines() if "To go back anyway" in line]
+        purge = "apt-get purge gpulib" in way
+        script = _refusal_of(commit, version)
+        key = (script.replace(version, "V"), str(purge))
+        if key in checked:
+            continue
+        # at the end of the way back: the state moved aside, and dpkg runs the preinst
+        moved = tmp_path / "aside"
+        (state / "state.json").rename(moved)
+        try:
+            args = ["install"] if purge else ["install", newer]
+            got = subprocess.run(["sh", "-c", f"STATEDIR={state}\nset -e\n{script}echo through",
+                                  "preinst", *args], capture_output=True, text=True, timeout=60)
+        finally:
+            moved.rename(state / "state.json")
+        assert (got.returncode, got.stdout.strip()) == (0, "through"), (version, way, got.stderr)
+        checked[key] = version
+    assert len(checked) >= 2  # the purge way (0.2.0.451) and the remove way
 
 
 def test_shipped_config_loads_as_defaults(tmp_path: Path) -> None:

@@ -66,6 +66,10 @@ hold_installation() {
 # not read the newer state, and would then bring no vGPU back at boot.
 # Without a state (moved aside, as the message says) going back is safe and
 # goes through.
+# The first build whose preinst refuses a downgrade only while there is a
+# state (and so installs over a newer one's kept configuration files once the
+# state is moved aside): 0.1.0 and 0.2.0.451 refuse any.
+FIRST_STATE_REFUSAL=0.2.0.452
 refuse_downgrade() {
     [ -n "$1" ] && [ -n "$2" ] || return 0
     dpkg --compare-versions "$1" gt "$2" || return 0
@@ -73,13 +77,13 @@ refuse_downgrade() {
     [ "${3:-}" = quiet ] && exit 1
     echo "gpulib: refusing to replace gpulib $1 with the older $2: $2 may not read the state" >&2
     echo "gpulib: $1 keeps in $STATEDIR, and would then bring no vGPU back at boot." >&2
-    case "$2" in
-        *.*.*.*)
-            echo "gpulib: To go back anyway (your /etc/gpulib stays): apt-get remove gpulib; mv $STATEDIR $STATEDIR.$1; then install $2." >&2 ;;
-        *)
-            # A release from before the version scheme refuses to install over
-            # the configuration files of a newer one that a remove leaves.
-            echo "gpulib: To go back anyway (your /etc/gpulib stays): mv /etc/gpulib /etc/gpulib.keep; mv $STATEDIR $STATEDIR.$1; apt-get purge gpulib; install $2; then rm -r /etc/gpulib; mv /etc/gpulib.keep /etc/gpulib." >&2 ;;
-    esac
+    if dpkg --compare-versions "$2" ge "$FIRST_STATE_REFUSAL"; then
+        echo "gpulib: To go back anyway (your /etc/gpulib stays): apt-get remove gpulib; mv $STATEDIR $STATEDIR.$1; then install $2." >&2
+    else
+        # An older build's preinst refuses any install over the configuration
+        # files a newer one's remove leaves, state or not: only a purge clears
+        # them (tests/test_packaging.py runs every 0.2.0.N build's preinst).
+        echo "gpulib: To go back anyway (your /etc/gpulib stays): mv /etc/gpulib /etc/gpulib.keep; mv $STATEDIR $STATEDIR.$1; apt-get purge gpulib; install $2; then rm -r /etc/gpulib; mv /etc/gpulib.keep /etc/gpulib." >&2
+    fi
     exit 1
 }
