@@ -635,7 +635,7 @@ def test_selinux_file_contexts_are_what_doctor_checks() -> None:
             path, *_, context = line.split()
             m = re.fullmatch(r"gen_context\(system_u:object_r:(\w+),s0\)", context)
             assert m, line
-            contexts[path.removesuffix("(/.*)?").lstrip("/")] = m.group(1)
+            contexts[path.removesuffix("(/.*)?").lstrip("/").replace("\\.", ".")] = m.group(1)
     assert contexts == dict(selinux.LABELS)
     te = (SELINUX / "gpulib.te").read_text(encoding="utf-8")
     for selinux_type in contexts.values():
@@ -643,6 +643,61 @@ def test_selinux_file_contexts_are_what_doctor_checks() -> None:
     spec = SPEC.read_text(encoding="utf-8")
     assert "make -f /usr/share/selinux/devel/Makefile gpulib.pp" in spec
     assert "%selinux_modules_install" in spec and "%selinux_modules_uninstall" in spec
+
+
+def _policy_blocks(te: str) -> dict[str, str]:
+    """Each optional block of the module by the libvirt domain it requires."""
+    out = {}
+    for block in te.split("optional_policy(`")[1:]:
+        m = re.search(r"type ([\w, ]+);", block)
+        assert m, block
+        out[m.group(1).split(",")[0].strip()] = block
+    return out
+
+
+def test_selinux_rules_cover_what_the_hooks_write() -> None:
+    """Every path a hook writes, its type in the module's file contexts, and the rules
+    that let libvirt's daemons write it (the hook runs in virtqemud_t under EL9's
+    modular daemons, virtd_t under libvirtd): the same rules for both, and a file
+    transition for each directory a hook may make anew."""
+    from gpulib import mdevctl, usage
+    from gpulib.context import LOG_DIR, LOG_FAILURES_FILE, STATE_DIR
+
+    contexts = []
+    for line in (SELINUX / "gpulib.fc").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            path, *_, context = line.split()
+            m = re.fullmatch(r"gen_context\(system_u:object_r:(\w+),s0\)", context)
+            assert m, line
+            contexts.append((path, m.group(1)))
+
+    def type_of(rel: str) -> str:
+        found = [t for pattern, t in contexts if re.fullmatch(pattern, "/" + rel)]
+        assert found, f"/{rel} has no type in gpulib.fc"
+        return found[-1]
+
+    written = {rel: type_of(rel) for rel in (
+        STATE_DIR, STATE_DIR + "/state.json", LOG_DIR, LOG_DIR + "/gpulib.log",
+        os.path.dirname(usage.CACHE_FILE), usage.CACHE_FILE, LOG_FAILURES_FILE,
+        mdevctl.MDEVCTL_DIR, mdevctl.MDEVCTL_DIR + "/0000:3b:00.0/uuid")}
+    te = (SELINUX / "gpulib.te").read_text(encoding="utf-8")
+    blocks = _policy_blocks(te)
+    for domain in ("virtqemud_t", "virtd_t"):
+        rules = " ".join(blocks[domain].split())
+        assert f"can_exec({domain}, gpulib_hook_exec_t)" in rules
+        assert f"dev_rw_sysfs({domain})" in rules, "sysfs: vGPUs made and removed"
+        for rel, selinux_type in written.items():
+            for kind in ("dirs", "files"):
+                assert f"manage_{kind}_pattern({domain}, {selinux_type}, {selinux_type})" \
+                    in rules, (domain, rel, selinux_type)
+        # each directory a hook may make: a file transition gives it gpulib's type
+        for rel in (STATE_DIR, LOG_DIR, os.path.dirname(usage.CACHE_FILE), mdevctl.MDEVCTL_DIR):
+            name = os.path.basename(rel)
+            assert re.search(rf'filetrans\w*\({domain}, (\w+, )?{written[rel]}, dir, "{name}"\)',
+                             rules), (domain, rel)
+    # mdevctl reads the definitions again (udev at boot, libvirt's node device driver)
+    for reader in ("udev_t", "virtnodedevd_t"):
+        assert "gpulib_mdevctl_conf_t" in blocks[reader], reader
 
 
 @pytest.mark.skipif(not SELINUX_MAKEFILE.exists() or shutil.which("checkmodule") is None
@@ -666,7 +721,7 @@ def test_selinux_module_compiles(tmp_path: Path) -> None:
     listing = subprocess.run(["sedismod", str(pp)], input="1\nq\n", capture_output=True,
                              text=True, timeout=60).stdout
     for selinux_type in ("gpulib_hook_exec_t", "gpulib_conf_t", "gpulib_var_lib_t",
-                         "gpulib_log_t"):
+                         "gpulib_log_t", "gpulib_var_run_t", "gpulib_mdevctl_conf_t"):
         assert selinux_type in listing, listing[-2000:]
 
 

@@ -39,6 +39,8 @@ LABELS = (
     ("etc/gpulib", "gpulib_conf_t"),
     ("var/lib/gpulib", "gpulib_var_lib_t"),
     ("var/log/gpulib", "gpulib_log_t"),
+    ("run/gpulib", "gpulib_var_run_t"),
+    ("etc/mdevctl.d", "gpulib_mdevctl_conf_t"),
 )
 
 
@@ -56,7 +58,7 @@ def check(d: Facts) -> list[Result]:
             f"SELinux is {mode} and gpulib's policy module is not installed "
             f"({policy} policy): libvirt may not run gpulib's qemu hook nor keep its state",
             f"semodule -i {pp} && restorecon -R -v /etc/gpulib /var/lib/gpulib "
-            f"/var/log/gpulib /usr/libexec/gpulib"))
+            f"/var/log/gpulib /run/gpulib /etc/mdevctl.d /usr/libexec/gpulib"))
     wrong = []
     for rel, wanted in LABELS:
         path = d.ctx.sysfs.path(rel)
