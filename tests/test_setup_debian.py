@@ -201,6 +201,35 @@ def _initramfs_files(root: DebianRoot, kernel: str) -> list[str]:
     return root.run("lsinitramfs", f"/boot/initrd.img-{kernel}").stdout.splitlines()
 
 
+def test_a_refused_grub_file_changes_nothing_in_a_real_root(debian: DebianRoot) -> None:
+    """/etc/default/grub's value cannot be known (`$EXTRA`): no file, no initramfs, no
+    boot entry, and no promise for the next boot; an administrator's later modprobe
+    file is the ids modprobe would still pass."""
+    root = debian
+    grub = root.read("etc/default/grub")
+    st = os.stat(root.p("etc/default/grub"))
+    try:
+        root.write("etc/default/grub", 'GRUB_CMDLINE_LINUX_DEFAULT="quiet $EXTRA"\n')
+        root.write("etc/modprobe.d/zz-site-vfio.conf", "options vfio-pci ids=8086:10ed\n")
+        before = _snapshot(root)
+        refused = root.run("gpulib", "setup", "--apply", "--yes", "--passthrough", GPU,
+                           check=False)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "nothing was changed: not edited: /etc/default/grub" in refused.stderr
+        assert "nothing is applied while /etc/default/grub is refused" in refused.stdout
+        assert "reboot the host" not in refused.stdout
+        assert "vfio-pci takes it at the next boot" not in refused.stdout
+        assert _snapshot(root) == before
+        config = root.run("modprobe", "-c").stdout.splitlines()
+        assert [x for x in config if x.startswith("options vfio_pci")] == \
+            ["options vfio_pci ids=8086:10ed"]
+    finally:
+        os.unlink(root.p("etc/modprobe.d/zz-site-vfio.conf"))
+        root.write("etc/default/grub", grub)
+        os.chown(root.p("etc/default/grub"), st.st_uid, st.st_gid)
+        os.chmod(root.p("etc/default/grub"), st.st_mode & 0o7777)
+
+
 def test_setup_prepares_a_real_debian_root(debian: DebianRoot) -> None:
     root = debian
     kernels = root.kernels()
