@@ -780,3 +780,66 @@ def test_upgrade_stand_in_after_a_failed_upgrade(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(exe)], capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout, r.stderr) == (0, "old release\n", "")
     assert exe.read_text() == "#!/usr/bin/python3\nprint('old release')\n"
+
+
+def _spec_pre(tmp_path: Path) -> str:
+    """The rpm's %pre as rpm runs it (its macros expanded)."""
+    if shutil.which("rpmspec") is None:
+        pytest.skip("rpmspec (rpm) is not installed")
+    r = subprocess.run(["rpmspec", "-P", "--define", "gpulib_version 0.2.0.1", str(SPEC)],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    pre = re.search(r"^%pre\n(.*?)^%posttrans\n", r.stdout, re.M | re.S)
+    assert pre
+    return pre.group(1)
+
+
+def test_the_rpm_has_the_deb_s_stand_in_for_old_executables(tmp_path: Path) -> None:
+    """An rpm upgrade from an rpm without the installation lock: its executables, which
+    do not wait, are replaced for the unpack by the .deb's stand-in (the same functions,
+    word for word), and a hook run in a loop through the upgrade meets the old release,
+    the stand-in (which waits, then runs the new one) or the new release: never a mix."""
+    preinst = (DEBIAN / "gpulib.preinst").read_text(encoding="utf-8")
+    pre = _spec_pre(tmp_path)
+    assert subprocess.run(["sh", "-n"], input=pre, text=True).returncode == 0
+    start = pre.index("# --- the Debian package's preinst, from here ---\n")
+    end = pre.index("# --- to here ---\n")
+    functions = pre[start:end].split("\n", 1)[1]
+    for name in ("write_stand_in", "stand_in_for_old_executables", "old_runs"):
+        theirs = re.search(rf"^{name}\(\) \{{\n.*?^\}}\n", preinst, re.M | re.S)
+        ours = re.search(rf"^{name}\(\) \{{\n.*?^\}}\n", functions, re.M | re.S)
+        assert theirs and ours and ours.group(0) == theirs.group(0), name
+    # an installation of the rpm from before the lock: no installation.py
+    pkg = tmp_path / "site" / "gpulib"
+    (pkg / "hooks").mkdir(parents=True)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    exe = bindir / "libvirt-vm-state-change"
+    exe.write_text("#!/usr/bin/python3\nprint('old release')\n")
+    run = tmp_path / "run"
+    # %pre calls it on an upgrade once it holds the installation
+    assert re.search(r'-d "\$PKGDIR/hooks" \]; then\n\s+stand_in_for_old_executables\n', pre[end:])
+    script = (f"PKGDIR={pkg}\nRUNDIR={run}\nEXECUTABLES={exe}\nHOOKS=/nonexistent\n"
+              f"QEMUHOOK=/nonexistent\n{functions}stand_in_for_old_executables\n")
+    # hooks in a loop, through the upgrade
+    marker = tmp_path / "done"
+    loop = subprocess.Popen(
+        ["sh", "-c", f'while [ ! -e "{marker}" ]; do {sys.executable} "{exe}" 2>&1; '
+                     'echo "rc=$?"; done'], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    holder = subprocess.Popen(["flock", "-x", str(pkg / "hooks"), "sh", "-c",
+                               f'sh -c "$1" && sleep 1 && '
+                               f'printf "#!/usr/bin/python3\\nprint(\'new release\')\\n" '
+                               f'> "{exe}.rpmnew" && mv "{exe}.rpmnew" "{exe}"', "sh", script],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = holder.communicate(timeout=60)
+    assert holder.returncode == 0, err
+    assert (run / "saved" / exe.name).read_text() == "#!/usr/bin/python3\nprint('old release')\n"
+    time.sleep(0.5)
+    marker.touch()
+    seen, _ = loop.communicate(timeout=60)
+    runs = seen.strip().split("rc=")
+    lines = [line for line in seen.splitlines() if not line.startswith("rc=")]
+    assert set(lines) <= {"old release", "new release"}, seen[-2000:]
+    assert "old release" in lines and "new release" in lines
+    assert all(r.startswith("0") for r in runs[1:]), seen[-2000:]
