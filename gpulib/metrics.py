@@ -543,7 +543,7 @@ def _readiness(exp: Exposition, ctx: Context, config: Config, inventory: Invento
 
     # The doctor reads the state file itself (its `state` check says what is
     # wrong with it); the host's GPUs it is given, not read again.
-    report = Doctor(ctx, config, lock_timeout=0.5, inventory=inventory).run()
+    report = Doctor(ctx, config, inventory=inventory).run()
     fam = exp.family("gpulib_readiness_check_status", "gauge",
                      "The worst status of a gpulib doctor check: 0 ok, 1 warn, 2 fail.",
                      "check")
@@ -597,11 +597,16 @@ def render(ctx: Context, config: Config, fold: bool = True) -> str:
 
 def write(path: str, text: str) -> None:
     """Replace `path` with `text` atomically (temp file, fsync, rename): the
-    textfile collector reads the old file or the new one, never a part."""
+    textfile collector reads the old file or the new one, never a part. A
+    symlink is followed: the file it names is replaced, beside itself (a
+    rename is atomic only within its directory), and the link stays."""
+    import os
+
     from gpulib import atomicfile
     from gpulib.errors import GpulibError
 
     try:
-        atomicfile.write_atomic(path, text.encode("utf-8"), mode=0o644)
+        target = os.path.realpath(path) if os.path.islink(path) else path
+        atomicfile.write_atomic(target, text.encode("utf-8"), mode=0o644)
     except OSError as exc:
         raise GpulibError(f"cannot write {path}: {exc.strerror or exc}") from None

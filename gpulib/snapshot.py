@@ -335,6 +335,24 @@ class Collector:
         self.add_file(rel, scrub(text).encode("utf-8"), stat.S_IMODE(st.st_mode), own.st_mtime)
         return True
 
+    def copy_versions(self) -> None:
+        """What tells libvirt's and QEMU's versions (the doctor's `migration`
+        check): libvirt's QEMU capabilities cache, only its version lines;
+        libvirt's library, by name (empty: the name is the fact); the package
+        database's QEMU stanzas."""
+        from gpulib.doctor import migration
+
+        caps = migration.CAPS_CACHE
+        for name in sorted(self.sysfs.listdir(caps)):
+            if name.endswith(".xml"):
+                self.copy_host_file(f"{caps}/{name}", keep=migration.caps_lines)
+        for rel in migration.LIB_DIRS:
+            for name in sorted(self.sysfs.listdir(rel)):
+                if migration.is_libvirt_soname(name):
+                    st = self._lstat(f"{rel}/{name}")
+                    self.add_file(f"{rel}/{name}", b"", 0o644, st.st_mtime if st else time.time())
+        self.copy_host_file(migration.DPKG_STATUS, keep=migration.qemu_stanzas)
+
     def copy_files_in(self, directory: str, suffix: str = "") -> None:
         for name in sorted(self.sysfs.listdir(directory)):
             if name.endswith(suffix) and not name.startswith("."):
@@ -445,6 +463,7 @@ class Collector:
         if not self.copy_host_file(OS_RELEASE):
             self.copy_host_file("usr/lib/os-release")
         self.copy_host_file(DEFAULT_GRUB)
+        self.copy_versions()
         for directory in MODPROBE_DIRS:
             self.copy_files_in(directory, ".conf")
         for root, _dirs, files in _walk(self.ctx, posixpath.dirname(CONFIG_FILE), 2):

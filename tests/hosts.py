@@ -126,12 +126,23 @@ def start_libvirtd(host: FakeHost, started: Optional[float] = None, pid: int = L
     host.write_file(f"proc/{pid}/stat", f"{pid} ({comm}) " + " ".join(fields) + "\n", 0o444)
 
 
+def probe_qemu(host: FakeHost, libvirt: int = 10000000, qemu: int = 8002000) -> None:
+    """The entry of libvirt's QEMU capabilities cache a started libvirtd writes
+    (versions in libvirt's encoding: major*1e6 + minor*1e3 + micro)."""
+    host.write_file("var/cache/libvirt/qemu/capabilities/3c76bc41.xml",
+                    "<qemuCaps>\n  <emulator>/usr/bin/qemu-system-x86_64</emulator>\n"
+                    f"  <selfvers>{libvirt}</selfvers>\n  <usedQMP/>\n"
+                    f"  <version>{qemu}</version>\n</qemuCaps>\n")
+
+
 def healthy_host(tmp: str) -> FakeHost:
-    """The demo host with gpulib's hooks installed and libvirtd started after them."""
+    """The demo host with gpulib's hooks installed and libvirtd started after them
+    (its QEMU probed: the versions are known)."""
     host = build_demo(os.path.join(tmp, "demo"))
     os.makedirs(host.p("etc/cloudstack/agent"), exist_ok=True)
     install_hooks(host)
     start_libvirtd(host)
+    probe_qemu(host)
     return host
 
 

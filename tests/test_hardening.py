@@ -176,6 +176,7 @@ def test_status_says_the_state_was_corrupt_and_what_was_rebuilt(demo: str) -> No
     res = gpulib_cli(demo, "status", "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
+    assert doc["schema"] == 1  # a consumer can tell the document's version
     repair = doc["state_repair"]
     assert repair["corrupt"].startswith("not JSON")
     aside = Path(repair["moved_to"])

@@ -420,6 +420,44 @@ def test_output_replaces_the_file_atomically(tmp_path: Path) -> None:
     assert r.returncode == 0 and (out_dir / "other.prom").exists()
 
 
+def test_output_onto_a_symlink_replaces_the_file_it_names(tmp_path: Path) -> None:
+    """A textfile collector's entry that is a link (to a file a configuration
+    tool placed elsewhere): the file it names gets the new text, the link stays."""
+    host = t4_host(str(tmp_path), live=(U1,))
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    real = real_dir / "gpulib.prom"
+    real.write_text("old\n")
+    out_dir = tmp_path / "textfile"
+    out_dir.mkdir()
+    link = out_dir / "gpulib.prom"
+    link.symlink_to(os.path.relpath(real, out_dir))
+    r = run_metrics(host.root, "--output", str(link))
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stderr
+    assert link.is_symlink() and os.readlink(link) == os.path.relpath(real, out_dir)
+    assert "gpulib_gpu_info" in real.read_text()
+    assert sorted(os.listdir(real_dir)) == ["gpulib.prom"] and os.listdir(out_dir) == [
+        "gpulib.prom"]
+
+
+def test_the_state_check_waits_for_the_lock_as_the_doctor_does(tmp_path: Path) -> None:
+    """A lock held for a second (a slow start) is the doctor's `ok` and metrics'
+    0 alike: both wait the same time before they call it stuck."""
+    host = t4_host(str(tmp_path), live=(U1,))
+    lock = host.p("var/lib/gpulib/state.lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import filelock, sys, time\n"
+         "with filelock.FileLock(sys.argv[1]):\n"
+         "    print('held', flush=True)\n    time.sleep(1.0)\n", lock],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        series = scrape(host.root)
+    finally:
+        holder.wait(timeout=30)
+    assert value(series, "gpulib_readiness_check_status", check="state") == 0
+
+
 def test_output_into_a_missing_directory_is_one_line(tmp_path: Path) -> None:
     host = t4_host(str(tmp_path))
     r = run_metrics(host.root, "--output", str(tmp_path / "nowhere" / "gpulib.prom"))

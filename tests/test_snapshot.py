@@ -313,3 +313,25 @@ def test_a_host_never_discovered_replays_with_its_nvidia_type_numbers(tmp_path: 
     numbers = [t["max_instances"] for g in json.loads(replayed["json"])["gpus"]
                for t in g["nvidia_types"]]
     assert numbers and None not in numbers
+
+
+def test_replay_tells_libvirt_and_qemu_versions_without_the_cache(tmp_path: Any) -> None:
+    """Where libvirt's capabilities cache is missing, the versions come from its
+    library's name and the package database: a replay tells them alike, and
+    keeps of the database only QEMU's stanza."""
+    host = healthy_host(str(tmp_path / "host"))
+    os.unlink(host.p("var/cache/libvirt/qemu/capabilities/3c76bc41.xml"))
+    host.write_file("usr/lib/x86_64-linux-gnu/libvirt.so.0.9000.0", "\x7fELF")
+    host.write_file("var/lib/dpkg/status",
+                    "Package: openssh-server\nStatus: install ok installed\nVersion: 1:9.2\n\n"
+                    "Package: qemu-system-x86\nStatus: install ok installed\n"
+                    "Version: 1:8.2.1+ds-2\n\n")
+    tarball = str(tmp_path / "host.tar.gz")
+    snap.create(Context.for_root(host.root), tarball)
+    root = unpack(tarball, str(tmp_path / "replay"))
+    here = dr.run(Context.for_root(host.root)).results_for("migration")[0]
+    there = dr.run(Context.for_root(root)).results_for("migration")[0]
+    assert here.status == "ok" and "libvirt 9.0.0, QEMU 8.2.1" in here.message, here.message
+    assert (there.status, there.message) == (here.status, here.message)
+    with open(os.path.join(root, "var/lib/dpkg/status")) as fh:
+        assert "openssh" not in fh.read()

@@ -95,6 +95,11 @@ def device_unmanage(env: Env, address: str, force: bool) -> None:
     _set_managed(env, address, False, force)
 
 
+# The version of `gpulib status --json`'s document: raised when a key changes
+# meaning or goes (new keys do not raise it).
+STATUS_SCHEMA = 1
+
+
 @click.command("status")
 @json_option
 @click.pass_obj
@@ -112,6 +117,7 @@ def status(env: Env, as_json: bool) -> None:
     inv = discover_host(env.ctx, env.config, state=state, learn=False)
     clock = boot_clock(env.ctx)
     doc: dict[str, Any] = {
+        "schema": STATUS_SCHEMA,
         "gpus": [report.gpu_document(g) for g in inv.gpus],
         "pools": pools.members(env.config, state, inv.occupancy),
         "allocations": {vm: {"status": a.status, "since": a.since, "domain_uuid": a.domain_uuid,

@@ -282,7 +282,11 @@ class Report:
         return [r for r in self.results if r.check == check]
 
     def to_json(self) -> dict[str, Any]:
-        counts = {s: sum(1 for r in self.results if r.status == s) for s in (OK, WARN, FAIL)}
+        # Counted as the text counts them: a check by its worst result (one
+        # check may give several results, one a device).
+        checks = list(self.summary().values())
+        counts = {s: checks.count(s) for s in (OK, WARN, FAIL)}
+        results = {s: sum(1 for r in self.results if r.status == s) for s in (OK, WARN, FAIL)}
         return {
             "schema": SCHEMA,
             "status": self.status,
@@ -290,6 +294,7 @@ class Report:
             "distribution": self.distro.to_json(),
             "summary": self.summary(),
             "counts": counts,
+            "result_counts": results,
             "checks": [r.to_json() for r in self.results],
         }
 

@@ -45,12 +45,18 @@ if TYPE_CHECKING:
 
 log = logger.get(__name__)
 
+# How long the `state` check waits for gpulib's lock before it calls the lock
+# stuck: one figure for `gpulib doctor` and `gpulib metrics`, so
+# the same host gets the same answer from each (a hook holds it for far less).
+STATE_LOCK_WAIT = 2.0
+
+
 class Facts:
     """What the checks read of the host below `ctx`'s root, each read once;
     never writes. The checks are run by `gpulib.doctor.runner.Doctor`."""
 
     def __init__(self, ctx: Context, config: Optional[Config] = None,
-                 lock_timeout: float = 2.0, clock_ticks: Optional[int] = None,
+                 lock_timeout: float = STATE_LOCK_WAIT, clock_ticks: Optional[int] = None,
                  inventory: Optional[Inventory] = None) -> None:
         self.ctx = ctx
         self.sysfs = ctx.sysfs

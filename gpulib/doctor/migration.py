@@ -11,8 +11,9 @@ hosts. The versions are read from files, never by running a program:
   QEMU.
 What no file here says is named as such: whether the vendor's driver (the
 NVIDIA vGPU manager and the vGPU type) supports migration, which decides
-the rest. A host whose versions cannot be read is not warned about: it may
-never migrate a vGPU.
+the rest. A host whose versions cannot be read is warned about as such: it
+cannot be called ready, and it may be ready (it may also never migrate a
+vGPU, which the warning says too).
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ def from_capabilities(sysfs: Sysfs) -> tuple[Optional[Version], Optional[Version
         if qemu is not None and (best[1] is None or qemu > best[1]):
             best = (libvirt, qemu)
     return best
+
+
+def caps_lines(text: str) -> str:
+    """The lines of a capabilities cache entry that say a version (what a
+    snapshot keeps of it)."""
+    kept = [line for line in text[:16384].splitlines() if _CAPS_RE.search(line)]
+    return "<qemuCaps>\n" + "".join(line + "\n" for line in kept) + "</qemuCaps>\n"
+
+
+def is_libvirt_soname(name: str) -> bool:
+    return _SONAME_RE.match(name) is not None
+
+
+def qemu_stanzas(text: str) -> str:
+    """The package database's stanzas that could be a QEMU package's (what a
+    snapshot keeps of it)."""
+    return "".join(stanza + "\n\n" for stanza in _qemu_stanzas(text))
 
 
 def libvirt_from_library(sysfs: Sysfs) -> Optional[Version]:
@@ -151,11 +169,15 @@ def check(d: Facts) -> list[Result]:
                        f"{_show(QEMU_NEEDED)} on every host VMs migrate between")]
     unknown = [w for w, v in (("libvirt", libvirt), ("QEMU", qemu)) if v is None]
     if unknown:
-        return [Result(cid, OK, subject,
-                       f"cannot tell the version of {' and '.join(unknown)} from its files "
+        return [Result(cid, WARN, subject,
+                       f"unknown: cannot tell the version of {' and '.join(unknown)} "
+                       "from its files "
                        f"(vGPU migration needs libvirt >= {_show(LIBVIRT_NEEDED)} and QEMU >= "
                        f"{_show(QEMU_NEEDED)})" + (f"; {', '.join(seen)}" if seen else "")
-                       + f"; {VENDOR_UNSEEN}")]
+                       + f"; {VENDOR_UNSEEN}",
+                       "nothing to do on a host that never live-migrates a VM with a vGPU; "
+                       "otherwise check `virsh version` (libvirt >= "
+                       f"{_show(LIBVIRT_NEEDED)}, QEMU >= {_show(QEMU_NEEDED)})")]
     return [Result(cid, OK, subject,
                    f"{', '.join(seen)}: vGPU live migration supported by both; "
                    f"{VENDOR_UNSEEN}")]

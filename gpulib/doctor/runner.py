@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpulib import logger
 from gpulib.doctor.core import FAIL, Report, Result
-from gpulib.doctor.facts import Facts
+from gpulib.doctor.facts import STATE_LOCK_WAIT, Facts
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Doctor(Facts):
         return Report(results, self.distro)
 
 
-def run(ctx: Context, config: Optional[Config] = None, lock_timeout: float = 2.0,
+def run(ctx: Context, config: Optional[Config] = None, lock_timeout: float = STATE_LOCK_WAIT,
         only: Optional[list[str]] = None) -> Report:
     """Run every check (or `only` these ids) against the host below ctx's root."""
     return Doctor(ctx, config, lock_timeout=lock_timeout).run(only)

@@ -453,6 +453,29 @@ class FakeHost:
                                 managed=managed)
         return path
 
+    def launch_domain(self, xml: str, pid: int = 4242, domain_id: int = 1) -> str:
+        """libvirt started a transient domain from `xml` (as the CloudStack agent
+        starts one, with the XML its transformer returned): the status file
+        holds that domain, with its id, and no definition is kept. The VM's
+        name; ValueError when the XML is no domain with a name and a UUID."""
+        from lxml import etree
+
+        parser = etree.XMLParser(resolve_entities=False, no_network=True)
+        try:
+            dom = etree.fromstring(xml.encode("utf-8"), parser)
+        except etree.XMLSyntaxError as exc:
+            raise ValueError(f"not a domain XML: {exc}") from None
+        name, uuid = dom.findtext("name"), dom.findtext("uuid")
+        if dom.tag != "domain" or not name or not uuid or "/" in name:
+            raise ValueError("not a domain XML with a <name> and a <uuid>")
+        dom.set("id", str(domain_id))
+        text = etree.tostring(dom, encoding="unicode")
+        status = (f"<domstatus state='running' reason='booted' pid='{pid}'>\n"
+                  "  <monitor path='/var/lib/libvirt/qemu/domain-1/monitor.sock' type='unix'/>\n"
+                  + text + "\n</domstatus>\n")
+        _write(self.p(f"run/libvirt/qemu/{name}.xml"), status, 0o600)
+        return str(name)
+
     def stop_domain(self, name: str) -> None:
         path = self.p(f"run/libvirt/qemu/{name}.xml")
         if os.path.exists(path):
