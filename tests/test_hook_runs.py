@@ -447,3 +447,18 @@ def test_a_state_lost_with_its_copy_is_rebuilt_from_the_host(demo: FakeHost,
     for address, (vgpus, vfs) in report_before.items():
         assert after[address][1] == vfs, address
         assert set(vgpus) & pool <= set(after[address][0]), address
+
+
+def test_the_release_end_after_a_failed_prepare_begin_ends_the_start(demo: FakeHost) -> None:
+    """The transformer recorded the start; libvirt's prepare begin of it fails
+    (here: libvirt was given the XML without the devices the transformer
+    added), and its release end follows: that run is over, not a newer one."""
+    root = demo.root
+    transform_ok(root, xml("pa", U_PA, pci_hostdev(RTX), vgpus=1))
+    res = run([QEMU_HOOK, "pa", "prepare", "begin", "-"], root,
+              stdin=xml("pa", U_PA, pci_hostdev(RTX), vgpus=1).encode())
+    assert res.returncode == 1 and b"gpulib attach pa" in res.stderr, res.stderr
+    assert state_of(root)["allocations"]["pa"]["prepared"] is True
+    assert run([QEMU_HOOK, "pa", "release", "end", "-"], root).returncode == 0
+    assert "pa" not in state_of(root)["allocations"]
+    assert whole_used_by(root, RTX) is None

@@ -59,7 +59,7 @@ from gpulib.domain import (
     VgpuRequest,
     derive_uuid,
 )
-from gpulib.errors import DeviceError
+from gpulib.errors import DeviceError, GpulibError
 from gpulib.hostfacts import HostReader
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, open_store, release_stale, remember_vgpu
@@ -280,7 +280,29 @@ class Preparer:
                 raise
             return devices
 
-        return self.store.update(prepare)
+        try:
+            return self.store.update(prepare)
+        except GpulibError:
+            if not self.mode.edits_xml:
+                self._prepared_anyway()
+            raise
+
+    def _prepared_anyway(self) -> None:
+        """libvirt's `prepare begin` failed: libvirt calls `release end` next, for
+        this run. A pending allocation the transformer recorded for it is then
+        a run libvirt prepared, which that `release end` ends (not a newer
+        start it must keep)."""
+        def mark(state: State) -> None:
+            alloc = state.allocations.get(self.vm)
+            if alloc is not None and alloc.status == "pending" and \
+                    alloc.domain_uuid in (None, self.domain_uuid):
+                alloc.prepared = True
+
+        try:
+            self.store.update(mark)
+        except GpulibError as exc:
+            log.warning("%s: cannot mark its start as prepared by libvirt: %s", self.vm,
+                        exc.message)
 
     # -- checks ---------------------------------------------------------------------------
     def _is_gpu_fn(self, address: PciAddress) -> bool:
