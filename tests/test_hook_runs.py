@@ -462,3 +462,21 @@ def test_the_release_end_after_a_failed_prepare_begin_ends_the_start(demo: FakeH
     assert run([QEMU_HOOK, "pa", "release", "end", "-"], root).returncode == 0
     assert "pa" not in state_of(root)["allocations"]
     assert whole_used_by(root, RTX) is None
+
+
+HAND_MDEV = "0b1c2d3e-4f50-4617-8293-a4b5c6d7e8f9"  # handmade: live on 0000:ca:00.5, vm-running's
+
+
+def test_a_handmade_hosts_running_vgpu_is_remembered_by_the_next_start(hand: str) -> None:
+    transform_ok(hand, xml("pa", U_PA, pci_hostdev(MI300X)))
+    rec = state_of(hand)["vgpus"][HAND_MDEV]
+    assert (rec["parent"], rec["type_id"], rec["pool"], rec["remembered"]) == \
+        ("0000:ca:00.5", "nvidia-470", "manual", True)
+
+
+def test_prepare_begin_refuses_a_request_without_hostdevs_on_a_handmade_host(hand: str) -> None:
+    res = run([QEMU_HOOK, "web1", "prepare", "begin", "-"], hand,
+              stdin=xml("web1", U_PA, vgpus=1).encode())
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "gpulib attach web1" in lines[0], lines

@@ -84,9 +84,9 @@ def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> 
         if alloc is not None and alloc.status == "pending" and not _stop_ends(
                 alloc, ends_run, liveness, ctx, config):
             hook = "release end" if ends_run else "onStop"
-            log.warning("a late %s of %s: its allocation is pending (a newer start, "
-                        "since %s, libvirt has not prepared): nothing released", hook, vm,
-                        alloc.since)
+            why = ", which libvirt has not prepared" if ends_run else ""
+            log.warning("a late %s of %s: its allocation is pending (a newer start since "
+                        "%s%s): nothing released", hook, vm, alloc.since, why)
             return [f"kept: {vm} is starting again (pending allocation)"]
         return release(ctx.sysfs, state, vm, liveness,
                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
