@@ -210,12 +210,12 @@ class Allocation(_Record):
         self.devices: list[Device] = devices if devices is not None else []
         # The boot (kernel boot_id) and the seconds since that boot (CLOCK_BOOTTIME,
         # which no clock change moves) when the allocation was made: how a pending
-        # start is proven dead (lifecycle.pending_is_dead).
+        # start is proven dead (liveness.run_over).
         self.boot_id = boot_id
         self.uptime = uptime
         # Made by a live migration's `migrate begin`, whose `prepare begin` has
         # not come yet: libvirt calls it at once, so an arrival it never
-        # follows was abandoned (lifecycle.pending_is_dead). Written only when
+        # follows was abandoned (liveness.run_over). Written only when
         # true: an older gpulib reads the key as unknown and ignores it.
         self.arriving = arriving
         # libvirt prepared this run: its `prepare begin` (or `restore begin`)
