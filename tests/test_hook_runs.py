@@ -480,3 +480,49 @@ def test_prepare_begin_refuses_a_request_without_hostdevs_on_a_handmade_host(han
     assert res.returncode == 1, res.stderr
     lines = res.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "gpulib attach web1" in lines[0], lines
+
+
+def test_the_occupancy_holds_exactly_the_runs_that_are_not_over(demo: FakeHost) -> None:
+    """One answer: each kind of allocation is held by the occupancy model (the
+    report's used, the hooks' refuse) exactly when liveness.run_over says its
+    run is not over."""
+    from gpulib.liveness import boot_clock_of, run_is_over, running_domains
+    from gpulib.occupancy import Occupancy
+    from gpulib.state import Device, State
+
+    ctx = Context.for_root(demo.root)
+    boot, up = boot_clock_of(ctx.sysfs)
+    demo.add_running_domain("runs-active", U_PA)
+    demo.add_running_domain("runs-pending", U_PB)
+    kinds = {
+        "runs-active": Allocation("runs-active", U_PA, "active", boot_id=boot, uptime=up),
+        "runs-pending": Allocation("runs-pending", U_PB, "pending", boot_id=boot, uptime=up - 500),
+        "fresh-start": Allocation("fresh-start", U_OTHER, "pending", boot_id=boot, uptime=up),
+        "expired-start": Allocation("expired-start", None, "pending", boot_id=boot,
+                                    uptime=up - 121),
+        "lost-stop": Allocation("lost-stop", None, "active", boot_id=boot, uptime=up),
+        "earlier-boot": Allocation("earlier-boot", None, "pending", boot_id="boot-0",
+                                   uptime=1.0),
+        "abandoned": Allocation("abandoned", None, "pending", boot_id=boot, uptime=up - 11,
+                                arriving=True),
+        "arriving": Allocation("arriving", None, "pending", boot_id=boot, uptime=up,
+                               arriving=True),
+    }
+    state = State()
+    devices = [RTX, "0000:65:00.0", "0000:af:00.0", "0000:ca:00.0", "0000:41:00.0",
+               "0000:82:00.0", "0000:c1:00.0", "0000:17:00.0"]
+    for (vm, alloc), address in zip(sorted(kinds.items()), devices):
+        alloc.devices = [Device("pci", address)]
+        state.allocations[vm] = alloc
+    running = running_domains(ctx.sysfs)
+    occ = Occupancy.build(ctx.sysfs, state, running)
+    liveness = Liveness(ctx.sysfs, running)
+    clock = boot_clock_of(ctx.sysfs)
+    verdicts = {}
+    for vm, alloc in state.allocations.items():
+        held = any(h.vm == vm for h in occ.conflicts(alloc.devices[0].id))
+        assert held != run_is_over(alloc, liveness, clock), vm
+        verdicts[vm] = held
+    assert verdicts == {"runs-active": True, "runs-pending": True, "fresh-start": True,
+                        "arriving": True, "expired-start": False, "lost-stop": False,
+                        "earlier-boot": False, "abandoned": False}
