@@ -23,9 +23,7 @@ from gpulib.definitions import DEFINITIONS_MARKER, follow_definitions
 from gpulib.errors import GpulibError, InputError
 from gpulib.liveness import (
     ABANDONED_ARRIVAL,
-    ARRIVAL_GRACE_SECONDS,
     EARLIER_BOOT,
-    PENDING_GRACE_SECONDS,
     STOPPED,
     Liveness,
     boot_clock_of,
@@ -33,6 +31,10 @@ from gpulib.liveness import (
     running_domains,
     since_epoch,
 )
+
+# The grace of a start and of an arrival are liveness's (run_over), named here too.
+from gpulib.liveness import ARRIVAL_GRACE_SECONDS as ARRIVAL_GRACE_SECONDS
+from gpulib.liveness import PENDING_GRACE_SECONDS as PENDING_GRACE_SECONDS
 from gpulib.outcome import Outcome
 from gpulib.pci import PciAddress, list_addresses
 from gpulib.records import HANDMADE, UNRECOVERED_KEY

@@ -399,8 +399,7 @@ def _nvidia_vfs(fams: _GpuFamilies, gpu: Gpu, bus_id: str, gpu_set: str) -> None
 def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Inventory,
                  config: Config) -> None:
     from gpulib import mdev
-    from gpulib.lifecycle import age_seconds, boot_clock
-    from gpulib.liveness import PENDING_GRACE_SECONDS
+    from gpulib.lifecycle import PENDING_GRACE_SECONDS, age_seconds, boot_clock
 
     allocs = exp.family("gpulib_allocations", "gauge",
                         "VMs holding devices, by the state of their allocation.", "state")
