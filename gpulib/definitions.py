@@ -63,7 +63,7 @@ def follow_definitions(ctx: Context, state: State,
             return out
         ok = True
         for uuid, rec in sorted(state.vgpus.items()):
-            if rec.on_demand or uuid in defs:
+            if rec.on_demand or rec.remembered or uuid in defs:
                 continue
             d = definition_for(rec, uuid)
             try:
@@ -79,9 +79,11 @@ def follow_definitions(ctx: Context, state: State,
             return out  # try again next time; forget nothing meanwhile
         state.extra[DEFINITIONS_MARKER] = "mdevctl"
     for uuid, rec in sorted(state.vgpus.items()):
-        if rec.on_demand:
-            continue
         found = defs.get(uuid)
+        if rec.on_demand or (rec.remembered and found is None):
+            # (A vGPU made outside gpulib is remembered, not defined: its
+            # record is not mdevctl's to end.)
+            continue
         if found is None:
             del state.vgpus[uuid]
             holder = _held_by(state, uuid)

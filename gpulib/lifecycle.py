@@ -5,7 +5,7 @@
   with the same UUIDs on the same parents.
 * `reconcile`: settle the write-ahead intents of starts that died (complete
   or undo them, `gpulib.journal`), release allocations of VMs that are not
-  running (a pending one once proven dead: `pending_is_dead`), and report
+  running (once their run is over: `liveness.run_over`), and report
   registry entries whose device vanished and live vGPUs nobody holds.
 * `rebuild_state`: what a corrupt state file is replaced with: the registry
   and allocations re-learned from sysfs and libvirt's status files.
@@ -21,10 +21,23 @@ from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.definitions import DEFINITIONS_MARKER, follow_definitions
 from gpulib.errors import GpulibError, InputError
-from gpulib.lazyre import lazy
-from gpulib.liveness import Liveness, boot_clock_of, from_other_boot, running_domains
+from gpulib.liveness import (
+    ABANDONED_ARRIVAL,
+    EARLIER_BOOT,
+    STOPPED,
+    Liveness,
+    boot_clock_of,
+    run_over,
+    running_domains,
+    since_epoch,
+)
+
+# The grace of a start and of an arrival are liveness's (run_over), named here too.
+from gpulib.liveness import ARRIVAL_GRACE_SECONDS as ARRIVAL_GRACE_SECONDS
+from gpulib.liveness import PENDING_GRACE_SECONDS as PENDING_GRACE_SECONDS
 from gpulib.outcome import Outcome
 from gpulib.pci import PciAddress, list_addresses
+from gpulib.records import HANDMADE, UNRECOVERED_KEY
 from gpulib.state import (
     REBUILT_FROM_KEY,
     Allocation,
@@ -45,15 +58,6 @@ if TYPE_CHECKING:
     from typing import Callable, Optional
 
 log = logger.get(__name__)
-
-_ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
-# A pending allocation younger than this may belong to a VM that is starting:
-# the agent's 30 s transformer limit, libvirt's own start, and a wide margin.
-PENDING_GRACE_SECONDS = 120.0
-# How long the devices `migrate begin` made wait for the incoming domain's
-# `prepare begin`, which libvirt calls at once ([release] arrival_timeout).
-ARRIVAL_GRACE_SECONDS = 10.0
-
 
 def open_store(ctx: Context, config: Optional[Config] = None,
                timeout: Optional[float] = None) -> StateStore:
@@ -121,10 +125,40 @@ def rebuild_state(ctx: Context, previous: Optional[State] = None,
             state.allocations[dom.name] = alloc
     if previous is None and config is not None:
         _relearn_pools(ctx, state, config)
+    if previous is None:
+        state.extra[UNRECOVERED_KEY] = _unrecovered(state, live, config, running)
+    else:
+        state.extra.pop(UNRECOVERED_KEY, None)
     log.error("state rebuilt from %s: %d vGPUs, %d VF types, %d allocations",
               state.extra[REBUILT_FROM_KEY], len(state.vgpus), len(state.vf_types),
               len(state.allocations))
+    for line in state.extra.get(UNRECOVERED_KEY, ()):
+        log.error("state rebuilt from the host: not recovered: %s", line)
     return state
+
+
+def _unrecovered(state: State, live: Iterable[str], config: Optional[Config],
+                 running: list[DomainDevices]) -> list[str]:
+    """What a state rebuilt from the host alone (no usable copy) cannot know, one
+    line each: said in the log, `gpulib status` and metrics."""
+    used = {u for d in running for u in d.mdevs}
+    loose = sorted(u for u in live if u not in state.vgpus and u not in used)
+    out = ["pending starts: a VM being started when the state was lost holds nothing "
+           "until it runs",
+           "which devices were made on demand: every recorded vGPU and VF type is kept as "
+           "persistent (remove one with gpulib mdev remove / vf clear)",
+           "devices marked unmanaged (gpulib device unmanage): mark them again",
+           "VF types not set on their VF now (a MIG-backed pool member between VMs): "
+           "gpulib pool apply sets them again"]
+    if loose:
+        out.append(f"{len(loose)} live vGPU(s) with no mdevctl definition that no running "
+                   f"VM uses ({', '.join(loose)}): not recorded (gpulib reconcile lists them)")
+    if config is not None:
+        by_profile = sorted(n for n, p in config.pools.items() if p.type_id is None)
+        if by_profile:
+            out.append(f"the members of pool(s) named by profile ({', '.join(by_profile)}): "
+                       "gpulib pool apply takes them again")
+    return out
 
 
 def _relearn_pools(ctx: Context, state: State, config: Config) -> None:
@@ -155,6 +189,26 @@ def _relearn_pools(ctx: Context, state: State, config: Config) -> None:
             rec.pool = name
             taken[rec.parent] = taken.get(rec.parent, 0) + 1
             total += 1
+
+
+def remember_vgpu(ctx: Context, state: State, uuid: str) -> bool:
+    """A live vGPU a running VM (or a start) names that gpulib has no record of:
+    made outside gpulib (mdevctl, sysfs, another tool, before gpulib was
+    installed). Remembered (parent, type, UUID), not owned (`VgpuRecord.remembered`,
+    the administrator's), so the VM's next start after a reboot makes it
+    again. True if it was remembered now."""
+    from gpulib import mdev
+
+    if uuid in state.vgpus:
+        return False
+    live = mdev.read_mdev(ctx.sysfs, uuid)
+    if live is None:
+        return False
+    state.vgpus[uuid] = VgpuRecord(str(live.parent), live.type_id, pool=HANDMADE,
+                                   remembered=True)
+    log.info("mdev %s (%s on %s) was not made by gpulib: remembered, not owned, so its VM's "
+             "next start after a reboot can make it again", uuid, live.type_id, live.parent)
+    return True
 
 
 # How long restore leaves `auto` vGPUs to mdevctl's udev autostart, where that
@@ -206,7 +260,8 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
         if d.auto and (adopt_mdevctl or uuid in state.vgpus):
             wanted.append((uuid, d.parent, d.type_id, d.attrs, "mdevctl definition"))
     for uuid, rec in sorted(state.vgpus.items()):
-        if uuid not in defs:
+        # A remembered vGPU is not gpulib's: its VM's next start makes it again.
+        if uuid not in defs and not rec.remembered:
             wanted.append((uuid, rec.parent, rec.type_id, [], "gpulib record"))
     missing = [w for w in wanted if mdev.read_mdev(sysfs, w[0]) is None]
     if missing and any(w[4] == "mdevctl definition" for w in missing) and \
@@ -258,23 +313,9 @@ def restore(ctx: Context, state: State, adopt_mdevctl: bool = True,
 # -- reconcile --------------------------------------------------------------------------------
 
 def age_seconds(iso: str) -> float:
-    """Seconds since an ISO 8601 UTC time from the state file (inf if unreadable).
-
-    Parsed by hand: time.strptime and calendar cost the hooks several
-    milliseconds of imports on every VM start.
-    """
-    m = _ISO.match(iso)
-    if not m:
-        return float("inf")
-    y, mo, d, hh, mm, ss = (int(g) for g in m.groups())
-    # Days from civil (proleptic Gregorian), as in H. Hinnant's algorithm.
-    y -= mo <= 2
-    era = y // 400
-    yoe = y - era * 400
-    doy = (153 * (mo + (-3 if mo > 2 else 9)) + 2) // 5 + d - 1
-    doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
-    days = era * 146097 + doe - 719468
-    return time.time() - (days * 86400 + hh * 3600 + mm * 60 + ss)
+    """Seconds since an ISO 8601 UTC time from the state file (inf if unreadable)."""
+    epoch = since_epoch(iso)
+    return float("inf") if epoch is None else time.time() - epoch
 
 
 def boot_clock(ctx: Context) -> tuple[Optional[str], float]:
@@ -283,58 +324,9 @@ def boot_clock(ctx: Context) -> tuple[Optional[str], float]:
 
 
 def stamp(ctx: Context, alloc: Allocation) -> None:
-    """Mark an allocation as made now, in this boot (see pending_is_dead)."""
+    """Mark an allocation as made now, in this boot (see liveness.run_over)."""
     alloc.since = utc_now()
     alloc.boot_id, alloc.uptime = boot_clock(ctx)
-
-
-def stop_unfinished(alloc: Allocation, liveness: Liveness,
-                    clock: tuple[Optional[str], float]) -> bool:
-    """Whether an allocation is a stop that did not complete: active, made in
-    this boot, and its VM has no status file (ARCHITECTURE.md, Liveness).
-
-    The onStop or `release end` that should have ended it was killed, met a
-    full disk or never came. Asked by name only (one directory listing, which
-    every hook makes anyway): a status file under the name whose UUID differs
-    is left to the start of that name, reconnect and reconcile."""
-    return alloc.status == "active" and alloc.vm not in liveness.names() and \
-        not from_other_boot(alloc, clock)
-
-
-def pending_is_dead(alloc: Allocation, liveness: Liveness,
-                    clock: tuple[Optional[str], float],
-                    grace: float = PENDING_GRACE_SECONDS,
-                    arrival_grace: float = ARRIVAL_GRACE_SECONDS) -> bool:
-    """Whether an allocation's VM does not run and is not starting.
-
-    The proof, in order:
-    * its VM runs (libvirt's status file names it, with the allocation's
-      domain UUID: `Liveness.is_running`): alive;
-    * it was made in another boot (`from_other_boot`): dead, nothing of an
-      earlier boot runs or starts;
-    * an active one of this boot whose VM does not run: dead (it stopped);
-    * a pending one made by `migrate begin` (`arriving`): dead once
-      `arrival_grace` seconds have passed without its `prepare begin`
-      (libvirt calls it at once; an abandoned migration sends no `release end`);
-    * a pending one of this boot: dead once `grace` seconds of CLOCK_BOOTTIME
-      have passed (a clock that never jumps; negative means another boot);
-    * a record without that clock (schema 1): its wall-clock age decides, and a
-      time more than `grace` in the future (the clock was set back, or a bad
-      record) is dead too, so such an allocation can always be released.
-    """
-    if liveness.is_running(alloc.vm, alloc.domain_uuid):
-        return False
-    if from_other_boot(alloc, clock):
-        return True
-    if alloc.status == "active":
-        return True
-    _, uptime = clock
-    if alloc.uptime is not None:
-        elapsed = uptime - alloc.uptime
-        limit = min(grace, arrival_grace) if alloc.arriving else grace
-        return elapsed < 0 or elapsed >= limit
-    age = age_seconds(alloc.since)
-    return age >= grace or age <= -grace
 
 
 def release_not_running(ctx: Context, state: State, liveness: Liveness,
@@ -342,49 +334,42 @@ def release_not_running(ctx: Context, state: State, liveness: Liveness,
                         pending_only: bool = False, keep: Optional[str] = None,
                         checkpoint: Optional[Callable[[State], None]] = None,
                         arrival_grace: float = ARRIVAL_GRACE_SECONDS) -> list[Outcome]:
-    """Release allocations of VMs that are not running, once proven dead
-    (`pending_is_dead`).
+    """Release the allocations whose run is over (`liveness.run_over`, the one
+    answer the occupancy model gives too).
 
     `pending_only` (the hooks' cheap cleanup) judges an active allocation of
-    this boot by its VM's name alone (`stop_unfinished`: a stop that did not
-    complete is finished now, before any start is judged); a status file
-    under its name keeps it whatever UUID it names, for reconcile to judge.
-    Dead pending ones and everything from an earlier boot go. `keep`: a VM
-    starting or stopping now (its own hook decides for it)."""
+    this boot by its VM's name alone (a stop that did not complete is
+    finished now, before any start is judged); a status file under its name
+    keeps it whatever UUID it names, for reconcile (not `pending_only`) to
+    judge. `keep`: a VM starting or stopping now (its own hook decides for
+    it)."""
     out: list[Outcome] = []
     clock = boot_clock(ctx)
     for vm, alloc in sorted(state.allocations.items()):
         if vm == keep:
             continue
-        ended = stop_unfinished(alloc, liveness, clock)
-        if pending_only and alloc.status == "active" and not ended and \
-                not from_other_boot(alloc, clock):
-            continue
-        if not ended and not pending_is_dead(alloc, liveness, clock, grace, arrival_grace):
+        why = run_over(alloc, liveness, clock, grace, arrival_grace, by_uuid=not pending_only)
+        if why is None:
             continue
         held = ", ".join(f"{d.kind} {d.id}" for d in alloc.devices) or "nothing"
-        if ended:
+        if why == STOPPED:
             # Named as what it is: the VM stopped, its stop never finished.
             log.warning("%s: held by stopped VM %s, released now (its stop did not "
                         "complete; made %s)", held, vm, alloc.since)
-        elif alloc.arriving:
+            detail = f"held by stopped VM {vm}, released now"
+        elif why == ABANDONED_ARRIVAL:
             log.warning("%s: held by an incoming migration of %s that libvirt abandoned "
                         "(no prepare begin followed), released now", held, vm)
+            detail = f"held by an abandoned incoming migration of {vm}, released now"
         else:
-            boot = "an earlier boot" if from_other_boot(alloc, clock) else "this boot"
+            boot = "an earlier boot" if why == EARLIER_BOOT else "this boot"
             log.warning("releasing the %s allocation of %s: it is not running (made %s, in %s)",
                         alloc.status, vm, alloc.since, boot)
+            detail = f"made {alloc.since}, in {boot}"
         from gpulib.allocator import release
 
         actions = release(ctx.sysfs, state, vm, liveness, destroy_on_demand=destroy_on_demand,
                           retry_seconds=0.5, checkpoint=checkpoint)
-        if ended:
-            detail = f"held by stopped VM {vm}, released now"
-        elif alloc.arriving:
-            detail = f"held by an abandoned incoming migration of {vm}, released now"
-        else:
-            boot = "an earlier boot" if from_other_boot(alloc, clock) else "this boot"
-            detail = f"made {alloc.since}, in {boot}"
         out.append(Outcome("vm", vm, f"released {alloc.status} allocation", True,
                            "; ".join([detail, *actions])))
     return out
@@ -434,9 +419,9 @@ def release_stale(ctx: Context, state: State, liveness: Liveness, config: Config
                   keep: Optional[str] = None, store: Optional[StateStore] = None,
                   reuse: Iterable[str] = ()) -> None:
     """Release what VMs that are not running left (ARCHITECTURE.md, Liveness):
-    stops that did not complete (`stop_unfinished`), pending allocations of
-    starts proven dead (abandoned arrivals included), every allocation of an
-    earlier boot (pending_is_dead), then on-demand devices left without an
+    the allocations whose run is over (`liveness.run_over`: stops that did
+    not complete, starts past their grace, abandoned arrivals, every
+    allocation of an earlier boot), then on-demand devices left without an
     owner (`release_ownerless`); removals announced first (`store`'s
     checkpoint). Every hook's and arrival's cheap cleanup, before a start is
     judged. `reuse`: devices the start now running names."""
@@ -471,7 +456,7 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
                                checkpoint=checkpoint, arrival_grace=arrival_grace)
     if destroy_on_demand:
         out += release_ownerless(ctx, state, liveness, checkpoint)
-    occ = Occupancy.build(sysfs, state, domains)
+    occ = Occupancy.build(sysfs, state, domains, arrival_grace=arrival_grace)
     live = mdev.live_mdevs(sysfs)
     for uuid, rec in sorted(state.vgpus.items()):
         try:

@@ -20,11 +20,13 @@ about to be destroyed.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 
 from gpulib import usage
 from gpulib.context import BOOT_ID, RUNNING_DOMAINS
+from gpulib.lazyre import lazy
 from gpulib.sysfs import ReadFailure
 from gpulib.usage import MAX_STATUS_BYTES, DomainDevices, running_names, status_uuid
 
@@ -88,6 +90,29 @@ class Liveness:
         running = self.domain_uuid(name)
         return running is None or running == uuid.lower()
 
+    def launched(self, alloc: Allocation) -> bool:
+        """Whether libvirt launched the run a pending allocation belongs to: its
+        VM's status file exists, names the allocation's domain UUID (read, not
+        assumed), and was written no earlier than the allocation was made.
+
+        libvirt writes the status file when it launches QEMU and removes it
+        when the run stops, and a start under a running VM's name is refused,
+        so a newer start is recorded while no status file exists: a file
+        older than the allocation is of an earlier run (a late onStart of it
+        finds the newer start not launched yet)."""
+        if alloc.vm not in self.names():
+            return False
+        uuid = self.domain_uuid(alloc.vm)
+        if uuid is None or (alloc.domain_uuid is not None and uuid != alloc.domain_uuid.lower()):
+            return False
+        made = since_epoch(alloc.since)
+        try:
+            written = os.stat(self.sysfs.path(f"{RUNNING_DOMAINS}/{alloc.vm}.xml")).st_mtime
+        except OSError:
+            return False
+        # `since` has whole seconds: a file of the same second is of this run.
+        return made is None or written >= made
+
     def domains(self) -> list[DomainDevices]:
         """Every running domain with the devices its status file names."""
         if self._domains is None:
@@ -134,3 +159,104 @@ def from_other_boot(alloc: Allocation, clock: tuple[Optional[str], float]) -> bo
     if alloc.boot_id is not None and boot_id is not None:
         return alloc.boot_id != boot_id
     return alloc.uptime is not None and alloc.uptime > uptime + 1.0
+
+
+# -- is this run over? ---------------------------------------------------------------------------
+# One answer, asked by the hooks' cleanup (lifecycle.release_not_running),
+# reconcile, restore and the occupancy model alike: the report never calls a
+# device used by a run the hooks would release, and a start never finds held
+# what the report offered free.
+
+# A pending allocation younger than this may belong to a VM that is starting:
+# the agent's 30 s transformer limit, libvirt's own start, and a wide margin.
+PENDING_GRACE_SECONDS = 120.0
+# How long the devices `migrate begin` made wait for the incoming domain's
+# `prepare begin`, which libvirt calls at once ([release] arrival_timeout).
+ARRIVAL_GRACE_SECONDS = 10.0
+
+# Why a run is over (`run_over`'s answers; the log and reconcile name them).
+STOPPED = "stopped"  # active, its VM's status file gone: a stop that did not complete
+EARLIER_BOOT = "earlier boot"  # made in another boot, its VM does not run
+ABANDONED_ARRIVAL = "abandoned arrival"  # migrate begin's, no prepare begin within its bound
+EXPIRED_START = "expired start"  # pending past its grace, its VM does not run
+
+
+def run_over(alloc: Allocation, liveness: Liveness, clock: tuple[Optional[str], float],
+             grace: float = PENDING_GRACE_SECONDS,
+             arrival_grace: float = ARRIVAL_GRACE_SECONDS,
+             by_uuid: bool = False) -> Optional[str]:
+    """Whether the run an allocation belongs to is over, and why (None: it is
+    not: running, or a start within its grace).
+
+    * an active allocation of this boot: over once its VM has no status file
+      (a stop that did not complete, `STOPPED`). Judged by name, one
+      directory listing: a status file under the name keeps it whatever UUID
+      it names, unless `by_uuid` (reconcile: then a status file naming
+      another domain ends it too);
+    * otherwise its VM runs (the status file names it with the allocation's
+      domain UUID): not over;
+    * made in another boot (`from_other_boot`): over, nothing of an earlier
+      boot runs or starts (`EARLIER_BOOT`);
+    * a pending one made by `migrate begin` (`arriving`): over once
+      `arrival_grace` seconds have passed without its `prepare begin`
+      (libvirt calls it at once; an abandoned migration sends no `release
+      end`: `ABANDONED_ARRIVAL`);
+    * a pending one of this boot: over once `grace` seconds of CLOCK_BOOTTIME
+      have passed (a clock that never jumps; negative means another boot);
+      a record without that clock (schema 1) is judged by its wall-clock
+      age, and a time more than `grace` in the future (the clock was set
+      back, or a bad record) is over too (`EXPIRED_START`).
+    """
+    this_boot = not from_other_boot(alloc, clock)
+    if alloc.status == "active" and this_boot:
+        if alloc.vm not in liveness.names():
+            return STOPPED
+        if by_uuid and not liveness.is_running(alloc.vm, alloc.domain_uuid):
+            return STOPPED
+        return None
+    if liveness.is_running(alloc.vm, alloc.domain_uuid):
+        return None
+    if not this_boot:
+        return EARLIER_BOOT
+    _, uptime = clock
+    if alloc.uptime is not None:
+        elapsed = uptime - alloc.uptime
+        if alloc.arriving and not (0 <= elapsed < min(grace, arrival_grace)):
+            return ABANDONED_ARRIVAL
+        return EXPIRED_START if elapsed < 0 or elapsed >= grace else None
+    age = _age_seconds(alloc.since)
+    return EXPIRED_START if age >= grace or age <= -grace else None
+
+
+def run_is_over(alloc: Allocation, liveness: Liveness, clock: tuple[Optional[str], float],
+                grace: float = PENDING_GRACE_SECONDS,
+                arrival_grace: float = ARRIVAL_GRACE_SECONDS) -> bool:
+    """`run_over` as a yes or no, as the hooks judge (by name): what the
+    occupancy model does not count and the next hook releases."""
+    return run_over(alloc, liveness, clock, grace, arrival_grace) is not None
+
+
+_ISO = lazy(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)")
+
+
+def since_epoch(iso: str) -> Optional[float]:
+    """An ISO 8601 UTC time from the state file as seconds since the epoch
+    (None if unreadable). Parsed by hand: time.strptime and calendar cost the
+    hooks several milliseconds of imports on every VM start."""
+    m = _ISO.match(iso)
+    if not m:
+        return None
+    y, mo, d, hh, mm, ss = (int(g) for g in m.groups())
+    # Days from civil (proleptic Gregorian), as in H. Hinnant's algorithm.
+    y -= mo <= 2
+    era = y // 400
+    yoe = y - era * 400
+    doy = (153 * (mo + (-3 if mo > 2 else 9)) + 2) // 5 + d - 1
+    doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+    days = era * 146097 + doe - 719468
+    return float(days * 86400 + hh * 3600 + mm * 60 + ss)
+
+
+def _age_seconds(iso: str) -> float:
+    epoch = since_epoch(iso)
+    return float("inf") if epoch is None else time.time() - epoch

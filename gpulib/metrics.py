@@ -47,7 +47,8 @@ Series (labels in braces; `gpu` below is `pci_bus_id`):
   gpulib_mig_gpu_instances{gpu,profile,state}  state: free | held (a VM holds the VF on it)
   gpulib_mig_profile_creatable_instances{gpu,profile}
   gpulib_readiness_check_status{check}       0 ok, 1 warn, 2 fail
-  gpulib_state_healthy, gpulib_state_last_write_timestamp_seconds, gpulib_state_intents
+  gpulib_state_healthy, gpulib_state_last_write_timestamp_seconds, gpulib_state_intents,
+  gpulib_state_unrecovered
   gpulib_starts_prepared_total{hook}, gpulib_starts_refused_total{hook,reason},
   gpulib_vgpus_created_total{kind}, gpulib_vgpus_destroyed_total{kind},
   gpulib_releases_total{by}
@@ -469,6 +470,7 @@ def _state(exp: Exposition, ctx: Context, config: Config) -> State:
     """The state file's health and age; the state as read (empty when unusable)."""
     from gpulib.errors import GpulibError
     from gpulib.lifecycle import open_store
+    from gpulib.records import UNRECOVERED_KEY
     from gpulib.state import State
 
     store = open_store(ctx, config)
@@ -492,6 +494,11 @@ def _state(exp: Exposition, ctx: Context, config: Config) -> State:
     exp.family("gpulib_state_intents", "gauge",
                "Write-ahead intents in the state: sysfs changes of starts not yet settled."
                ).add(len(state.intents))
+    lost = state.extra.get(UNRECOVERED_KEY)
+    exp.family("gpulib_state_unrecovered", "gauge",
+               "What the last rebuild of the state from the host alone (no usable copy) could "
+               "not recover, in kinds of record (gpulib status lists them; 0: none)."
+               ).add(len(lost) if isinstance(lost, list) else 0)
     return state
 
 

@@ -581,7 +581,8 @@ def arrive(ctx: Context, config: Config, dom: Domain) -> list[Choice]:
             # Same name, another domain that does not run: gone for good.
             release(sysfs, state, vm, liveness, retry_seconds=0.5, checkpoint=store.checkpoint)
             alloc = None
-        occ = Occupancy.build(sysfs, state, running)
+        occ = Occupancy.build(sysfs, state, running,
+                              arrival_grace=config.get_float("release", "arrival_timeout"))
         journal = Journal(sysfs, state, vm, liveness, checkpoint=store.checkpoint,
                           held_by_other=lambda device: occ.is_held(device, vm))
         try:
@@ -663,7 +664,8 @@ def check(ctx: Context, config: Config, dom: Domain) -> Answer:
         wanted = needs(sysfs, state, dom)
         if not wanted:
             return Answer(vm, [], None)
-        occ = Occupancy.build(sysfs, state, running)
+        occ = Occupancy.build(sysfs, state, running,
+                              arrival_grace=config.get_float("release", "arrival_timeout"))
         def dry_allocator() -> Allocator:
             allocator = _allocator(ctx, config, dom, state, occ, None)
             allocator.dry_run = True

@@ -10,7 +10,7 @@ Holds (why a VM holds a device):
 * `active`  an allocation of a VM that started (onStart, `started begin`);
 * `pending` an allocation recorded by the transformer or `prepare begin`
   whose VM has not started yet. It holds exactly like a running VM until
-  released or proven dead (`lifecycle.pending_is_dead`);
+  released or its run is over (`liveness.run_over`);
 * `running` a `<hostdev>` of a running domain's status file (a device
   libvirt gave it whether or not gpulib knows).
 Defined but stopped domains hold nothing.
@@ -265,16 +265,25 @@ class Occupancy:
             self.add(h)
 
     @classmethod
-    def build(cls, sysfs: Sysfs, state: State, running: Iterable[DomainDevices] = ()
-              ) -> Occupancy:
+    def build(cls, sysfs: Sysfs, state: State, running: Iterable[DomainDevices] = (),
+              arrival_grace: Optional[float] = None) -> Occupancy:
         """From gpulib's allocations and the running domains' devices.
 
-        An allocation made in an earlier boot whose VM does not run holds
-        nothing (its VM is dead; the boot unit or the next hook releases it):
-        the report does not call its devices used meanwhile. Nor does an
-        active allocation whose VM has no status file (a stop that did not
-        complete: `lifecycle.stop_unfinished`). `running` must be every
-        running domain."""
+        An allocation whose run is over (`liveness.run_is_over`, the one
+        answer the hooks' cleanup asks too: a stop that did not complete, a
+        start past its grace, an abandoned arrival, anything of an earlier
+        boot whose VM does not run) holds nothing: the next hook releases
+        it, and the report does not call its devices used meanwhile; its
+        on-demand devices are not offered either (they are about to go).
+        `running` must be every running domain; `arrival_grace`: the arrivals'
+        bound (`[release] arrival_timeout`; `arrival_grace_of` reads it)."""
+        from gpulib.liveness import (
+            ARRIVAL_GRACE_SECONDS,
+            Liveness,
+            boot_clock_of,
+            run_is_over,
+        )
+
         tree = Tree(sysfs, {u: r.parent for u, r in state.vgpus.items()},
                     {u: r.type_id for u, r in state.vgpus.items()},
                     {a: r.type_id for a, r in state.vf_types.items()})
@@ -284,21 +293,17 @@ class Occupancy:
             and i.action not in GPU_INSTANCE_ACTIONS and not any(
                 d.id == i.id for d in getattr(state.allocations.get(i.vm), "devices", ())))
         running = list(running)
+        if arrival_grace is None:
+            arrival_grace = ARRIVAL_GRACE_SECONDS
+        liveness = Liveness(sysfs, running)
         clock: Optional[tuple[Optional[str], float]] = None
         over: list[str] = []
         for vm, alloc in state.allocations.items():
-            if alloc.boot_id is not None or alloc.uptime is not None:
-                from gpulib.liveness import boot_clock_of, from_other_boot
-
-                if clock is None:
-                    clock = boot_clock_of(sysfs)
-                if all(d.name != vm for d in running) and (
-                        alloc.status == ACTIVE or from_other_boot(alloc, clock)):
-                    # Of an earlier boot, or a stop of this boot that did not
-                    # complete (active, no status file): its run is over and the
-                    # next hook finishes it before judging a start.
-                    over += [node_id(d.kind, d.id) for d in alloc.devices if d.on_demand]
-                    continue
+            if clock is None:
+                clock = boot_clock_of(sysfs)
+            if run_is_over(alloc, liveness, clock, arrival_grace=arrival_grace):
+                over += [node_id(d.kind, d.id) for d in alloc.devices if d.on_demand]
+                continue
             for d in alloc.devices:
                 occ.add(Hold(vm, alloc.status, node_id(d.kind, d.id)))
         if over:

@@ -125,16 +125,23 @@ class _Record:
 class VgpuRecord(_Record):
     """An mdev gpulib created or adopted, so it can be recreated after a reboot."""
 
-    __slots__ = ("created", "on_demand", "parent", "pool", "type_id")
+    __slots__ = ("created", "on_demand", "parent", "pool", "remembered", "type_id")
 
     def __init__(self, parent: str, type_id: str, pool: Optional[str] = None,
-                 on_demand: bool = False, created: Optional[str] = None) -> None:
+                 on_demand: bool = False, created: Optional[str] = None,
+                 remembered: bool = False) -> None:
         self.parent = parent  # the parent device's name, a PCI address for GPUs
         self.type_id = type_id  # the mdev type, e.g. 'nvidia-558'
         self.pool = pool  # the declared pool it belongs to, if any
         self.on_demand = on_demand  # created for one VM: destroyed when that VM stops
         # Who uses it is an allocation's business (schema 2), never the record's.
         self.created = created if created is not None else utc_now()  # ISO 8601 UTC
+        # Made outside gpulib (mdevctl, sysfs, another tool) and used by a
+        # running VM: remembered (parent, type, UUID) so that VM's next start
+        # after a reboot can make it again, never owned (its pool is
+        # HANDMADE: the administrator's). Not defined for mdevctl, not made
+        # by restore, never destroyed. Written only when true.
+        self.remembered = remembered
 
 
 class VfRecord(_Record):
@@ -189,13 +196,13 @@ class Device(_Record):
 class Allocation(_Record):
     """The devices one VM holds, pending until the VM has started."""
 
-    __slots__ = ("arriving", "boot_id", "devices", "domain_uuid", "since", "status", "uptime",
-                 "vm")
+    __slots__ = ("arriving", "boot_id", "devices", "domain_uuid", "prepared", "since", "status",
+                 "uptime", "vm")
 
     def __init__(self, vm: str, domain_uuid: Optional[str] = None, status: str = "pending",
                  since: Optional[str] = None, devices: Optional[list[Device]] = None,
                  boot_id: Optional[str] = None, uptime: Optional[float] = None,
-                 arriving: bool = False) -> None:
+                 arriving: bool = False, prepared: bool = False) -> None:
         self.vm = vm
         self.domain_uuid = domain_uuid
         self.status = status  # 'pending' | 'active'
@@ -203,14 +210,21 @@ class Allocation(_Record):
         self.devices: list[Device] = devices if devices is not None else []
         # The boot (kernel boot_id) and the seconds since that boot (CLOCK_BOOTTIME,
         # which no clock change moves) when the allocation was made: how a pending
-        # start is proven dead (lifecycle.pending_is_dead).
+        # start is proven dead (liveness.run_over).
         self.boot_id = boot_id
         self.uptime = uptime
         # Made by a live migration's `migrate begin`, whose `prepare begin` has
         # not come yet: libvirt calls it at once, so an arrival it never
-        # follows was abandoned (lifecycle.pending_is_dead). Written only when
+        # follows was abandoned (liveness.run_over). Written only when
         # true: an older gpulib reads the key as unknown and ignores it.
         self.arriving = arriving
+        # libvirt prepared this run: its `prepare begin` (or `restore begin`)
+        # recorded or confirmed the allocation. `release end` ends only such
+        # a run (or an active one): a pending allocation the transformer made
+        # and libvirt has not prepared yet is a newer start, which a late
+        # `release end` of the run before it must leave alone. Written only
+        # when true, like `arriving`.
+        self.prepared = prepared
 
 
 class Intent(_Record):
@@ -350,9 +364,11 @@ def _vgpu_fast(d: Any) -> Optional[VgpuRecord]:
     parent: Any = d.get("parent")
     type_id: Any = d.get("type_id")
     created, pool, on_demand = d.get("created"), d.get("pool"), d.get("on_demand", False)
+    remembered = d.get("remembered", False)
     if _is_component(parent) and is_type_id(type_id) and type(created) is str and \
-            (pool is None or type(pool) is str) and (on_demand is True or on_demand is False):
-        return VgpuRecord(parent, type_id, pool, on_demand, created)
+            (pool is None or type(pool) is str) and (on_demand is True or on_demand is False) \
+            and (remembered is True or remembered is False):
+        return VgpuRecord(parent, type_id, pool, on_demand, created, remembered)
     return None
 
 
@@ -396,7 +412,11 @@ def _allocation_fast(d: Any, key: str) -> Optional[Allocation]:
     arriving = d.get("arriving", False)
     if arriving is not False and arriving is not True:
         return None
-    return Allocation(vm, domain_uuid, status, since, devices, boot_id, uptime, arriving)
+    prepared = d.get("prepared", False)
+    if prepared is not False and prepared is not True:
+        return None
+    return Allocation(vm, domain_uuid, status, since, devices, boot_id, uptime, arriving,
+                      prepared)
 
 
 def _vgpu_from_json(value: Any, path: str) -> VgpuRecord:
@@ -407,12 +427,16 @@ def _vgpu_from_json(value: Any, path: str) -> VgpuRecord:
         pool=_as_opt_str(_get(d, "pool", path, None), _where(path, "pool")),
         on_demand=_as_bool(_get(d, "on_demand", path, False), _where(path, "on_demand")),
         created=_as_str(_get(d, "created", path), _where(path, "created")),
+        remembered=_as_bool(_get(d, "remembered", path, False), _where(path, "remembered")),
     )
 
 
 def _vgpu_to_json(r: VgpuRecord) -> dict[str, Any]:
-    return {"parent": r.parent, "type_id": r.type_id, "pool": r.pool,
-            "on_demand": r.on_demand, "created": r.created}
+    doc: dict[str, Any] = {"parent": r.parent, "type_id": r.type_id, "pool": r.pool,
+                           "on_demand": r.on_demand, "created": r.created}
+    if r.remembered:
+        doc["remembered"] = True
+    return doc
 
 
 def _vf_from_json(value: Any, path: str) -> VfRecord:
@@ -507,8 +531,12 @@ def _allocation_from_json(value: Any, path: str, key: str) -> Allocation:
     if not isinstance(arriving, bool):
         raise CorruptStateError(f"{_where(path, 'arriving')}: expected true or false, got "
                                 f"{_typename(arriving)}")
+    prepared = _get(d, "prepared", path, False)
+    if not isinstance(prepared, bool):
+        raise CorruptStateError(f"{_where(path, 'prepared')}: expected true or false, got "
+                                f"{_typename(prepared)}")
     return Allocation(
-        arriving=arriving,
+        arriving=arriving, prepared=prepared,
         boot_id=boot_id, uptime=None if uptime is None else float(uptime),
         vm=vm,
         domain_uuid=None if domain_uuid is None else _as_uuid(domain_uuid,
@@ -527,6 +555,8 @@ def _allocation_to_json(a: Allocation) -> dict[str, Any]:
                        for d in a.devices]}
     if a.arriving:
         doc["arriving"] = True
+    if a.prepared:
+        doc["prepared"] = True
     return doc
 
 
@@ -604,6 +634,9 @@ def _migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
 
 
 REBUILT_FROM_KEY = "rebuilt_from"
+# What a rebuild from the host alone could not recover (a list of lines, in
+# the state until the next rebuild): `gpulib status`, metrics and the log say it.
+UNRECOVERED_KEY = "unrecovered"
 """Top-level key of a rebuilt state: where what it knows came from."""
 
 WRITER_KEY = "writer"
@@ -758,6 +791,7 @@ __all__ = [
     "REBUILT_FROM_KEY",
     "REMOVALS",
     "SCHEMA_VERSION",
+    "UNRECOVERED_KEY",
     "Allocation",
     "CorruptStateError",
     "Device",

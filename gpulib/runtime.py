@@ -61,8 +61,9 @@ def discover_host(ctx: Context, config: Optional[Config] = None,
             log.error("discovery without gpulib state: %s", exc)
             state = State()
     if occupancy is None:
-        occupancy = Occupancy.build(ctx.sysfs, state,
-                                    running_domains(ctx.sysfs, save_cache=keep_domains))
+        occupancy = Occupancy.build(
+            ctx.sysfs, state, running_domains(ctx.sysfs, save_cache=keep_domains),
+            arrival_grace=config.get_float("release", "arrival_timeout") if config else None)
     disc = Discovery(ctx.sysfs, config, known_from_state(state, occupancy))
     inventory = disc.run()
     if learn and disc.new_names:

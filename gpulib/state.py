@@ -99,6 +99,7 @@ its one-line error. `gpulib doctor` flags a configured value above it."""
 
 # The reason given for a state file that is gone while its copy is not.
 MISSING = "the file is missing, its copy is not"
+MISSING_BOTH = "the file is missing and its copy is unusable"
 
 # --------------------------------------------------------------------------
 # The file and its lock.
@@ -390,16 +391,18 @@ class StateStore:
         self.corrupt_reason = None
         raw = self._read()
         if raw is None:
-            copy = self.backup_state() if os.path.lexists(self.backup_path) else None
-            if copy is None:
+            if not os.path.lexists(self.backup_path):
                 return State()
+            copy = self.backup_state()
             # Lost, not new: its copy is what gpulib knew (the next change
-            # rebuilds the file from it and the host, as a damaged one).
-            self.corrupt_reason = MISSING
-            log.error("state file %s is missing beside its copy %s: reading the copy; the "
-                      "next change will rebuild it from the copy and the host",
-                      self.state_path, self.backup_path)
-            return copy
+            # rebuilds the file from it and the host, as a damaged one; from
+            # the host alone when the copy is unusable too).
+            self.corrupt_reason = MISSING if copy is not None else MISSING_BOTH
+            log.error("state file %s is missing beside its copy %s: %s; the next change "
+                      "will rebuild it from %s", self.state_path, self.backup_path,
+                      "reading the copy" if copy is not None else "the copy is unusable",
+                      "the copy and the host" if copy is not None else "the host")
+            return copy if copy is not None else State()
         try:
             return self._parse(raw)[0]
         except CorruptStateError as e:
@@ -685,9 +688,10 @@ class StateStore:
         self._checkpointed = False
         self._last_written = None
         if raw is None:
-            if self._bak_existed and self.backup_state() is not None:
+            if self._bak_existed:
+                # Beside a copy, usable or not: lost, not new.
                 return self._recover_missing()
-            # No file and no usable copy: gpulib starts empty (a new host).
+            # No file and no copy: gpulib starts empty (a new host).
             state = State()
             return state, dumps(state)
         try:
@@ -711,17 +715,18 @@ class StateStore:
         return state, dumps(state) if own is None else own
 
     def _recover_missing(self) -> tuple[State, str]:
-        """A missing state file beside a usable copy: rebuilt exactly as a
-        damaged one is (the copy and the host, `rebuild`), written at once and
+        """A missing state file beside its copy: rebuilt exactly as a damaged one
+        is (the copy when it is usable, and the host: `rebuild`), written at once and
         logged; `last_repair` says so (`gpulib status`). Read as empty, it
         would give a pending start's device again, lose on-demand flags, and
         the next write would overwrite the copy."""
-        state = self._rebuilt(MISSING)
+        reason = MISSING if self.backup_state() is not None else MISSING_BOTH
+        state = self._rebuilt(reason)
         text = dumps(state)
         self._write(text)
         # A failed start's revert_checkpoints puts back this, not nothing.
         self._raw_before = text.encode("ascii")
-        self.last_repair = Repair(MISSING, "", State.from_json(json.loads(text)))
+        self.last_repair = Repair(reason, "", State.from_json(json.loads(text)))
         log.error("state file %s was missing: rebuilt %s", self.state_path,
                   self.last_repair.summary())
         return state, text

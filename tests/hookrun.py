@@ -70,3 +70,12 @@ def libvirt_runs(host: FakeHost, dom: etree._Element) -> None:
         d, b, sl, f = (int(str(a.get(k)), 16) for k in ("domain", "bus", "slot", "function"))
         pci.append(f"{d:04x}:{b:02x}:{sl:02x}.{f:x}")
     host.add_running_domain(name, uuid, pci=tuple(pci), mdevs=tuple(hostdev_uuids(dom)))
+
+
+def libvirt_start_fails(root: str, name: str, xml: bytes) -> None:
+    """libvirt starts the domain the transformer left (`xml`) and the start fails
+    after `prepare begin`: its `release end`, which ends the run libvirt
+    prepared (a `release end` alone is a late one of an earlier run)."""
+    res = run([QEMU_HOOK, name, "prepare", "begin", "-"], root, stdin=xml)
+    assert res.returncode == 0, res.stderr
+    assert run([QEMU_HOOK, name, "release", "end", "-"], root).returncode == 0

@@ -31,13 +31,14 @@ from gpulib.domain import PassthroughRequest, VgpuRequest
 from gpulib.entry import context_for_root
 from gpulib.errors import NotAvailableError
 from gpulib.lifecycle import open_store, reconcile, restore
-from gpulib.liveness import Liveness
+from gpulib.liveness import Liveness, boot_clock_of
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, virtfn_links
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import models
 from gpulib.state import Allocation, Device, State, VgpuRecord
+from gpulib.usage import DomainDevices
 
 PROFILES = ["GRID T4-1B", "GRID T4-4Q", "NVIDIA A10-6Q", "NVIDIA A10-24Q"]
 VMS = [f"vm-{i}" for i in range(6)]
@@ -200,10 +201,13 @@ def test_choices_write_nothing_and_skip_what_another_vm_holds(
     nodes = [str(T4), str(A10), ITS_VGPU, *vfs]
     held = data.draw(st.lists(st.sampled_from(nodes), unique=True, max_size=3))
     kinds = {ITS_VGPU: "mdev", **{vf: "vf" for vf in vfs}}
+    status = data.draw(st.sampled_from(["pending", "active"]))
+    # A run that is not over: a start of now, or a VM that runs.
+    boot, now = boot_clock_of(ctx.sysfs)
     state.allocations[OTHER] = Allocation(
-        OTHER, None, data.draw(st.sampled_from(["pending", "active"])), "x",
-        [Device(kinds.get(n, "pci"), n) for n in held])
-    occ = Occupancy.build(ctx.sysfs, state, [])
+        OTHER, None, status, "x", [Device(kinds.get(n, "pci"), n) for n in held],
+        boot_id=boot, uptime=now)
+    occ = Occupancy.build(ctx.sysfs, state, [DomainDevices(OTHER)] if status == "active" else [])
     inv = discover_host(ctx, Config(), state=state, learn=False, occupancy=occ)
     allocator = Allocator(ctx.sysfs, state, inv,
                           policy=data.draw(st.sampled_from(["spread", "pack"])), occupancy=occ)

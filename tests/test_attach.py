@@ -352,10 +352,11 @@ def test_vgpus_of_other_vms_on_a_gpu_leave_room_for_more(host: FakeHost, ctx: Co
 def test_device_in_a_gpulib_allocation_is_refused(host: FakeHost, ctx: Context,
                                                   config: Config) -> None:
     from gpulib.lifecycle import open_store
-    from gpulib.state import Allocation, Device
+    from gpulib.state import Allocation, Device, utc_now
 
+    # A start of now (one past its grace is over: its devices are free).
     with open_store(ctx, config).transaction() as state:
-        state.allocations["db2"] = Allocation("db2", None, "pending", "2026-01-01T00:00:00Z",
+        state.allocations["db2"] = Allocation("db2", None, "pending", utc_now(),
                                               [Device("pci", GEFORCE)])
     with pytest.raises(DeviceError, match=f"PCI device {GEFORCE} is in use by starting VM "
                        r"db2 \(pending allocation\)"):
@@ -366,10 +367,10 @@ def test_profile_on_a_typed_vendor_vf_another_vm_holds_suggests_typing_a_free_on
         ctx: Context, config: Config) -> None:
     """The A10-6Q VF gpulib records is taken: the next free VF is the one to type."""
     from gpulib.lifecycle import open_store
-    from gpulib.state import Allocation, Device
+    from gpulib.state import Allocation, Device, utc_now
 
     with open_store(ctx, config).transaction() as state:
-        state.allocations["db2"] = Allocation("db2", None, "pending", "2026-01-01T00:00:00Z",
+        state.allocations["db2"] = Allocation("db2", None, "pending", utc_now(),
                                               [Device("vf", "0000:41:00.4")])
     with pytest.raises(InputError) as exc:
         attach(ctx, config, FakeLibvirt(domain()), VM, Wanted(profile="NVIDIA A10-6Q"))

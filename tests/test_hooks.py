@@ -15,10 +15,19 @@ from lxml import etree
 
 from gpulib.domain import derive_uuid
 from gpulib.entry import context_for_root
+from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, build_demo
 from gpulib.xmlns import GPULIB_NS
 from tests.conftest import DATA, GOLDEN
-from tests.hookrun import QEMU_HOOK, STATE_CHANGE, TRANSFORMER, as_agent, hook_env, run
+from tests.hookrun import (
+    QEMU_HOOK,
+    STATE_CHANGE,
+    TRANSFORMER,
+    as_agent,
+    hook_env,
+    libvirt_runs,
+    run,
+)
 from tests.hosts import tree_contents
 
 FIXTURES = sorted((DATA / "cloudstack-xml").glob("*.xml"))
@@ -225,7 +234,10 @@ def test_corrupt_state_is_rebuilt_and_the_vm_still_starts(demo: str) -> None:
 
 def test_on_start_and_on_stop(demo: str) -> None:
     xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
-    assert as_agent(demo, xml).returncode == 0
+    started = as_agent(demo, xml)
+    assert started.returncode == 0
+    host = FakeHost(demo)
+    libvirt_runs(host, etree.fromstring(started.stdout))
     res = run([STATE_CHANGE, "onStart", "i-2-52-VM"], demo)
     assert res.returncode == 0 and res.stdout == b"" and res.stderr == b""
     state = json.loads(Path(demo, STATE).read_text())
@@ -234,6 +246,7 @@ def test_on_start_and_on_stop(demo: str) -> None:
     assert [d["id"] for d in state["allocations"]["i-2-52-VM"]["devices"]] == [
         DEMO_POOL_MDEVS[0]]
     assert "vm" not in state["vgpus"][DEMO_POOL_MDEVS[0]]
+    host.stop_domain("i-2-52-VM")
     res = run([STATE_CHANGE, "stop", "i-2-52-VM"], demo)
     assert res.returncode == 0
     state = json.loads(Path(demo, STATE).read_text())
@@ -282,7 +295,14 @@ def test_metadata_request_on_plain_libvirt_host(demo: str) -> None:
     assert run([STATE_CHANGE, "onStop", "meta-vm"], demo).returncode == 0
     for u in uuids:
         assert os.path.islink(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
-    # libvirt's release end (the start failed): on-demand vGPUs are destroyed
+    # nor does a late release end of an earlier run: libvirt has not prepared it
+    assert run([QEMU_HOOK, "meta-vm", "release", "end", "-"], demo).returncode == 0
+    for u in uuids:
+        assert os.path.islink(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
+    # libvirt prepares the start, which fails: its release end destroys the
+    # on-demand vGPUs
+    prep = run([QEMU_HOOK, "meta-vm", "prepare", "begin", "-"], demo, stdin=res.stdout)
+    assert prep.returncode == 0, prep.stderr
     assert run([QEMU_HOOK, "meta-vm", "release", "end", "-"], demo).returncode == 0
     for u in uuids:
         assert not os.path.lexists(os.path.join(demo, f"sys/bus/mdev/devices/{u}"))
@@ -373,10 +393,13 @@ def test_qemu_hook_started_activates_and_derived_vgpu_is_created_at_prepare(demo
     alloc = json.loads(Path(demo, STATE).read_text())["allocations"]["meta-vm"]
     assert alloc["status"] == "pending"
     assert alloc["devices"] == [{"id": wanted, "kind": "mdev", "on_demand": True}]
+    host = FakeHost(demo)
+    libvirt_runs(host, etree.fromstring(xml.encode()))
     assert run([QEMU_HOOK, "meta-vm", "started", "begin", "-"], demo,
                stdin=xml.encode()).returncode == 0
     alloc = json.loads(Path(demo, STATE).read_text())["allocations"]["meta-vm"]
     assert alloc["status"] == "active"
+    host.stop_domain("meta-vm")
     assert run([QEMU_HOOK, "meta-vm", "release", "end", "-"], demo,
                stdin=xml.encode()).returncode == 0
     assert not os.path.lexists(os.path.join(demo, f"sys/bus/mdev/devices/{wanted}"))

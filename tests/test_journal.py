@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from gpulib import mdev
 from gpulib.errors import DeviceError
 from gpulib.journal import Journal, release_devices, settle
-from gpulib.liveness import Liveness
+from gpulib.liveness import Liveness, boot_clock_of
 from gpulib.sim.fakehost import FakeHost
 from gpulib.state import Allocation, Device, Intent, State, VgpuRecord
 from gpulib.usage import status_uuid
@@ -146,11 +146,12 @@ def test_an_allocation_of_an_earlier_boot_holds_nothing_unless_its_vm_runs(
     host = t4_host(str(tmp_path))
     host.write_file("proc/sys/kernel/random/boot_id", "boot-2\n")
     ctx = simulated(host)
+    now = boot_clock_of(ctx.sysfs)[1]  # a start of now: within its grace
     state = State(allocations={
         "old": Allocation("old", DOM, "active", devices=[Device("pci", T4)], boot_id="boot-1",
                           uptime=10.0),
         "new": Allocation("new", devices=[Device("pci", "0000:3a:00.0")], boot_id="boot-2",
-                          uptime=10.0)})
+                          uptime=now)})
     occ = Occupancy.build(ctx.sysfs, state, [])
     assert occ.user("pci", T4) is None and occ.user("pci", "0000:3a:00.0") == "new"
     host.add_running_domain("old", DOM)

@@ -265,7 +265,9 @@ def test_a_gpu_held_whole_and_a_gpu_whose_vgpu_is_held(tmp_path: Path) -> None:
 
 def two_allocations(pool_members: tuple[str, ...]) -> State:
     """U1 held by a pending allocation made long ago (the wall clock decides:
-    no boot clock), U2 by an active one; `pool_members` in pool t4."""
+    no boot clock), U2 by an active one; `pool_members` in pool t4. Both VMs
+    run (`both_run`): a start past its grace whose VM does not run is over,
+    and holds nothing (liveness.run_over); this one's onStart never came."""
     state = State()
     for uuid in pool_members:
         state.vgpus[uuid] = VgpuRecord(T4, "nvidia-232", pool="t4")
@@ -275,6 +277,14 @@ def two_allocations(pool_members: tuple[str, ...]) -> State:
     state.allocations["i-1-2-VM"] = Allocation("i-1-2-VM", status="active",
                                                devices=[Device("mdev", U2)])
     return state
+
+
+def both_run(host: FakeHost) -> None:
+    """The VMs of `two_allocations` run: their status files."""
+    host.add_running_domain("i-1-1-VM", "1a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b", mdevs=(U1,),
+                            pid=4141)
+    host.add_running_domain("i-1-2-VM", "2a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b", mdevs=(U2,),
+                            pid=4244)
 
 
 def test_stray_vgpus_are_counted_on_the_whole_bus_discovery_listed(tmp_path: Path) -> None:
@@ -301,6 +311,7 @@ def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
     # A pending allocation made long ago and an active one; the registry
     # knows U1 as a pool member.
     state = two_allocations(pool_members=(U1,))
+    both_run(host)
     os.makedirs(os.path.join(root, "var/lib/gpulib"), exist_ok=True)
     Path(root, "var/lib/gpulib/state.json").write_text(dumps(state))
     os.makedirs(os.path.join(root, "etc/gpulib"), exist_ok=True)
@@ -950,6 +961,7 @@ def _t4_pool(tmp: Path, all_held: bool) -> FakeHost:
                        os.path.join(host.root, "var/lib/gpulib/state.lock"))
     with store.transaction() as st_:
         st_.assign(two_allocations(pool_members=(U1, U2)))
+    both_run(host)
     if all_held:
         host.add_running_domain("i-3-3-VM", "3a3c2a10-5b4d-4e6f-8a7b-1c2d3e4f5a6b",
                                 mdevs=(U3,))

@@ -29,7 +29,7 @@ from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import models
 from gpulib.xmlns import GPULIB_NS
-from tests.hookrun import QEMU_HOOK, as_agent, hook_env, run
+from tests.hookrun import QEMU_HOOK, STATE_CHANGE, as_agent, hook_env, run
 from tests.hosts import tree_contents
 
 STATE = "var/lib/gpulib/state.json"
@@ -97,8 +97,8 @@ def request_xml(name: str, uuid: str, vgpu: str, count: int = 1) -> str:
 
 
 def started_on(host: FakeHost, xml: str) -> str:
-    """The transformer's XML, running (libvirt's status file): what the source's
-    libvirt sends when the VM migrates."""
+    """The transformer's XML, running (libvirt's status file, then the agent's
+    onStart): what the source's libvirt sends when the VM migrates."""
     res = as_agent(host.root, xml)
     assert res.returncode == 0, res.stdout
     live = res.stdout.decode()
@@ -107,6 +107,7 @@ def started_on(host: FakeHost, xml: str) -> str:
     mdevs = tuple(h.uuid_checked() for h in dom.mdev_hostdevs())
     assert dom.name and dom.uuid
     host.add_running_domain(dom.name, dom.uuid, pci=pci, mdevs=mdevs, managed=False)
+    assert run([STATE_CHANGE, "onStart", dom.name], host.root).returncode == 0
     return live
 
 

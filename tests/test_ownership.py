@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from lxml import etree
@@ -18,14 +18,14 @@ from lxml import etree
 from gpulib import cloudstack
 from gpulib.context import Context
 from gpulib.entry import context_for_root
-from gpulib.lifecycle import PENDING_GRACE_SECONDS, open_store, pending_is_dead, reconcile
-from gpulib.liveness import Liveness
+from gpulib.lifecycle import open_store, reconcile
+from gpulib.liveness import PENDING_GRACE_SECONDS, Liveness, run_over
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import Allocation
 from gpulib.usage import running_domains
 from tests.conftest import DATA
-from tests.hookrun import QEMU_HOOK, as_agent, hook_env, mdev_xml, run
+from tests.hookrun import QEMU_HOOK, as_agent, hook_env, libvirt_start_fails, mdev_xml, run
 from tests.hosts import tree_contents
 
 STATE = "var/lib/gpulib/state.json"
@@ -333,6 +333,11 @@ def test_mangled_421_address_repaired_or_refused(tmp_path: Path) -> None:
 # -- pending allocations: proven dead, robust to clock jumps --------------------------------
 
 def test_pending_death_proof(tmp_path: Path) -> None:
+    def pending_is_dead(alloc: Allocation, liveness: Liveness,
+                        clock: tuple[Optional[str], float]) -> bool:
+        # reconcile's judgment: a status file under the name is read for its UUID.
+        return run_over(alloc, liveness, clock, by_uuid=True) is not None
+
     nobody = Liveness(Context.for_root(FakeHost(str(tmp_path / "idle")).root).sysfs)
     host = FakeHost(str(tmp_path / "host"))
     host.add_running_domain("vm", U1)
@@ -414,7 +419,7 @@ def test_kill_at_every_write_then_retry_succeeds_and_nothing_leaks(tmp_path: Pat
         assert st["intents"] == [], "every interrupted intent settled"
         assert {d["id"] for d in st["allocations"][name]["devices"]} == set(uuids)
         # Stop: nothing leaks (on-demand vGPUs destroyed, pool ones kept known).
-        assert run([QEMU_HOOK, name, "release", "end", "-"], root).returncode == 0
+        libvirt_start_fails(root, name, retry.stdout)
         st = state_of(root)
         assert st["allocations"] == {}
         left = set(os.listdir(os.path.join(root, "sys/bus/mdev/devices")))
@@ -439,8 +444,9 @@ def test_kill_at_every_write_of_a_start_that_only_records(tmp_path: Path) -> Non
     while True:
         root = build_demo(str(tmp_path / f"k{n}")).root
         # Started and stopped once: its pool vGPU is live and free.
-        assert as_agent(root, xml).returncode == 0
-        assert run([QEMU_HOOK, name, "release", "end", "-"], root).returncode == 0
+        first = as_agent(root, xml)
+        assert first.returncode == 0
+        libvirt_start_fails(root, name, first.stdout)
         before = state_of(root)
         res = _crash_run(root, n, xml)
         if res.returncode == 0:
@@ -497,7 +503,7 @@ def test_retry_adopts_its_own_orphan_in_place(tmp_path: Path, xml: str) -> None:
     st = state_of(root)
     assert st.get("intents", []) == []
     assert {d["id"] for d in st["allocations"][name]["devices"]} == set(uuids)
-    assert run([QEMU_HOOK, name, "release", "end", "-"], root).returncode == 0
+    libvirt_start_fails(root, name, retry.stdout)
     st = state_of(root)
     assert st["allocations"] == {}
     left = set(os.listdir(os.path.join(root, devices)))

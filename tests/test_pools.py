@@ -65,6 +65,9 @@ def test_pool_shrinks_only_free_members(tmp_path: Path, monkeypatch: pytest.Monk
         "since": "2026-01-01T00:00:00Z",
         "devices": [{"kind": "mdev", "id": held, "on_demand": False}]}}
     Path(host.root, "var/lib/gpulib/state.json").write_text(json.dumps(st))
+    # It runs (an active allocation without a status file is a stop that did
+    # not complete: its run is over, it holds nothing).
+    host.add_running_domain("vm-holding", "0f7d9b3e-5a1c-4e28-b6f4-9d2a8c1e7b53", mdevs=(held,))
     host.write_file("etc/gpulib/gpulib.conf",
                     "[pool desktops]\nparents = all\nprofile = GRID T4-1B\nper_parent = 0\n")
     assert cli(monkeypatch, host.root, "pool", "apply") == 0

@@ -139,7 +139,10 @@ def test_a_late_onstop_never_frees_a_newer_start(host: FakeHost) -> None:
     # Its devices stay pa's: another VM naming one is refused as a starting VM's.
     res = as_agent(root, xml("pb", U_PB, _mdev(made[0])))
     assert res.returncode == 1 and b"starting VM pa" in res.stdout, res.stdout
-    # libvirt's release end (the start failed) ends the run it belongs to.
+    # libvirt prepares the new run, which fails: its release end ends it.
+    res = run([QEMU_HOOK, "pa", "prepare", "begin", "-"], root, stdin=etree.tostring(again))
+    assert res.returncode == 0, res.stderr
+    assert state_of(root)["allocations"]["pa"]["prepared"] is True
     assert run([QEMU_HOOK, "pa", "release", "end", "-"], root).returncode == 0
     st = state_of(root)
     assert "pa" not in st["allocations"] and not set(made) & live_mdevs(root)

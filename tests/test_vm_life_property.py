@@ -9,11 +9,18 @@ kill -9 at a chosen write of a stop, a full state directory, a damaged
 state file, reconcile, release, unmanage and pool apply; and the ways a stop
 may miss its run (ARCHITECTURE.md, Liveness): a late onStop after a new
 start, a lost stop, a missing state file, reconnect under another domain
-UUID, a migration libvirt abandons after `migrate begin`.
+UUID, a migration libvirt abandons after `migrate begin`; and the orders in
+which a hook of the run before meets a newer start: a late onStart, a late
+`release end`, reconnect of a GPU-less domain under another UUID. libvirt
+runs `prepare begin` before it launches or fails a start (the qemu hook is
+installed), as it does.
 
 After every step: no device tree held by two VMs (nor in two runs), no
 device of a running VM removed or retyped, no pending start's device freed,
-the state file parses; once a hook has run, nothing is held by a run that
+the state file parses, and the report agrees with the hooks: the CloudStack
+report calls a whole GPU or a vGPU used by exactly the VM whose run holds it
+(a running domain, or an allocation whose run is not over, judged here from
+first principles); once a hook has run, nothing is held by a run that
 is over (an active allocation without a status file, an abandoned arrival).
 After the boot unit or reconcile: every allocation belongs to a running VM
 or a pending start within its grace, no on-demand vGPU without an owner,
@@ -149,13 +156,25 @@ class Lives(RuleBasedStateMachine):
         elif out is not None:
             self.prepared[name] = out
 
+    def _libvirt_prepares(self, xml: str) -> bool:
+        """libvirt's `prepare begin` of the XML it is about to start."""
+        try:
+            Preparer(self.ctx, self.config, parse_domain(xml),
+                     StartMode("qemu", edits_xml=False, requests=True)).run()
+        except GpulibError:
+            return False
+        finally:
+            self.hook_ran = True
+        return True
+
     @rule(name=st.sampled_from(sorted(VMS)))
     def libvirt_starts(self, name: str) -> None:
         xml = self.prepared.pop(name, None)
         if xml is None or name in self.running:
             return
         live = set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
-        if any(h.uuid_checked() not in live for h in parse_domain(xml).mdev_hostdevs()):
+        if not self._libvirt_prepares(xml) or \
+                any(h.uuid_checked() not in live for h in parse_domain(xml).mdev_hostdevs()):
             # libvirt fails to start a domain whose mdev is gone (released meanwhile,
             # by an administrator or a reboot): `release end` follows.
             deactivate(self.ctx, self.config, name)
@@ -166,8 +185,12 @@ class Lives(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(sorted(VMS)))
     def libvirt_fails_to_start(self, name: str) -> None:
-        if name in self.running or self.prepared.pop(name, None) is None:
+        if name in self.running:
             return
+        xml = self.prepared.pop(name, None)
+        if xml is None:
+            return
+        self._libvirt_prepares(xml)
         deactivate(self.ctx, self.config, name)  # release end after a failed start
         self.hook_ran = True
 
@@ -215,6 +238,62 @@ class Lives(RuleBasedStateMachine):
         deactivate(self.ctx, self.config, name, ends_run=False)  # the late onStop
         assert self._snapshot()["allocations"].get(name) == before
         assert live <= set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
+
+    def _stopped_then_started_again(self, name: str, plan: str) -> Optional[dict[str, Any]]:
+        """The VM stops; the agent starts it again (the transformer) before a hook
+        of the old run comes: the newer start's allocation, or None."""
+        if self.running.pop(name, None) is None:
+            return None
+        self.host.stop_domain(name)
+        self.hook_ran = False
+        out = self._prepare(name, VMS[name], plan, edit=True)
+        if out is None:
+            return None
+        self.prepared[name] = out
+        alloc: Optional[dict[str, Any]] = self._snapshot()["allocations"].get(name)
+        return alloc
+
+    @rule(name=st.sampled_from(sorted(VMS)), plan=st.sampled_from(sorted(PLANS)))
+    def late_on_start_after_a_new_start(self, name: str, plan: str) -> None:
+        """The old run's onStart comes after the VM stopped and started again:
+        libvirt has not launched the newer start, which stays pending."""
+        before = self._stopped_then_started_again(name, plan)
+        if before is None:
+            return
+        activate(self.ctx, self.config, name)  # the late onStart
+        self.hook_ran = True
+        assert self._snapshot()["allocations"].get(name) == before, \
+            "a late onStart changed a newer start"
+
+    @rule(name=st.sampled_from(sorted(VMS)), plan=st.sampled_from(sorted(PLANS)))
+    def late_release_end_after_a_new_start(self, name: str, plan: str) -> None:
+        """The old run's release end comes after the transformer recorded the
+        newer start: neither its allocation nor its vGPUs go."""
+        before = self._stopped_then_started_again(name, plan)
+        if before is None:
+            return
+        live = set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
+        deactivate(self.ctx, self.config, name)  # the late release end
+        self.hook_ran = True
+        assert self._snapshot()["allocations"].get(name) == before, \
+            "a late release end ended a newer start"
+        assert live <= set(os.listdir(os.path.join(self.root, "sys/bus/mdev/devices")))
+
+    @rule(name=st.sampled_from(sorted(VMS)))
+    def reconnect_gpu_less_as_another_domain(self, name: str) -> None:
+        """libvirtd restarts and finds `name` running as another domain with no
+        GPU: the old domain's allocation is released."""
+        from gpulib.hooks.vmstate import replace_other_domain
+
+        if name not in self.running:
+            return
+        self.host.stop_domain(name)
+        self.host.add_running_domain(name, OTHER_UUID)
+        self.running[name] = domain_xml(name, OTHER_UUID, "rtx").replace(PLANS["rtx"][1], "")
+        replace_other_domain(self.ctx, self.config, name, OTHER_UUID)
+        self.hook_ran = True
+        alloc = self._snapshot()["allocations"].get(name)
+        assert alloc is None or alloc["domain_uuid"] == OTHER_UUID, alloc
 
     @rule(name=st.sampled_from(sorted(VMS)))
     def stop_lost(self, name: str) -> None:
@@ -385,6 +464,55 @@ class Lives(RuleBasedStateMachine):
                     assert g1 is None or g1 != g2, (vm1, n1, vm2, n2)
 
     @invariant()
+    def the_report_agrees_with_the_hooks(self) -> None:
+        """Whole GPUs and vGPUs: the CloudStack report's user is the VM whose run
+        holds the device, judged here from first principles: a running domain
+        names it, or an allocation names it whose run is not over (its VM runs;
+        or pending, of this boot, not an arrival past its timeout of 0, within
+        its grace). Nothing else is reported used."""
+        from gpulib import cloudstack
+        from gpulib.liveness import PENDING_GRACE_SECONDS, boot_clock_of
+        from gpulib.runtime import discover_host
+
+        doc = self._snapshot()
+        path = Path(self.root, STATE)
+        if path.exists() and doc == {} and path.stat().st_size:
+            return  # a damaged file: the next run rebuilds it
+        running = running_domains(self.ctx.sysfs)
+        names = {d.name for d in running}
+        holder: dict[str, str] = {}
+        for d in running:
+            for u in d.mdevs:
+                holder[u] = d.name
+            for a in d.pci:
+                holder[str(a)] = d.name
+        boot_id, uptime = boot_clock_of(self.ctx.sysfs)
+        for vm, alloc in doc.get("allocations", {}).items():
+            if vm in names:
+                live = alloc["status"] == "active" or alloc.get("domain_uuid") in (
+                    None, next(d.uuid for d in running if d.name == vm))
+            else:
+                live = alloc["status"] == "pending" and alloc.get("boot_id") == boot_id \
+                    and not alloc.get("arriving") and \
+                    0 <= uptime - alloc["uptime"] < PENDING_GRACE_SECONDS
+            if live:
+                for dev in alloc["devices"]:
+                    holder.setdefault(dev["id"], vm)
+        def user(entry: dict[str, Any]) -> Any:
+            got = entry["used_by_vm"]
+            return None if got == cloudstack.UNAVAILABLE else got  # no VM: not offered
+
+        inventory = discover_host(self.ctx, self.config, learn=False)
+        for gpu in cloudstack.render(inventory)["gpus"]:
+            address = gpu["pci_address"]
+            address = address if address.count(":") == 2 else "0000:" + address
+            if address in (RTX, T4_WHOLE, A100):
+                assert user(gpu["full_passthrough"]) == holder.get(address), \
+                    (address, gpu["full_passthrough"], holder)
+            for v in gpu["vgpu_instances"]:
+                assert user(v) == holder.get(v["mdev_uuid"]), (v, holder)
+
+    @invariant()
     def nothing_held_by_a_run_that_is_over(self) -> None:
         """Once a hook ran: no active allocation without its VM's status file,
         no arrival left waiting for a prepare begin that never comes."""
@@ -474,5 +602,43 @@ def test_a_lost_stop_is_finished_by_the_next_hook(tmp_path: Path) -> None:
         machine.on_start("vm-a")
         machine.host_reboots()
         assert machine._snapshot()["allocations"] == {}
+    finally:
+        machine.teardown()
+
+
+def test_the_machine_sees_the_hooks_of_the_run_before(tmp_path: Path) -> None:
+    """The orders of a hook of the run before and a newer start, each followed by
+    the invariants the machine checks after every step."""
+    machine = Lives()
+
+    def check() -> None:
+        machine.no_tree_held_by_two_vms()
+        machine.the_report_agrees_with_the_hooks()
+        machine.nothing_held_by_a_run_that_is_over()
+
+    try:
+        for name, plan in (("vm-a", "vgpus"), ("vm-b", "rtx")):
+            machine.start(name, plan, "transformer")
+            machine.libvirt_starts(name)
+            machine.on_start(name)
+            check()
+        machine.late_on_start_after_a_new_start("vm-a", "vgpus")
+        check()
+        assert machine._snapshot()["allocations"]["vm-a"]["status"] == "pending"
+        machine.start("vm-c", "vgpus", "transformer")  # the next hook keeps it
+        check()
+        assert machine._snapshot()["allocations"]["vm-a"]["status"] == "pending"
+        machine.libvirt_starts("vm-a")
+        machine.on_start("vm-a")
+        check()
+        assert machine._snapshot()["allocations"]["vm-a"]["status"] == "active"
+        machine.late_release_end_after_a_new_start("vm-a", "vgpus")
+        check()
+        machine.reconnect_gpu_less_as_another_domain("vm-b")
+        check()
+        assert "vm-b" not in machine._snapshot()["allocations"]
+        machine.start("vm-c", "rtx", "transformer")  # the RTX is free again
+        assert machine._snapshot()["allocations"]["vm-c"]["devices"][0]["id"] == RTX
+        check()
     finally:
         machine.teardown()

@@ -12,6 +12,7 @@ from gpulib.errors import GpulibError
 from gpulib.lifecycle import boot_clock, open_store
 from gpulib.liveness import from_other_boot
 from gpulib.pci import PciAddress
+from gpulib.records import UNRECOVERED_KEY
 from gpulib.runtime import discover_host
 from gpulib.state import Allocation, State, StateStore
 
@@ -73,7 +74,8 @@ def _holds_in_tree(env: Env, state: State, addr: str) -> list[Any]:
     from gpulib.liveness import running_domains
     from gpulib.occupancy import Occupancy
 
-    occ = Occupancy.build(env.ctx.sysfs, state, running_domains(env.ctx.sysfs))
+    occ = Occupancy.build(env.ctx.sysfs, state, running_domains(env.ctx.sysfs),
+                          arrival_grace=env.config.get_float("release", "arrival_timeout"))
     return occ.conflicts(addr)
 
 
@@ -130,6 +132,10 @@ def status(env: Env, as_json: bool) -> None:
     if repair is not None:
         doc["state_repair"] = repair
         click.echo(f"gpulib: warning: {repair['message']}", err=True)
+    lost = state.extra.get(UNRECOVERED_KEY)
+    if isinstance(lost, list) and lost:
+        # The state was rebuilt from the host alone: what it could not know.
+        doc["state_unrecovered"] = [str(line) for line in lost]
     if as_json:
         emit_json(doc)
         return
@@ -145,6 +151,10 @@ def status(env: Env, as_json: bool) -> None:
         click.echo(f"  {vm} ({a['status']} since {a['since']}, {a['boot']}): {devs}")
     if doc["unmanaged"]:
         click.echo("Unmanaged: " + ", ".join(doc["unmanaged"]))
+    if doc.get("state_unrecovered"):
+        click.echo("State rebuilt from the host; not recovered:")
+        for line in doc["state_unrecovered"]:
+            click.echo(f"  {line}")
 
 
 def _boot_of(alloc: Allocation, clock: tuple[Optional[str], float]) -> str:

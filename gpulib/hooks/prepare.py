@@ -59,10 +59,10 @@ from gpulib.domain import (
     VgpuRequest,
     derive_uuid,
 )
-from gpulib.errors import DeviceError
+from gpulib.errors import DeviceError, GpulibError
 from gpulib.hostfacts import HostReader
 from gpulib.journal import Journal, settle
-from gpulib.lifecycle import boot_clock, open_store, release_stale
+from gpulib.lifecycle import boot_clock, open_store, release_stale, remember_vgpu
 from gpulib.liveness import Liveness, running_domains
 from gpulib.occupancy import Occupancy
 from gpulib.pci import (
@@ -219,6 +219,13 @@ class Preparer:
                    only=[i for i in state.intents if i.vm == self.vm and i.id not in wanted])
             release_stale(self.ctx, state, liveness, self.config, keep=self.vm,
                           store=self.store, reuse=wanted)
+            for dom in running:
+                for u in dom.mdevs:
+                    # A running VM's vGPU gpulib did not make (a host gpulib did
+                    # not set up): remembered, so its next start after a reboot
+                    # can make it again.
+                    if u not in state.vgpus:
+                        remember_vgpu(self.ctx, state, u)
             alloc = state.allocations.get(self.vm)
             if alloc is not None and alloc.domain_uuid not in (None, self.domain_uuid):
                 # Same name, another domain (the old one is not running): it is
@@ -227,7 +234,8 @@ class Preparer:
                 release(self.sysfs, state, self.vm, liveness, retry_seconds=0.5,
                         checkpoint=self.store.checkpoint)
                 alloc = None
-            occ = Occupancy.build(self.sysfs, state, running)
+            occ = Occupancy.build(self.sysfs, state, running, arrival_grace=self.config.get_float(
+                "release", "arrival_timeout"))
             vm = self.vm
             journal = Journal(self.sysfs, state, vm, liveness, checkpoint=self.store.checkpoint,
                               held_by_other=lambda device: occ.is_held(device, vm))
@@ -236,6 +244,8 @@ class Preparer:
                                               running)
                 if fills and request is not None:
                     devices += self._requested_devices(state, occ, journal, request, devices)
+                elif request is not None:
+                    self._refuse_unmet(state, occ, request, devices)
                 if alloc is not None:
                     # A retried start (the VM is not running): its allocation is what
                     # this start plans, no more. What only the earlier attempt had
@@ -249,10 +259,17 @@ class Preparer:
                         destroy = self.config.get_bool("release", "destroy_on_demand")
                         journal.release([d for d in dropped if d.on_demand and destroy],
                                         retry_seconds=0.5)
+                for d in devices:
+                    if d.kind == "mdev" and d.id not in state.vgpus:
+                        # A live vGPU gpulib did not make (a running VM's, an
+                        # administrator's): remembered for the next reboot.
+                        remember_vgpu(self.ctx, state, d.id)
                 if devices:
                     # Pending from now: the clock of a retried start starts again.
+                    # libvirt's own start prepares this run: its `release end`
+                    # ends it (hooks.vmstate.deactivate).
                     record(state, self.vm, self.domain_uuid, devices, status="pending",
-                           clock=boot_clock(self.ctx))
+                           clock=boot_clock(self.ctx)).prepared = not self.mode.edits_xml
                 self.xml.record_types(self.sysfs, state, devices)
                 journal.commit()
             except BaseException:
@@ -263,7 +280,29 @@ class Preparer:
                 raise
             return devices
 
-        return self.store.update(prepare)
+        try:
+            return self.store.update(prepare)
+        except GpulibError:
+            if not self.mode.edits_xml:
+                self._prepared_anyway()
+            raise
+
+    def _prepared_anyway(self) -> None:
+        """libvirt's `prepare begin` failed: libvirt calls `release end` next, for
+        this run. A pending allocation the transformer recorded for it is then
+        a run libvirt prepared, which that `release end` ends (not a newer
+        start it must keep)."""
+        def mark(state: State) -> None:
+            alloc = state.allocations.get(self.vm)
+            if alloc is not None and alloc.status == "pending" and \
+                    alloc.domain_uuid in (None, self.domain_uuid):
+                alloc.prepared = True
+
+        try:
+            self.store.update(mark)
+        except GpulibError as exc:
+            log.warning("%s: cannot mark its start as prepared by libvirt: %s", self.vm,
+                        exc.message)
 
     # -- checks ---------------------------------------------------------------------------
     def _is_gpu_fn(self, address: PciAddress) -> bool:
@@ -449,6 +488,22 @@ class Preparer:
         return apply_adoptions(state, occ, journal, self.vm,
                                plan_adoptions(derived, have, orphans))
 
+    def _refuse_unmet(self, state: State, occ: Occupancy, request: GpuRequest,
+                      held: list[Device]) -> None:
+        """A start that cannot add devices (libvirt's `prepare begin`, whose
+        stdout is ignored) of a domain whose gpulib metadata asks for more than
+        its hostdevs give: refused, rather than started without them."""
+        missing = self._unmet(state, occ, request, held)
+        if not missing.items:
+            return
+        asked = ", ".join(
+            f"{item.count} x {item.label if isinstance(item, VgpuRequest) else item.model}"
+            for item in missing.items)
+        raise DeviceError(
+            f"{self.vm}: its gpulib metadata asks for {asked} with no hostdev for them in "
+            f"its definition (libvirt cannot add devices at start): give them with "
+            f"`gpulib attach {self.vm}`")
+
     def _unmet(self, state: State, occ: Occupancy, request: GpuRequest,
                held: list[Device]) -> GpuRequest:
         """What of `request` the devices this VM holds do not serve yet (the
@@ -489,6 +544,7 @@ def record_running(ctx: Context, config: Config, dom: Domain) -> None:
         devices = []
         for h in dom.mdev_hostdevs():
             uuid = h.uuid_checked()
+            remember_vgpu(ctx, state, uuid)  # made outside gpulib: remembered, not owned
             rec = state.vgpus.get(uuid)
             devices.append(Device("mdev", uuid, on_demand=bool(rec and rec.on_demand)))
         for pci in dom.pci_hostdevs():

@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         # libvirt kills the running VM when reconnect fails: 0 whatever happens
         # (stderr or stdin closed, a bug in gpulib, an interrupt).
         try:
-            _reconnect()
+            _reconnect(vm_arg)
         except BaseException:
             pass
         return 0
@@ -145,7 +145,7 @@ def _activate(vm_arg: str) -> int:
     return 0
 
 
-def _reconnect() -> None:
+def _reconnect(vm_arg: str) -> None:
     """A running VM found again after libvirtd restarted: mark what it holds active."""
     from gpulib.hooks.common import drain_stdin, read_stdin, run_guarded
 
@@ -157,6 +157,15 @@ def _reconnect() -> None:
         ctx, config = start("gpulib-qemu-hook")
         xml = read_stdin()
         if not may_concern_gpulib(xml):
+            # No GPU now, but the name may still hold the allocation of another
+            # domain (redefined while libvirtd was down): replaced, GPU or not.
+            from gpulib.hooks.vmstate import replace_other_domain
+            from gpulib.usage import status_uuid
+            from gpulib.validate import check_vm_name
+
+            uuid = status_uuid(xml.encode("utf-8", "surrogateescape"))
+            if uuid is not None:
+                replace_other_domain(ctx, config, check_vm_name(vm_arg), uuid)
             return 0
         from gpulib.domain import parse_domain
         from gpulib.hooks.prepare import record_running

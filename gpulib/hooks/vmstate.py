@@ -9,9 +9,9 @@ from __future__ import annotations
 from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import Context
-from gpulib.lifecycle import boot_clock, open_store, pending_is_dead, release_stale
-from gpulib.liveness import Liveness
-from gpulib.state import State, utc_now
+from gpulib.lifecycle import boot_clock, open_store, release_stale
+from gpulib.liveness import ABANDONED_ARRIVAL, Liveness, run_over
+from gpulib.state import Allocation, State, utc_now
 
 log = logger.get(__name__)
 
@@ -26,7 +26,15 @@ def settle_left(ctx: Context, state: State, liveness: Liveness) -> None:
 
 
 def activate(ctx: Context, config: Config, vm: str) -> bool:
-    """onStart: the VM runs, its allocation becomes active. False if it holds nothing."""
+    """onStart / `started begin`: the VM runs, its allocation becomes active.
+    False if it holds nothing.
+
+    A hook acts on its own run (ARCHITECTURE.md, Liveness): a pending allocation
+    becomes active only when libvirt launched its run (`Liveness.launched`:
+    the VM's status file names its domain and is no older than the
+    allocation). A late onStart of the run before finds the newer start not
+    launched: it stays pending, a start of its own, and its onStart or
+    `started begin` makes it active."""
     store = open_store(ctx, config)
 
     def start(state: State) -> bool:
@@ -38,6 +46,11 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
         if alloc is None:
             return False
         if alloc.status != "active":
+            if not liveness.launched(alloc):
+                log.warning("a late onStart of %s: its allocation is a newer start libvirt "
+                            "has not launched (no status file of domain %s since %s): it "
+                            "stays pending", vm, alloc.domain_uuid or "?", alloc.since)
+                return True
             alloc.status = "active"
             alloc.since = utc_now()
             alloc.boot_id, alloc.uptime = boot_clock(ctx)
@@ -52,9 +65,13 @@ def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> 
 
     A stop belongs to the run it ends (ARCHITECTURE.md, Liveness). libvirt's
     `release end` (`ends_run`: serialized per domain, after a stop or a
-    failed start) ends the run whatever its allocation's status. CloudStack's
-    onStop names the VM only and comes when it comes: a *pending* allocation
-    is a newer start, which it never releases nor destroys anything of."""
+    failed start) ends an active run, or a pending one libvirt prepared (its
+    `prepare begin` ran: `Allocation.prepared`) or is migrating in; a
+    pending allocation only the transformer made is a newer start, whose
+    `prepare begin` libvirt cannot run before this run's stop is over.
+    CloudStack's onStop names the VM only and comes when it comes: a
+    *pending* allocation is a newer start, which it never releases nor
+    destroys anything of."""
     from gpulib.allocator import release
 
     store = open_store(ctx, config)
@@ -64,14 +81,12 @@ def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> 
         settle_left(ctx, state, liveness)
         release_stale(ctx, state, liveness, config, keep=vm, store=store)
         alloc = state.allocations.get(vm)
-        if not ends_run and alloc is not None and alloc.status == "pending" and not (
-                alloc.arriving and pending_is_dead(
-                    alloc, liveness, boot_clock(ctx),
-                    arrival_grace=config.get_float("release", "arrival_timeout"))):
-            # (An arrival libvirt abandoned is no start: it goes, as any hook
-            # releases it.)
-            log.warning("a late onStop of %s: its allocation is pending (a newer start, "
-                        "since %s): nothing released", vm, alloc.since)
+        if alloc is not None and alloc.status == "pending" and not _stop_ends(
+                alloc, ends_run, liveness, ctx, config):
+            hook = "release end" if ends_run else "onStop"
+            why = ", which libvirt has not prepared" if ends_run else ""
+            log.warning("a late %s of %s: its allocation is pending (a newer start since "
+                        "%s%s): nothing released", hook, vm, alloc.since, why)
             return [f"kept: {vm} is starting again (pending allocation)"]
         return release(ctx.sysfs, state, vm, liveness,
                        destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
@@ -84,6 +99,45 @@ def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> 
     released = any(not a.startswith("kept") for a in actions)
     counters.note(ctx.root, "releases", times=1 if released else 0, by="stop")
     return actions
+
+
+def _stop_ends(alloc: Allocation, ends_run: bool, liveness: Liveness, ctx: Context,
+               config: Config) -> bool:
+    """Whether a stop ends a pending allocation: `release end` one libvirt
+    prepared or is migrating in; either stop an arrival libvirt abandoned
+    (no start: any hook releases it)."""
+    if ends_run and (alloc.prepared or alloc.arriving):
+        return True
+    return alloc.arriving and run_over(
+        alloc, liveness, boot_clock(ctx),
+        arrival_grace=config.get_float("release", "arrival_timeout")) == ABANDONED_ARRIVAL
+
+
+def replace_other_domain(ctx: Context, config: Config, vm: str, domain_uuid: str) -> bool:
+    """`reconnect begin` of a domain that names no GPU: an allocation under its
+    name of another domain (not the one that runs) is gone for good, and is
+    released as a start or a reconnect with GPUs replaces it. Reads the state
+    only (no lock, no write) when there is nothing to release. True if it
+    released one."""
+    store = open_store(ctx, config)
+    alloc = store.load().allocations.get(vm)
+    if alloc is None or alloc.domain_uuid in (None, domain_uuid):
+        return False
+
+    def replace(state: State) -> bool:
+        alloc = state.allocations.get(vm)
+        if alloc is None or alloc.domain_uuid in (None, domain_uuid):
+            return False
+        from gpulib.allocator import release
+
+        log.warning("%s runs as domain %s: the allocation of domain %s under its name is "
+                    "released", vm, domain_uuid, alloc.domain_uuid)
+        release(ctx.sysfs, state, vm, Liveness(ctx.sysfs),
+                destroy_on_demand=config.get_bool("release", "destroy_on_demand"),
+                retry_seconds=0.5, checkpoint=store.checkpoint)
+        return True
+
+    return store.update(replace)
 
 
 def change(program: str, vm_arg: str, started: bool, ends_run: bool = True) -> str:
