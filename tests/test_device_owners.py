@@ -301,3 +301,50 @@ def test_the_owner_kinds_of_one_host(tmp_path: Path) -> None:
     occ = Occupancy.build(ctx.sysfs, state, running_domains(ctx.sysfs))
     assert {occ.owner("mdev", u).kind for u in (VGPU, made, member)} == {ADMIN}
     assert not any(occ.owner("mdev", u).offered for u in (VGPU, made, member))
+
+
+def test_gpu_instances_made_by_hand_stay_the_administrators(tmp_path: Path) -> None:
+    """A reboot, then an instance made by hand at a pool's placement before the
+    boot unit ran, and one beside the pool's: the pool neither takes, counts,
+    gives nor destroys them."""
+    import subprocess
+
+    from gpulib.sim.hosts import MIG_GPU, build_mig
+    from gpulib.sim.migdriver import MigGpu
+    from tests.hosts import reboot
+
+    boot_id = "proc/sys/kernel/random/boot_id"
+    pool = "[pool mig]\nparents = all\nprofile = NVIDIA H100-1-10C\ncount = 2\n"
+    host = build_mig(str(tmp_path / "mig"))
+    host.write_file(boot_id, "boot-1\n", 0o444)
+    host.write_file("etc/gpulib/gpulib.conf", pool)
+
+    def instances() -> list[tuple[int, int, int]]:
+        gpu = MigGpu.load(host.device_dir(MIG_GPU))
+        assert gpu is not None
+        return sorted((i["profile"], i["start"], i["id"]) for i in gpu.instances())
+
+    def by_hand(placement: str) -> None:
+        smi = host.p("usr/bin/nvidia-smi")
+        made = subprocess.run([smi, "mig", "-i", "0", "-cgi", placement, "-C"],
+                              env={**os.environ, "GPULIB_ROOT": host.root},
+                              capture_output=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+
+    assert _gpulib(host.root, "pool", "apply").returncode == 0
+    assert [(p, s) for p, s, _ in instances()] == [(19, 5), (19, 6)]
+    host = reboot(host, lambda root: build_mig(root))
+    host.write_file(boot_id, "boot-2\n", 0o444)
+    by_hand("19:6")  # where the pool's second instance was
+    (hand,) = instances()
+    res = _gpulib(host.root, "restore")
+    out = res.stdout.decode()
+    assert "not made by gpulib" in out and "administrator" in out, out
+    assert hand in instances()
+    # shrinking the pool to nothing destroys only the pool's own instances
+    host.write_file("etc/gpulib/gpulib.conf", pool.replace("count = 2", "count = 0"))
+    _gpulib(host.root, "pool", "apply")
+    assert instances() == [hand]
+    st = _state(host.root)
+    assert all(r["start"] != 6 or r.get("gi") != hand[2] for r in st["gpu_instances"])
+    assert not any(r.get("pool") == "mig" for r in st["vf_types"].values())
