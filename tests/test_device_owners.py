@@ -348,3 +348,25 @@ def test_gpu_instances_made_by_hand_stay_the_administrators(tmp_path: Path) -> N
     st = _state(host.root)
     assert all(r["start"] != 6 or r.get("gi") != hand[2] for r in st["gpu_instances"])
     assert not any(r.get("pool") == "mig" for r in st["vf_types"].values())
+
+
+def test_an_arrival_is_given_nothing_of_an_unmanaged_gpu(tmp_path: Path) -> None:
+    """`migrate begin` and `migrate check` on a host whose A10 is unmanaged: the VF the
+    incoming XML names is neither kept nor typed, nor is any other."""
+    from tests.test_migration import U_VM, a10, migrate_begin, request_xml, started_on
+
+    src, _ = a10(str(tmp_path / "src"))
+    live = started_on(src, request_xml("mig-1", U_VM, "profile='NVIDIA A10-2Q'"))
+    dst, _ = a10(str(tmp_path / "dst"))
+    assert _gpulib(dst.root, "device", "unmanage", A10).returncode == 0
+    before = tree_contents(os.path.join(dst.root, "sys"))
+    check = run([GPULIB, "migrate", "check", "-", "--json"], dst.root, stdin=live.encode())
+    assert check.returncode == 1 and json.loads(check.stdout)["ok"] is False, check.stdout
+    res = migrate_begin(dst.root, "mig-1", live)
+    assert res.returncode != 0, res.stdout
+    assert tree_contents(os.path.join(dst.root, "sys")) == before
+    assert "mig-1" not in json.dumps(_state(dst.root).get("allocations", {}))
+    # managed again: the arrival is given a VF
+    assert _gpulib(dst.root, "device", "manage", A10).returncode == 0
+    assert migrate_begin(dst.root, "mig-1", live).returncode == 0
+
