@@ -126,6 +126,11 @@ def vgpu_owner(rec: Optional[VgpuRecord], uuid: str, live: bool,
         return NOBODYS
     if is_handmade(rec):
         return Owner(ADMIN, f"mdev {uuid} was made by hand (gpulib mdev create)", name=uuid)
+    if getattr(rec, "remembered", False):
+        # A running VM's vGPU gpulib did not make, recorded only so that VM
+        # can start again after a reboot: remembered, not owned.
+        return Owner(ADMIN, f"mdev {uuid} was made outside gpulib (remembered for its VM)",
+                     name=uuid)
     pool = pool_of(rec)
     if pool is not None:
         return Owner(POOL, f"mdev {uuid} is a member of pool {pool}", name=pool)

@@ -370,3 +370,35 @@ def test_an_arrival_is_given_nothing_of_an_unmanaged_gpu(tmp_path: Path) -> None
     assert _gpulib(dst.root, "device", "manage", A10).returncode == 0
     assert migrate_begin(dst.root, "mig-1", live).returncode == 0
 
+
+
+def test_the_rules_kind_by_kind() -> None:
+    from gpulib.ownership import (
+        NOBODY,
+        gpu_instance_owner,
+        unmanaged_reason,
+        vf_owner,
+        vgpu_owner,
+    )
+    from gpulib.records import HANDMADE, GpuInstanceRecord, State, VfRecord, VgpuRecord
+
+    assert unmanaged_reason(set(), [VGPU, T4]) is None
+    assert unmanaged_reason({T4}, [T4]) is not None and "below" not in \
+        str(unmanaged_reason({T4}, [T4]))
+    assert f"below the unmanaged {T4}" in str(unmanaged_reason({T4}, [VGPU, T4]))
+    # vGPUs: by how they came to be
+    assert vgpu_owner(None, VGPU, live=True).kind == ADMIN  # mdevctl or sysfs
+    assert vgpu_owner(None, VGPU, live=False).kind == NOBODY  # nothing there
+    assert vgpu_owner(VgpuRecord(T4, "nvidia-232", pool=HANDMADE), VGPU, True).kind == ADMIN
+    assert vgpu_owner(VgpuRecord(T4, "nvidia-232", pool="p"), VGPU, True).kind == POOL
+    assert vgpu_owner(VgpuRecord(T4, "nvidia-232", on_demand=True), VGPU, True).kind == NOBODY
+    # VFs: a type without a record was set outside gpulib
+    assert vf_owner(None, "0000:41:00.4", 593).kind == ADMIN
+    assert vf_owner(None, "0000:41:00.4", 0).kind == NOBODY
+    assert vf_owner(VfRecord(593, pool=HANDMADE), "0000:41:00.4", 593).kind == ADMIN
+    assert vf_owner(VfRecord(593, pool="a10"), "0000:41:00.4", 593).may_give
+    # GPU instances: a pool's only with gpulib's record
+    state = State()
+    state.gpu_instances.append(GpuInstanceRecord(A10, 19, 5, 1, 3, "mig"))
+    assert gpu_instance_owner(state, A10, 19, 5).kind == POOL
+    assert gpu_instance_owner(state, A10, 19, 6).kind == ADMIN
