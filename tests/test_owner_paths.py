@@ -161,6 +161,46 @@ def pools_would_use(root: str, tmp: Path, kind: str, ident: str) -> bool:
     return occ.tree.parent(ident) in parents
 
 
+def metrics_count(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """gpulib metrics counts capacity of its type on its parent."""
+    from gpulib import metrics
+    from gpulib.pci import PciAddress
+
+    if kind == "pci":
+        return False
+    ctx = Context.for_root(root)
+    occ = Occupancy.build(ctx.sysfs, open_store(ctx).load(), running_domains(ctx.sysfs))
+    bus = metrics.pci_bus_id(PciAddress.parse(str(occ.tree.parent(ident))))
+    text = metrics.render(ctx, Config())
+    return any(line.startswith("gpulib_vgpu_creatable_instances{") and bus in line
+               and 'type="nvidia-222"' in line and float(line.rsplit(" ", 1)[1]) > 0
+               for line in text.splitlines())
+
+
+def vgpu_command_makes(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """`gpulib mdev create` on its parent makes a vGPU."""
+    from gpulib.cli import main
+
+    if kind == "pci":
+        return False
+    copy = _copy(root, tmp)
+    ctx = context_for_root(copy, simulate=True)
+    parent = Occupancy.build(ctx.sysfs, open_store(ctx).load()).tree.parent(ident)
+    saved = {k: os.environ.get(k) for k in ("GPULIB_ROOT", "GPULIB_SIMULATE")}
+    os.environ.update({"GPULIB_ROOT": copy, "GPULIB_SIMULATE": "1"})
+    try:
+        code = main(["mdev", "create", "--parent", str(parent), "--type", "nvidia-222"])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return code == 0
+
+
 def owner_says(root: str, tmp: Path, kind: str, ident: str) -> str:
     ctx = Context.for_root(root)
     state = open_store(ctx).load()
@@ -177,15 +217,15 @@ def expected(path: str, kind: str, ident: str, owner: str) -> Any:
         return owner in (NOBODY, POOL) or (owner == ADMIN and ident not in HANDS_OFF)
     if path == "transformer":
         return owner in (NOBODY, POOL) or (owner == ADMIN and ident not in HANDS_OFF)
-    if path == "pools":
-        # gpulib may make vGPUs on a parent that is not hands-off
+    if path in ("pools", "metrics", "mdev create"):
+        # gpulib may make vGPUs on a parent that is not hands-off (its capacity)
         return kind == "mdev" and ident not in HANDS_OFF
     raise AssertionError(path)
 
 
 PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "owner": owner_says, "report": report_offers, "transformer": transformer_records,
-    "pools": pools_would_use}
+    "pools": pools_would_use, "metrics": metrics_count, "mdev create": vgpu_command_makes}
 
 
 def walk(root: str, made: dict[str, str], tmp: Path) -> list[str]:
@@ -210,6 +250,7 @@ def test_every_path_gives_the_one_answer(built: tuple[str, dict[str, str]],
     ("transformer", "gpulib.hostfacts.host_endpoints", lambda *a, **k: []),
     ("pools", "gpulib.pools.unmanaged_reason", lambda *a, **k: None),
     ("report", "gpulib.occupancy.Occupancy.hands_off", lambda *a, **k: None),
+    ("mdev create", "gpulib.cli.vgpu._refuse_hands_off", lambda *a, **k: None),
 ])
 def test_a_path_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]],
                                                 tmp_path: Path,
