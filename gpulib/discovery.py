@@ -33,8 +33,8 @@ from gpulib.occupancy import (
     Tree,
     declaring_pools,
     node_id,
-    whole_gpu_refusal,
 )
+from gpulib.ownership import host_endpoint_reason, host_endpoints, whole_gpu_refusal
 from gpulib.pci import (
     CLASS_PROCESSING_ACCEL,
     DISPLAY_BASE_CLASS,
@@ -277,6 +277,10 @@ class Gpu:
         # The boot VGA device kept for the host (`config.keeps_console`):
         # never offered or given whole; its vGPUs may be.
         self.console = False
+        # Why the host or its administrator keeps it whole (`gpulib.ownership`):
+        # an endpoint of its IOMMU group a host driver uses, its unmanaging.
+        self.host_endpoint: Optional[str] = None
+        self.unmanaged: Optional[str] = None
         # The numbers of its NVIDIA vendor-specific VF types by type id, from
         # NVIDIA's tool (`runtime.attach_type_numbers`; discovery itself runs nothing).
         self.nvidia_numbers: dict[int, TypeNumbers] = {}
@@ -361,7 +365,7 @@ class Gpu:
         """Why the GPU is not given whole (the hooks ask the same function)."""
         typed = sum(1 for vf in self.vfs if vf.nvidia is not None and vf.nvidia.profile_type)
         return whole_gpu_refusal(max(len(self.vfs), self.sriov_numvfs), len(self.vgpus), typed,
-                                 self.pools, self.console)
+                                 self.pools, self.console, self.host_endpoint, self.unmanaged)
 
     @property
     def passthrough_enabled(self) -> bool:
@@ -526,6 +530,10 @@ class Discovery:
         gpu.used_by = usage.whole_user(str(fn.address))
         gpu.boot_vga = is_boot_vga(self.sysfs, fn.address, fn.class_code)
         gpu.console = gpu.boot_vga and self.keeps_console
+        gpu.host_endpoint = host_endpoint_reason(host_endpoints(
+            self.sysfs, fn.address, fn.iommu_group, gpu.group_members or None))
+        hands_off = usage.hands_off(str(fn.address))
+        gpu.unmanaged = hands_off.reason if hands_off is not None else None
         if self.config.pools and gpu.mdev_types:
             gpu.pools = declaring_pools(self.config, fn.address, fn.vendor_id, fn.device_id,
                                         gpu.mdev_types)

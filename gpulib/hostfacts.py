@@ -18,7 +18,8 @@ from gpulib.context import Context
 from gpulib.definitions import follow_definitions
 from gpulib.errors import InputError
 from gpulib.mdevctl import Definition, read_definitions
-from gpulib.occupancy import declaring_pools, whole_gpu_refusal
+from gpulib.occupancy import declaring_pools
+from gpulib.ownership import host_endpoint_reason, host_endpoints, whole_gpu_refusal
 from gpulib.pci import (
     BRIDGE_BASE_CLASS,
     PciAddress,
@@ -94,8 +95,11 @@ class HostReader:
                 fn = PciFunction.read_ids(self.sysfs, address)
                 pools = declaring_pools(self.config, address, fn.vendor_id, fn.device_id,
                                         mdev.list_types(self.sysfs, address))
+        group = group_number(self.sysfs.link_name(f"{rel}/iommu_group"))
         return whole_gpu_refusal(max(numvfs, virtfns), len(vgpus), pools=pools,
-                                 console=self.is_console(address))
+                                 console=self.is_console(address),
+                                 host_endpoint=host_endpoint_reason(
+                                     host_endpoints(self.sysfs, address, group)))
 
     def is_console(self, address: PciAddress) -> bool:
         """The boot VGA device, kept for the host (`config.keeps_console`)."""

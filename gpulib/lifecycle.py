@@ -467,10 +467,14 @@ def reconcile(ctx: Context, state: State, destroy_on_demand: bool = True,
             out.append(Outcome("mdev", uuid, "report", False,
                                f"parent {rec.parent} is gone from this host"))
     for uuid in occ.stray_mdevs(live, state.vgpus):
+        # Made outside gpulib (mdevctl, sysfs): the administrator's
+        # (`ownership.vgpu_owner`), reported and left alone, not an error.
         m = live[uuid]
-        out.append(Outcome("mdev", uuid, "report", False,
-                           f"live {m.type_id} on {m.parent} is unknown to gpulib and "
-                           f"used by no running VM (remove it: gpulib mdev remove {uuid})"))
+        owner = occ.owner("mdev", uuid)
+        out.append(Outcome("mdev", uuid, "left alone", True,
+                           f"live {m.type_id} on {m.parent}, used by no running VM: "
+                           f"{owner.kind}'s ({owner.reason}); gpulib mdev remove {uuid} "
+                           "removes it"))
     return out
 
 

@@ -203,7 +203,7 @@ class _GpuFamilies:
             "gpulib_vgpu_creatable_instances", "gauge",
             f"vGPUs of the type the {where} could still create (available_instances): "
             "each type's count assumes no other is made, so sum by type, never across "
-            "types.", *labels)
+            "types; 0 on an unmanaged parent (not gpulib's to give).", *labels)
         self.live = exp.family("gpulib_vgpu_live_instances", "gauge",
                                f"Live vGPUs of the type on the {where} (absent: 0).", *labels)
         self.held = exp.family("gpulib_vgpu_held_instances", "gauge",
@@ -231,7 +231,7 @@ class _GpuFamilies:
             "gpulib_nvidia_vf_type_creatable_vfs", "gauge",
             "Idle NVIDIA vendor VFs of the GPU that could be given this vGPU type now: an "
             "idle VF counts for every type it could take, so sum by type, never across "
-            "types.", *vf_labels)
+            "types. Unmanaged VFs count in no per-type series.", *vf_labels)
 
 
 def _gpus(exp: Exposition, inventory: Inventory, state: State, per_parent: bool) -> None:
@@ -259,13 +259,19 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State, per_parent: bool)
         fams.in_use.add_set(
             1 if any(h.device == address for h in occ.conflicts(address)) else 0, gpu_set)
         fams.offered.add_set(1 if gpu.passthrough_enabled else 0, gpu_set)
+        # The administrator's (unmanaged: the GPU, or its VFs one by one) is
+        # no capacity of gpulib's: its instances left count 0, so an alert on
+        # running out sees only what gpulib may give (`Occupancy.hands_off`).
+        hands_off = frozenset(
+            str(p) for p in [gpu.address, *(vf.address for vf in gpu.vfs)]
+            if occ.hands_off(str(p)) is not None) if unmanaged else frozenset()
         if per_parent:
-            _vgpus_per_parent(fams, gpu, bus_id, records)
+            _vgpus_per_parent(fams, gpu, bus_id, records, hands_off)
         else:
-            _vgpus_per_gpu(fams, gpu, gpu_set, records)
+            _vgpus_per_gpu(fams, gpu, gpu_set, records, hands_off)
         # After the counts: one that cannot be read is one of the GPU's errors.
         fams.errors.add_set(len(gpu.errors), gpu_set)
-        _nvidia_vfs(fams, gpu, bus_id, gpu_set)
+        _nvidia_vfs(fams, gpu, bus_id, gpu_set, hands_off)
 
 
 def _held_counts(gpu: Gpu, records: dict[str, VgpuRecord], per_parent: bool
@@ -286,15 +292,19 @@ def _held_counts(gpu: Gpu, records: dict[str, VgpuRecord], per_parent: bool
 
 
 def _vgpus_per_gpu(fams: _GpuFamilies, gpu: Gpu, gpu_set: str,
-                   records: dict[str, VgpuRecord]) -> None:
+                   records: dict[str, VgpuRecord], hands_off: frozenset[str] = frozenset()
+                   ) -> None:
     """The GPU's vGPU series per type: its parents' counts summed (a VF's
     count is of the vGPUs it can take, so the sum is what the GPU can make)."""
     # type id -> [its profile, instances left on every parent that could be read]
     totals: dict[str, list[Any]] = {}
-    for _parent, pairs, available in gpu.mdev_offers():
+    for parent, pairs, available in gpu.mdev_offers():
+        off = bool(hands_off) and str(parent) in hands_off
         for (type_id, t), n in zip(pairs, available):
             if n is None:  # unreadable: the GPU's read errors say so
                 continue
+            if off:
+                n = 0
             found = totals.get(type_id)
             if found is None:
                 totals[type_id] = [t.profile_name, n]
@@ -322,7 +332,8 @@ def _vgpus_per_gpu(fams: _GpuFamilies, gpu: Gpu, gpu_set: str,
 
 
 def _vgpus_per_parent(fams: _GpuFamilies, gpu: Gpu, bus_id: str,
-                      records: dict[str, VgpuRecord]) -> None:
+                      records: dict[str, VgpuRecord], hands_off: frozenset[str] = frozenset()
+                      ) -> None:
     """The GPU's vGPU series per parent and type (`[metrics] parent_series`):
     the instances left of every type of every parent, the live, held and
     pooled vGPUs where the parent has some."""
@@ -343,7 +354,7 @@ def _vgpus_per_parent(fams: _GpuFamilies, gpu: Gpu, bus_id: str,
                     label_set(("type", "profile"), (pair[0], pair[1].profile_name))[1:]
             values = prefix + type_part
             if n is not None:
-                creatable_samples.append((values, n))
+                creatable_samples.append((values, 0 if parent in hands_off else n))
             found = counts.pop((parent, pair[0]), None) if counts else None
             if found:
                 fams.live.add_set(found[0], values)
@@ -356,7 +367,8 @@ def _vgpus_per_parent(fams: _GpuFamilies, gpu: Gpu, bus_id: str,
         fams.pooled.add(pooled, bus_id, parent, type_id, profile)
 
 
-def _nvidia_vfs(fams: _GpuFamilies, gpu: Gpu, bus_id: str, gpu_set: str) -> None:
+def _nvidia_vfs(fams: _GpuFamilies, gpu: Gpu, bus_id: str, gpu_set: str,
+                hands_off: frozenset[str] = frozenset()) -> None:
     vendor = [vf for vf in gpu.vfs if vf.nvidia is not None]
     if not vendor:
         return
@@ -372,6 +384,8 @@ def _nvidia_vfs(fams: _GpuFamilies, gpu: Gpu, bus_id: str, gpu_set: str) -> None
     for vf in vendor:
         nv = vf.nvidia
         assert nv is not None
+        if hands_off and str(vf.address) in hands_off:
+            continue  # the administrator's: no capacity of gpulib's, typed or not
         if nv.current_type:
             tid = nv.current_type
             if nv.current_name:

@@ -53,6 +53,32 @@ if TYPE_CHECKING:
 log = logger.get(__name__)
 
 
+# The boot whose GPU instance ids `gpu_instances` records (state.extra): after
+# a reboot every instance is gone, so one found at a recorded placement before
+# gpulib made it again was made by hand, the administrator's.
+GI_BOOT = "gpu_instances_boot"
+
+
+def _this_boot(sysfs: Sysfs) -> Optional[str]:
+    from gpulib.liveness import boot_clock_of
+
+    return boot_clock_of(sysfs)[0]
+
+
+def is_ours(marker: Optional[str], rec: GpuInstanceRecord, found: Optional[mig.Instance],
+            boot: Optional[str]) -> bool:
+    """Whether the instance `found` at `rec`'s placement is the one gpulib made
+    (`ownership.gpu_instance_owner`: a pool's), not one made by hand beside or
+    in place of it (the administrator's: never counted, given or destroyed)."""
+    if found is None:
+        return False
+    if marker is not None and boot is not None and marker != boot:
+        return False
+    if rec.gi is None:
+        return marker is None  # a state from before the marker: as it was
+    return found.id == rec.gi
+
+
 def pool_tag(name: str) -> str:
     """What a pool's intents name as their `vm` (no VM starts under it)."""
     return f"pool:{name}"
@@ -96,6 +122,16 @@ class Applier:
         self.out: list[Outcome] = []
         self.layouts: dict[PciAddress, mig.Layout] = {}
         self.changed = False
+        # The boot the records' instance ids are of, before this run made any.
+        self.gi_boot: Optional[str] = state.extra.get(GI_BOOT)
+        boot = _this_boot(self.sysfs)
+        if not dry_run and self.gi_boot is not None and boot is not None and \
+                self.gi_boot != boot:
+            # Ids of an earlier boot name nothing now: an instance gpulib makes
+            # again gets its new one; one found where none was made is not ours.
+            for r in state.gpu_instances:
+                r.gi = None
+            state.extra[GI_BOOT] = boot
 
     # -- the journal ---------------------------------------------------------------------------
     def _intend(self, intent: Intent) -> None:
@@ -146,6 +182,9 @@ class Applier:
                                     if r.key != (str(gpu), start)]
         self.state.gpu_instances.append(GpuInstanceRecord(str(gpu), profile.id, start,
                                                           profile.size, gi, pool))
+        boot = _this_boot(self.sysfs)
+        if boot is not None:
+            self.state.extra[GI_BOOT] = boot
         self.layouts.pop(gpu, None)
         self._done(intent)
         self.out.append(Outcome("gi", f"{gpu}@{start}", f"created {what} {label}".rstrip(),
@@ -207,6 +246,22 @@ class Applier:
             self._done(intent)
             self.out.append(Outcome("vf", str(vf), f"{why} {label} for pool {pool}", False,
                                     exc.message))
+            return False
+        gi = nvidia.gpu_instance(self.sysfs, vf)
+        ours = {r.gi for r in self.state.gpu_instances if r.gpu == str(plan.gpu.address)}
+        if gi is not None and gi not in ours:
+            # The driver put it on a GPU instance gpulib did not make: the
+            # administrator's, never given to a pool's VM. Undone.
+            try:
+                nvidia.clear_type(self.sysfs, vf, retry_seconds=0.5)
+            except GpulibError:
+                pass  # the intent stays: the next command settles it
+            else:
+                self._done(intent)
+            self.out.append(Outcome(
+                "vf", str(vf), f"{why} {label} for pool {pool}", False,
+                f"the driver gave it GPU instance {gi}, which gpulib did not make (the "
+                "administrator's): cleared; destroy or keep that instance by hand"))
             return False
         self.state.vf_types[str(vf)] = VfRecord(plan.type_id, plan.name, pool=pool,
                                                 gi_profile=plan.profile)
@@ -360,11 +415,10 @@ def _apply_gpu(run: Applier, name: str, plan: MigPlan, want: int, occ: Occupancy
     # ones no VF runs on destroyed, missing ones made.
     records = sorted((r for r in state.gpu_instances
                       if r.pool == name and r.gpu == str(gpu.address)), key=lambda r: r.start)
-    live = [r for r in records if layout.at(r.start, r.profile) is not None]
-    for r in records:
-        found = layout.at(r.start, r.profile)
-        if found is not None and found.id != r.gi and not run.dry_run:
-            r.gi = found.id
+    boot = _this_boot(sysfs)
+    # Only the instances gpulib made count; one made by hand at a recorded
+    # placement is the administrator's (never the pool's, never destroyed).
+    live = [r for r in records if is_ours(run.gi_boot, r, layout.at(r.start, r.profile), boot)]
     bound = _bound(sysfs, gpu) if not run.dry_run else {}
     need = max(want, len(held))
     for r in reversed(live):
@@ -510,11 +564,16 @@ def restore(ctx: Context, state: State, timeout: float,
                                f"MIG mode is not on on {gpu_addr}"))
             continue
         # Larger instances first: their placements are the fewest.
+        boot = _this_boot(ctx.sysfs)
         for r in sorted((r for r in state.gpu_instances if r.gpu == gpu_addr),
                         key=lambda r: (-r.size, r.start)):
             found = layout.at(r.start, r.profile)
             if found is not None:
-                r.gi = found.id
+                if not is_ours(run.gi_boot, r, found, boot):
+                    out.append(Outcome(
+                        "gi", f"{gpu_addr}@{r.start}", "recreate", False,
+                        f"GPU instance {found.id} at its placement was not made by gpulib "
+                        "(the administrator's): left alone"))
                 continue
             profile = layout.profiles.get(r.profile)
             if profile is None:

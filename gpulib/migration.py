@@ -305,8 +305,9 @@ class Planner:
         """Why `ident` cannot be this VM's, whatever it is (None: it can)."""
         if ident in self.chosen:
             return "given to another of its vGPUs"
-        if ident in self.state.unmanaged:
-            return "unmanaged"
+        hands_off = self.occ.hands_off(ident)
+        if hands_off is not None:
+            return hands_off.reason
         if not self.occ.takeable(ident, self.vm):
             return refusal(self.occ, need.type.kind, ident, self.vm) or "held"
         return None

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 
 from gpulib import logger, mdev, nvidia
 from gpulib.errors import GpulibError, InputError
+from gpulib.ownership import NOBODYS, RUN, Owner, device_owner, unmanaged_owner
 from gpulib.pci import PciAddress, group_number, physical_function
 from gpulib.profiles import serves
 from gpulib.records import GPU_INSTANCE_ACTIONS, REMOVALS
@@ -261,6 +262,9 @@ class Occupancy:
         # What the next start undoes (journal.settle): a vGPU or a VF type
         # that a start which died made, named by no allocation of its VM.
         self.undone: frozenset[str] = frozenset()
+        # gpulib's state, for whose a device is (`owner`): its unmanaged
+        # devices, its records of what it made (None: nothing recorded).
+        self.state: Optional[State] = None
         for h in holds:
             self.add(h)
 
@@ -288,6 +292,7 @@ class Occupancy:
                     {u: r.type_id for u, r in state.vgpus.items()},
                     {a: r.type_id for a, r in state.vf_types.items()})
         occ = cls(tree)
+        occ.state = state
         occ.undone = frozenset(
             i.id for i in state.intents if i.action not in REMOVALS
             and i.action not in GPU_INSTANCE_ACTIONS and not any(
@@ -396,6 +401,8 @@ class Occupancy:
     def takeable(self, node: str, vm: str) -> bool:
         """`free_for(node, vm)`, asking the tree whether it is blocked once:
         a blocked device is either kept by another VM or unavailable."""
+        if self.hands_off(node) is not None:
+            return False
         try:
             if self.tree.blocked(node) is not None:
                 return False
@@ -463,11 +470,49 @@ class Occupancy:
         cannot type (`Tree.blocked`). Such a device is not offered (when no VM
         holds what keeps it, there is no one to report it used by) and a start
         naming it is refused before any write: one answer for both."""
+        hands_off = self.hands_off(node)
+        if hands_off is not None:
+            return hands_off.reason
         try:
             blocked = self.tree.blocked(node)
         except InputError:
             return None
         return blocked.reason if blocked is not None else None
+
+    def hands_off(self, node: str) -> Optional[Owner]:
+        """The administrator's unmanaged device (or one below it) that `node`
+        is: never offered, given, made or typed (`ownership.unmanaged_owner`)."""
+        if self.state is None or not self.state.unmanaged:
+            return None
+        try:
+            return unmanaged_owner(self.state.unmanaged, self.tree.chain(node))
+        except InputError:
+            return None
+
+    def owner(self, kind: str, ident: str, vm: Optional[str] = None) -> Owner:
+        """Whose the device is (ARCHITECTURE.md, Whose a device is): the
+        host's or the administrator's by the rules of `gpulib.ownership`, else a
+        run's (a VM other than `vm` holds it or what excludes it), else a
+        pool's or nobody's. The host's whole-GPU rules (console, group
+        endpoints) are the GPU's (`ownership.whole_gpu_refusal`)."""
+        node = node_id(kind, ident)
+        chain = self.tree.chain(node)
+        found = self.hands_off(node)
+        if found is not None:
+            return found
+        holds = self.conflicts(node, vm)
+        if holds:
+            h = holds[0]
+            return Owner(RUN, f"in use by {h.describe()}", name=h.vm)
+        if self.state is None:
+            return NOBODYS
+        current = None
+        if kind == "pci":
+            seen = self.tree._vf_state(node)
+            current = seen[0] if seen is not None else None
+        return device_owner(self.state, kind, node, chain,
+                            live=kind == "mdev" and self.tree._is_live(node),
+                            current_type=current)
 
     def offer(self, kind: str, ident: str) -> tuple[Optional[str], bool]:
         """What discovery reports of a device: the VM it is used by (None:
@@ -481,6 +526,8 @@ class Occupancy:
         found = self._conflicts(node, None, blocked)
         if found:
             return found[0].vm, True
+        if self.hands_off(node) is not None:
+            return None, False  # the administrator's: not gpulib's to offer
         if node in self.undone:
             # Not free either: whatever starts next removes it (or clears
             # the type) first, and then has nothing to give.
@@ -497,11 +544,15 @@ class Occupancy:
         return sorted(u for u in live if u not in known_set and u not in self._exact)
 
 
-def refusal(occ: Occupancy, kind: str, ident: str, vm: str) -> Optional[str]:
-    """The one-line reason `vm` may not take a device, or None."""
+def refusal(occ: Occupancy, kind: str, ident: str, vm: str, holds_only: bool = False
+            ) -> Optional[str]:
+    """The one-line reason `vm` may not take a device, or None. `holds_only`:
+    only another VM's hold refuses it (an unmanaged device a start names)."""
     node = node_id(kind, ident)
     found = occ.conflicts(node, vm)
     label = "mdev" if kind == "mdev" else "PCI device"
+    if not found and holds_only:
+        return None
     if not found:
         why = occ.unavailable(node)
         return f"{label} {ident} is not available: {why}" if why is not None else None
@@ -523,32 +574,3 @@ def declaring_pools(config: Config, address: PciAddress, vendor_id: int, device_
         if any(serves(pool.profile, pool.type_id, t.type_id, t.name) for t in listed):
             out.append(name)
     return out
-
-
-BOOT_VGA_REFUSAL = ("it is the host's boot VGA device (its console): gpulib gives it whole "
-                    "only with [discovery] allow_boot_vga = yes in gpulib.conf")
-
-
-def whole_gpu_refusal(numvfs: int, vgpus: int, typed_vfs: int = 0,
-                      pools: Iterable[str] = (), console: bool = False) -> Optional[str]:
-    """Why a GPU cannot be given whole (None: it can).
-
-    A GPU whose vGPU use is declared (live or registered vGPUs, typed VFs, a
-    pool of gpulib.conf) or whose SR-IOV VFs are enabled is neither offered
-    whole (`enabled` 0 in the CloudStack report) nor accepted whole by the
-    hooks: one rule for both. Nor is the host's console (`console`: the boot
-    VGA device, unless `[discovery] allow_boot_vga` gives it up), whose vGPUs
-    may still be offered: carving vGPUs keeps the console.
-    """
-    if console:
-        return BOOT_VGA_REFUSAL
-    declared = list(pools)
-    if vgpus:
-        return f"it carries {vgpus} vGPU(s)"
-    if declared:
-        return f"pool {declared[0]} declares vGPUs on it"
-    if typed_vfs:
-        return f"{typed_vfs} of its VFs carry a vGPU type"
-    if numvfs:
-        return f"its SR-IOV VFs are enabled ({numvfs})"
-    return None

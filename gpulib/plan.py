@@ -166,7 +166,15 @@ class Refusals:
         self.strict = strict
 
     def check(self, kind: str, ident: str) -> None:
-        message = refusal(self.occ, kind, ident, self.vm)
+        self._judge(refusal(self.occ, kind, ident, self.vm))
+
+    def check_holds(self, kind: str, ident: str) -> None:
+        """Only whether another VM holds it: for the administrator's
+        unmanaged devices, which a start may name but gpulib neither makes
+        nor records (hands-off, not blind)."""
+        self._judge(refusal(self.occ, kind, ident, self.vm, holds_only=True))
+
+    def _judge(self, message: Optional[str]) -> None:
         if message is None:
             return
         if self.strict:
@@ -209,12 +217,13 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
             tree.mdev_types.setdefault(uuid, source[1])
         parent = seen.live[0] if seen.live is not None else source[0] if source else None
         # Unmanaged is hands-off, not blind: a device another VM holds is still
-        # refused; gpulib only makes and records nothing of it.
-        refusals.check("mdev", uuid)
-        if rec is not None and state.unmanaged and parent is not None and \
-                unmanaged(state, facts, parent):
+        # refused; gpulib only makes and records nothing of it (the
+        # administrator's: `Occupancy.hands_off`, ARCHITECTURE.md, Whose a device is).
+        if state.unmanaged and parent is not None and unmanaged(state, facts, parent):
+            refusals.check_holds("mdev", uuid)
             log.info("%s: mdev %s is on unmanaged %s: left alone", refusals.vm, uuid, parent)
             continue
+        refusals.check("mdev", uuid)
         on_demand = bool(rec and rec.on_demand)
         if source is None:
             actions.append(KeepMdev(uuid, on_demand))
@@ -230,10 +239,11 @@ def plan_named(facts: HostFacts, state: State, refusals: Refusals, uuids: list[s
             continue
         # The occupancy's IOMMU-group index covers the companions added later.
         # An unmanaged device is checked too (hands-off, not blind).
-        refusals.check("pci", addr)
         if state.unmanaged and unmanaged(state, facts, addr):
+            refusals.check_holds("pci", addr)
             log.info("%s: PCI device %s is unmanaged: left alone", refusals.vm, addr)
             continue
+        refusals.check("pci", addr)
         if pci.vendor_vf_type is not None:
             vrec = state.vf_types.get(addr)
             if not pci.vendor_vf_type and vrec is None:

@@ -18,6 +18,7 @@ from gpulib.discovery import Gpu, Inventory
 from gpulib.errors import GpulibError
 from gpulib.occupancy import Occupancy
 from gpulib.outcome import Outcome
+from gpulib.ownership import unmanaged_reason
 from gpulib.pci import PciAddress
 from gpulib.profiles import serves
 from gpulib.records import is_handmade, pool_of
@@ -56,16 +57,16 @@ def plan(pool: PoolConfig, inventory: Inventory, unmanaged: frozenset[str] = fro
     """Parents of the pool's type on the selected GPUs; unmanaged devices never."""
     p = PoolPlan(pool)
     for gpu in inventory.gpus:
-        if not _gpu_matches(pool, gpu) or str(gpu.address) in unmanaged:
+        if not _gpu_matches(pool, gpu) or unmanaged_reason(unmanaged, [str(gpu.address)]):
             continue
         types = list(gpu.mdev_types) + [t for vf in gpu.vfs for t in vf.mdev_types
-                                        if str(vf.address) not in unmanaged]
+                                        if not unmanaged_reason(unmanaged, [str(vf.address)])]
         for t in types:
             if _type_matches(pool, t):
                 p.mdev_parents.append((gpu, t))
         for vf in gpu.vfs:
             nv = vf.nvidia
-            if nv is None or str(vf.address) in unmanaged:
+            if nv is None or unmanaged_reason(unmanaged, [str(vf.address)]):
                 continue
             options = dict(nv.creatable)
             if nv.current_type and nv.current_name:
@@ -210,6 +211,10 @@ def _apply_vf(ctx: Context, state: State, name: str, pool: PoolConfig, p: PoolPl
             if have >= want:
                 break
             if str(vf) in state.vf_types:
+                continue
+            # Only a VF that is nobody's joins the pool: not one typed
+            # outside gpulib (the administrator's), not one a VM holds.
+            if not occ.owner("pci", str(vf)).may_give:
                 continue
             def set_type(v: PciAddress = vf, t: int = tid, n: str = tname) -> None:
                 nvidia.set_type(sysfs, v, t)

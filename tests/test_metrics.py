@@ -1017,8 +1017,10 @@ def _unmanaged_spare(tmp: Path) -> Scenario:
     _gpulib(host.root, "device", "unmanage", P2)
     series = scrape(host.root)
     assert value(series, "gpulib_gpu_managed", pci_bus_id=bus(P2)) == 0
+    # the administrator's: no capacity of gpulib's (the rules' product with
+    # gpulib_gpu_managed says the same)
     assert value(series, "gpulib_vgpu_creatable_instances", pci_bus_id=bus(P2),
-                 type="nvidia-232", profile="GRID T4-4Q") == 4
+                 type="nvidia-232", profile="GRID T4-4Q") == 0
     return series, {
         "GpulibVgpuTypeExhausted": [_base("warning", type="nvidia-232",
                                           profile="GRID T4-4Q")],

@@ -9,7 +9,7 @@ import click
 from gpulib import mdev, mdevctl, nvidia, report, validate
 from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.definitions import follow_definitions, plan_definition, save_definition
-from gpulib.errors import GpulibError, InputError
+from gpulib.errors import DeviceError, GpulibError, InputError
 from gpulib.lifecycle import open_store
 from gpulib.liveness import running_domains
 from gpulib.occupancy import Occupancy
@@ -34,6 +34,15 @@ def _refuse_held(sysfs: Sysfs, state: State, kind: str, ident: str, force: bool)
             + ("" if hold.device == ident else f" (through {hold.device})")
             + f"; stop or release {hold.vm} first, or use --force")
     click.echo(f"warning: taking {kind} {ident} from {hold.describe()} (--force)", err=True)
+
+
+def _refuse_hands_off(sysfs: Sysfs, state: State, node: str) -> None:
+    """An unmanaged device (or one below it) is the administrator's:
+    gpulib makes, types, clears and removes nothing of it
+    (`Occupancy.hands_off`, ARCHITECTURE.md, Whose a device is)."""
+    found = _occupancy(sysfs, state).hands_off(node)
+    if found is not None:
+        raise DeviceError(f"{found.reason}: gpulib leaves it alone")
 
 
 @click.group("mdev", cls=Group)
@@ -204,6 +213,7 @@ def mdev_create(env: Env, parent: str, type_id: str, uuid: Optional[str], keep: 
     if not keep and start:
         raise click.UsageError("--start is the policy of a definition: not with --no-keep")
     with open_store(env.ctx, env.config).transaction() as state:
+        _refuse_hands_off(env.ctx.sysfs, state, str(address))
         follow_definitions(env.ctx, state)
         definition = plan_definition(env.ctx, uuid, str(address), type_id, start, pairs) \
             if keep and uuid else None
@@ -257,6 +267,7 @@ def mdev_remove(env: Env, uuid: str, force: bool) -> None:
     value = validate.check_uuid(uuid)
     with open_store(env.ctx, env.config).transaction() as state:
         rec = state.vgpus.get(value)
+        _refuse_hands_off(env.ctx.sysfs, state, value)
         _refuse_held(env.ctx.sysfs, state, "mdev", value, force)
         removed = mdev.remove(env.ctx.sysfs, value)
         undefined = mdevctl.remove_definition(env.ctx, value)
@@ -283,6 +294,7 @@ def vf_set_type(env: Env, address: str, type_id: str, keep: bool) -> None:
     vf = PciAddress.parse(address)
     tid = nvidia.resolve_type(env.ctx.sysfs, vf, type_id)
     with open_store(env.ctx, env.config).transaction() as state:
+        _refuse_hands_off(env.ctx.sysfs, state, str(vf))
         name = nvidia.creatable_types(env.ctx.sysfs, vf).get(tid)
         nvidia.set_type(env.ctx.sysfs, vf, tid)
         if keep:
@@ -299,6 +311,7 @@ def vf_clear(env: Env, address: str, retry: float, force: bool) -> None:
     """Clear a VF's vGPU type (write 0) and forget it."""
     vf = PciAddress.parse(address)
     with open_store(env.ctx, env.config).transaction() as state:
+        _refuse_hands_off(env.ctx.sysfs, state, str(vf))
         _refuse_held(env.ctx.sysfs, state, "VF", str(vf), force)
         nvidia.clear_type(env.ctx.sysfs, vf, retry_seconds=retry)
         state.vf_types.pop(str(vf), None)

@@ -32,6 +32,15 @@ def check(d: Facts) -> list[Result]:
                 f"passthrough GPU {d.label(gpu)} has no IOMMU group: it cannot be "
                 "given to a VM", "enable the IOMMU: see the iommu check"))
             continue
+        if gpu.host_endpoint is not None:
+            # The host's (`ownership.host_endpoints`): no fix takes the endpoint
+            # from its driver; the GPU is not offered whole.
+            problems.append(Result(
+                cid, WARN, str(gpu.address),
+                f"passthrough GPU {d.label(gpu)} is not offered whole: {gpu.host_endpoint}",
+                "leave that endpoint to the host: move the GPU to a slot of its own "
+                "(a root port or switch with ACS), or give it as vGPUs"))
+            continue
         for fn in d.group_peers(gpu):
             member = fn.address
             drv = d.sysfs.link_name(f"{PCI_DEVICES}{member}/driver")

@@ -29,6 +29,7 @@ from gpulib.discovery import Gpu
 from gpulib.doctor.actions import KernelArgs, Manual, Reboot, RunCommand, WriteFile
 from gpulib.doctor.core import is_vfio_driver
 from gpulib.lazyre import lazy
+from gpulib.ownership import host_endpoints
 from gpulib.pci import BRIDGE_BASE_CLASS, PCI_DEVICES, PciAddress, PciFunction
 from gpulib.slotted import Slotted
 
@@ -257,6 +258,12 @@ def _refusal(d: Facts, gpu: Gpu, by_address: set[PciAddress], include_boot_vga: 
                 "after the reboot)")
     needed = [f"{fn.address} ({HOST_NEEDED[fn.class_code >> 8]})" for fn in _group(d, gpu)[1:]
               if fn.class_code >> 8 in HOST_NEEDED]
+    # An endpoint a host driver uses that is not the GPU's own function is
+    # the host's (`ownership.host_endpoints`): never bound to vfio-pci.
+    listed = {n.split(" ", 1)[0] for n in needed}
+    needed += [f"{addr} (on {driver})" for addr, driver in
+               host_endpoints(d.sysfs, gpu.address, gpu.fn.iommu_group, gpu.group_members or None)
+               if addr not in listed]
     if needed:
         return (f"its IOMMU group {gpu.fn.iommu_group} also holds {', '.join(needed)}, which "
                 "the host needs: the whole group would go to the VM")
