@@ -36,7 +36,8 @@ def test_a_cloudstack_start_and_stop_as_the_demo_runs_them(tmp_path: Path) -> No
     assert res.returncode == 0, res.stdout
     out = tmp_path / "out.xml"
     out.write_bytes(res.stdout)
-    assert status(host.root)["allocations"][vm]["status"] == "pending"
+    pending = status(host.root)["allocations"][vm]
+    assert (pending["status"], pending["run"]["state"]) == ("pending", "starting")
 
     assert sim("launch", host.root, str(out)).returncode == 0
     status_file = Path(host.p(f"run/libvirt/qemu/{vm}.xml"))
@@ -45,7 +46,8 @@ def test_a_cloudstack_start_and_stop_as_the_demo_runs_them(tmp_path: Path) -> No
     subprocess.run([STATE_CHANGE, "onStart", vm], env=hook_env(host.root), check=True,
                    timeout=60)
     doc = status(host.root)
-    assert doc["allocations"][vm]["status"] == "active"
+    assert (doc["allocations"][vm]["status"], doc["allocations"][vm]["run"]["state"]) == (
+        "active", "running")
     mdev = xml.split("<address uuid='", 1)[1].split("'", 1)[0]
     assert [v["used_by"] for g in doc["gpus"] for v in g["vgpus"] if v["uuid"] == mdev] == [vm]
 
@@ -67,3 +69,24 @@ def test_bad_arguments_are_one_line(tmp_path: Path) -> None:
             r.stderr.count("\n") == 1, (args, r.stderr)
     assert not (tmp_path / "none").exists()
     assert sim("launch", host.root).returncode == 2
+
+
+def test_status_says_a_stop_that_did_not_complete_is_over(tmp_path: Path) -> None:
+    """The VM stopped and its onStop never came: the allocation is still
+    active in the file, and status says what the hooks will do with it."""
+    host = build_demo(str(tmp_path / "demo"))
+    xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
+    vm = xml.split("<name>", 1)[1].split("<", 1)[0]
+    res = as_agent(host.root, xml)
+    assert res.returncode == 0, res.stdout
+    out = tmp_path / "out.xml"
+    out.write_bytes(res.stdout)
+    assert sim("launch", host.root, str(out)).returncode == 0
+    subprocess.run([STATE_CHANGE, "onStart", vm], env=hook_env(host.root), check=True,
+                   timeout=60)
+    assert sim("shutdown", host.root, vm).returncode == 0
+    run = status(host.root)["allocations"][vm]["run"]
+    assert (run["state"], run["why"]) == ("over", "stopped")
+    text = subprocess.run([GPULIB, "status"], capture_output=True, text=True,
+                          env=hook_env(host.root), timeout=60).stdout
+    assert "over: its stop did not complete" in text and "the next hook releases it" in text

@@ -10,7 +10,15 @@ from gpulib import report
 from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.errors import GpulibError
 from gpulib.lifecycle import boot_clock, open_store
-from gpulib.liveness import from_other_boot
+from gpulib.liveness import (
+    ABANDONED_ARRIVAL,
+    EARLIER_BOOT,
+    EXPIRED_START,
+    STOPPED,
+    Liveness,
+    from_other_boot,
+    run_over,
+)
 from gpulib.pci import PciAddress
 from gpulib.records import UNRECOVERED_KEY
 from gpulib.runtime import discover_host
@@ -118,12 +126,15 @@ def status(env: Env, as_json: bool) -> None:
         state, repair = _repair(store)
     inv = discover_host(env.ctx, env.config, state=state, learn=False)
     clock = boot_clock(env.ctx)
+    liveness = Liveness(env.ctx.sysfs)
+    arrival_grace = env.config.get_float("release", "arrival_timeout")
     doc: dict[str, Any] = {
         "schema": STATUS_SCHEMA,
         "gpus": [report.gpu_document(g) for g in inv.gpus],
         "pools": pools.members(env.config, state, inv.occupancy),
         "allocations": {vm: {"status": a.status, "since": a.since, "domain_uuid": a.domain_uuid,
                              "boot_id": a.boot_id, "boot": _boot_of(a, clock),
+                             "run": _run_of(a, liveness, clock, arrival_grace),
                              "devices": [{"kind": d.kind, "id": d.id, "on_demand": d.on_demand}
                                          for d in a.devices]}
                         for vm, a in sorted(state.allocations.items())},
@@ -149,12 +160,44 @@ def status(env: Env, as_json: bool) -> None:
     for vm, a in doc["allocations"].items():
         devs = ", ".join(f"{d['kind']} {d['id']}" for d in a["devices"])
         click.echo(f"  {vm} ({a['status']} since {a['since']}, {a['boot']}): {devs}")
+        click.echo(f"    {a['run']['words']}")
     if doc["unmanaged"]:
         click.echo("Unmanaged: " + ", ".join(doc["unmanaged"]))
     if doc.get("state_unrecovered"):
         click.echo("State rebuilt from the host; not recovered:")
         for line in doc["state_unrecovered"]:
             click.echo(f"  {line}")
+
+
+# What an allocation's run is, as the hooks judge it (liveness.run_over): the
+# key `status --json` gives, and the words the text gives.
+_OVER_WORDS = {
+    STOPPED: "over: its stop did not complete, the VM no longer runs",
+    EARLIER_BOOT: "over: made in an earlier boot, the VM does not run",
+    ABANDONED_ARRIVAL: "over: a live migration libvirt abandoned",
+    EXPIRED_START: "over: a start libvirt never launched, past its grace",
+}
+
+
+def _run_of(alloc: Allocation, liveness: Liveness, clock: tuple[Optional[str], float],
+            arrival_grace: float) -> dict[str, Any]:
+    """The run an allocation belongs to: running, starting, arriving, or over
+    (and why: what the next hook releases)."""
+    why = run_over(alloc, liveness, clock, arrival_grace=arrival_grace)
+    if why is not None:
+        return {"state": "over", "why": why,
+                "words": f"{_OVER_WORDS.get(why, why)}; the next hook releases it"}
+    if alloc.status == "active":
+        return {"state": "running", "why": None, "words": "running"}
+    if alloc.arriving:
+        return {"state": "arriving", "why": None,
+                "words": "arriving: a live migration libvirt has not prepared yet"}
+    if liveness.is_running(alloc.vm, alloc.domain_uuid):
+        return {"state": "running", "why": None,
+                "words": "running: its onStart has not come yet"}
+    return {"state": "starting", "why": None,
+            "words": ("starting: libvirt prepared it, QEMU does not run yet" if alloc.prepared
+                      else "starting: libvirt has not launched the VM yet")}
 
 
 def _boot_of(alloc: Allocation, clock: tuple[Optional[str], float]) -> str:
