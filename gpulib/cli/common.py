@@ -9,8 +9,8 @@ from typing import Any
 import click
 
 from gpulib.cli.env import Env
-from gpulib.cli.plain import internal_error
-from gpulib.errors import EXIT_BUSY, EXIT_USAGE, GpulibError
+from gpulib.cli.plain import exit_code_of
+from gpulib.errors import EXIT_USAGE
 
 __all__ = ["Env", "Group", "emit_json", "json_option", "run_main"]
 
@@ -41,9 +41,7 @@ def run_main(group: click.Group, args: list[str]) -> int:
     try:
         # Without standalone mode click returns the code of a ctx.exit(n).
         rv = group.main(args=args, prog_name="gpulib", standalone_mode=False)
-    except GpulibError as exc:
-        click.echo(f"gpulib: error: {exc.message}", err=True)
-        return exc.exit_code
+        sys.stdout.flush()
     except click.exceptions.Abort:
         click.echo("gpulib: aborted", err=True)
         return 1
@@ -52,19 +50,7 @@ def run_main(group: click.Group, args: list[str]) -> int:
         return exc.exit_code if exc.exit_code else EXIT_USAGE
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
-    except BrokenPipeError:
-        return 0
-    except KeyboardInterrupt:
-        return 130
-    except ImportError as exc:
-        from gpulib.installation import incomplete_line
-
-        line = incomplete_line("gpulib", exc)
-        if line is None:
-            return internal_error(exc)
-        click.echo(line, err=True)
-        return EXIT_BUSY
-    except Exception as exc:
-        return internal_error(exc)
-    sys.stdout.flush()
+    except (Exception, KeyboardInterrupt) as exc:
+        # Everything that is not click's: one mapping for every command.
+        return exit_code_of(exc)
     return rv if isinstance(rv, int) else 0

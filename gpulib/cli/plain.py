@@ -4,9 +4,11 @@ turns an error into one line and its exit code, as click's wrapper does."""
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 
-from gpulib.errors import EXIT_FAILED, GpulibError
+from gpulib.errors import EXIT_BUSY, EXIT_FAILED, GpulibError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -34,20 +36,74 @@ def leading_verbosity(args: list[str], command: str) -> Optional[tuple[int, list
 
 def run(body: Callable[[], None]) -> int:
     """Run a command's body: 0, or the exit code of its error after one line
-    on stderr (a closed pipe is not an error, an interrupt is 130, a bug is
-    `internal_error`)."""
+    on stderr (`exit_code_of`)."""
     try:
         body()
-    except GpulibError as exc:
+        sys.stdout.flush()
+    except (Exception, KeyboardInterrupt) as exc:
+        return exit_code_of(exc)
+    return 0
+
+
+# What a full disk, a quota or a dead terminal says when stdout is written.
+_OUTPUT_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO))
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The one mapping of an error that ended a command to its exit code, for
+    the commands served with click (`cli.common.run_main`, which first maps
+    click's own) and without: gpulib's errors are their one line and code; a
+    closed pipe is no error (0); an interrupt is 130; an installation between
+    files is exit 3 (`installation`); stdout that cannot be written (a full
+    disk, /dev/full) is one line and 1; anything else is a bug
+    (`internal_error`)."""
+    if isinstance(exc, GpulibError):
         sys.stderr.write(f"gpulib: error: {exc.message}\n")
         return exc.exit_code
-    except BrokenPipeError:
+    if isinstance(exc, BrokenPipeError):
         return 0
-    except KeyboardInterrupt:
+    if isinstance(exc, KeyboardInterrupt):
         return 130
-    except Exception as exc:
-        return internal_error(exc)
-    return 0
+    if isinstance(exc, ImportError):
+        from gpulib.installation import incomplete_line
+
+        line = incomplete_line("gpulib", exc)
+        if line is not None:
+            sys.stderr.write(line + "\n")
+            return EXIT_BUSY
+    if isinstance(exc, OSError) and exc.errno in _OUTPUT_ERRNOS and _from_stdout(exc):
+        _drop_stdout()
+        sys.stderr.write(f"gpulib: error: cannot write the output: {exc.strerror}\n")
+        return EXIT_FAILED
+    return internal_error(exc) if isinstance(exc, Exception) else EXIT_FAILED
+
+
+def _from_stdout(exc: OSError) -> bool:
+    """Whether the error came from writing standard output: raised by a
+    write or flush of sys.stdout (through click.echo, print or gpulib's own
+    writer), never by a file gpulib names (those carry a file name, or were
+    made one line with their path where they are written)."""
+    if exc.filename is not None:
+        return False
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame
+        tb = tb.tb_next
+    if last is None:
+        return False
+    code = last.f_code
+    where = code.co_filename.replace(os.sep, "/")
+    return where.endswith(("/click/utils.py", "/gpulib/cli/plain.py", "/gpulib/cli/common.py")) \
+        or code.co_name == "write_stdout"
+
+
+def _drop_stdout() -> None:
+    """Leave nothing buffered for the interpreter's exit to fail on again."""
+    try:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (stays open until exit)
+    except OSError:
+        pass
 
 
 def internal_error(exc: Exception) -> int:
