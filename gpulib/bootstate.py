@@ -99,7 +99,6 @@ class NextBoot:
         self.sysfs = sysfs
         self.family = family
         self._grub: Optional[bootconfig.BootConfig] = None
-        self._grub_error: Optional[bootconfig.BootConfigError] = None
         self._read_grub = False
         self._args: Optional[list[str]] = None
 
@@ -115,19 +114,15 @@ class NextBoot:
     @property
     def grub(self) -> Optional[bootconfig.BootConfig]:
         """grub's files as grub-mkconfig sources them; None when that cannot be known
-        (`grub_error` says why)."""
+        (grub's files could not be read as grub-mkconfig would)."""
         if not self._read_grub:
             self._read_grub = True
             try:
                 self._grub = bootconfig.BootConfig(self.grub_sources())
-            except bootconfig.BootConfigError as exc:
-                self._grub_error = exc
+            except bootconfig.BootConfigError:
+                # Unknown: the checks and setup say so in their own words.
+                self._grub = None
         return self._grub
-
-    @property
-    def grub_error(self) -> Optional[bootconfig.BootConfigError]:
-        self.grub  # noqa: B018  (read, for its error)
-        return self._grub_error
 
     def grub_args(self) -> list[str]:
         grub = self.grub

@@ -10,7 +10,6 @@ Exit codes (documented in the README and the man pages):
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_BUSY = 3

@@ -156,7 +156,7 @@ class HostReader:
             if ident in pci:
                 continue
             if not self.sysfs.exists(f"sys/bus/pci/devices/{addr}"):
-                pci[ident] = PciFacts(False, False, None, None, False, None)
+                pci[ident] = PciFacts(False, False, None, None, None)
                 continue
             physfn_of = physical_function(self.sysfs, addr)
             pf = str(physfn_of) if physfn_of is not None else None
@@ -168,7 +168,7 @@ class HostReader:
             why = self.whole_gpu_refusal(state, addr) if whole else None
             if gpulibs and vendor is None and physfn_of is not None:
                 why = self.vf_refusal(state, addr)
-            pci[ident] = PciFacts(True, gpulibs, pf, vendor, whole, why)
+            pci[ident] = PciFacts(True, gpulibs, pf, vendor, why)
             if peers_wanted and gpulibs and vendor is None:
                 members = self.group_facts(addr, set(addresses))
                 if members:

@@ -148,8 +148,6 @@ class PciAddress(_PciAddressFields):
 
 # PCI class codes (base class, subclass) that can be GPUs.
 CLASS_VGA = 0x0300
-CLASS_3D = 0x0302
-CLASS_DISPLAY_OTHER = 0x0380
 CLASS_PROCESSING_ACCEL = 0x1200
 DISPLAY_BASE_CLASS = 0x03
 PROCESSING_BASE_CLASS = 0x12

@@ -63,7 +63,6 @@ class PciFacts(NamedTuple):
     gpulibs: bool  # a GPU, a GPU's VF, or an endpoint in a GPU's IOMMU group
     physfn: Optional[str]  # the PF of a VF
     vendor_vf_type: Optional[int]  # an NVIDIA vendor VF's current type (0: none)
-    whole_gpu: bool  # a GPU function itself (not a VF, not a peer)
     # Why the function cannot be given whole: a GPU with declared vGPU use or
     # VFs, a VF carrying vGPUs (mdevs on VFs: live, kept, pooled or allocated).
     whole_refusal: Optional[str]

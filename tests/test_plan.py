@@ -113,7 +113,7 @@ def hosts(draw: Any) -> tuple[HostFacts, State, list[str], list[str], dict[str, 
         if vendor is not None and draw(st.booleans()):
             state.vf_types[a] = VfRecord(558, None, None, draw(st.booleans()))
         why = draw(st.sampled_from([None, "it carries 1 vGPU(s)"])) if a in PFS else None
-        pci[a] = PciFacts(True, True, PHYSFN.get(a), vendor, a in PFS, why)
+        pci[a] = PciFacts(True, True, PHYSFN.get(a), vendor, why)
         if a in PFS and draw(st.booleans()):
             # What the applier reads of the group (the functions the domain
             # names aside); now and then the audio function's class is unreadable.
@@ -207,7 +207,7 @@ def test_planning_its_own_output_again_plans_nothing_new(host: Any) -> None:
         elif isinstance(action, AddGroupPeer):
             # Now named by the domain: a GPU's group peer, not a GPU.
             named.append(action.address)
-            pci[action.address] = PciFacts(True, True, None, None, False, None)
+            pci[action.address] = PciFacts(True, True, None, None, None)
             devices.append(Device("pci", action.address))
         else:
             assert isinstance(action, UsePci)
