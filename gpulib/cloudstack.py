@@ -162,6 +162,17 @@ def gpu_entry(gpu: Gpu) -> dict[str, Any]:
     }
 
 
+def unavailable_instances(gpu: Gpu) -> tuple[int, int]:
+    """(vGPUs, VFs) of the GPU the report lists used by `UNAVAILABLE`: the
+    report's own choice of instances (`reported_vgpus`, `reported_vfs` and
+    `unread_vfs`) and rule (`_user`), so metrics count exactly what the
+    management server marks Error."""
+    vgpus = sum(1 for v in gpu.reported_vgpus if _user(v.used_by, v.available) == UNAVAILABLE)
+    vfs = sum(1 for vf in (*gpu.reported_vfs, *gpu.unread_vfs)
+              if _user(vf.used_by, vf.available) == UNAVAILABLE)
+    return vgpus, vfs
+
+
 def render(inventory: Inventory) -> dict[str, Any]:
     return {"gpus": [gpu_entry(g) for g in inventory.gpus]}
 

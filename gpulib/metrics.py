@@ -60,6 +60,7 @@ import os
 from collections.abc import Iterable
 
 from gpulib import counters
+from gpulib.cloudstack import unavailable_instances
 from gpulib.records import HANDMADE, is_handmade
 
 TYPE_CHECKING = False
@@ -189,6 +190,11 @@ class _GpuFamilies:
         self.offered = exp.family(
             "gpulib_gpu_whole_offered", "gauge",
             "1 when the GPU may be given whole (no vGPU use declared, no VFs).", *gpu)
+        self.unavailable = exp.family(
+            "gpulib_gpu_unavailable_instances", "gauge",
+            "vGPUs and VFs of the GPU that no VM holds and that cannot be given now "
+            "(the CloudStack report's gpulib:unavailable: the management server marks "
+            "them Error): no capacity, and never silent.", "pci_bus_id", "kind")
         self.errors = exp.family(
             "gpulib_gpu_read_errors", "gauge",
             "Files of the GPU that could not be read (gpulib discover --format json lists "
@@ -269,6 +275,9 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State, per_parent: bool)
             _vgpus_per_parent(fams, gpu, bus_id, records, hands_off)
         else:
             _vgpus_per_gpu(fams, gpu, gpu_set, records, hands_off)
+        vgpus_off, vfs_off = unavailable_instances(gpu)
+        fams.unavailable.add(vgpus_off, bus_id, "vgpu")
+        fams.unavailable.add(vfs_off, bus_id, "vf")
         # After the counts: one that cannot be read is one of the GPU's errors.
         fams.errors.add_set(len(gpu.errors), gpu_set)
         _nvidia_vfs(fams, gpu, bus_id, gpu_set, hands_off)

@@ -150,6 +150,47 @@ def test_promtool_accepts_every_simulated_host(built: dict[str, str], name: str)
     assert check.stdout.strip() == "" and check.stderr.strip() == ""
 
 
+def cloudstack_report(root: str) -> dict:  # type: ignore[type-arg]
+    r = subprocess.run([GPULIB, "discover", "--format", "cloudstack"], capture_output=True,
+                       text=True, env=hook_env(root), timeout=60, check=True)
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+def assert_unavailable_as_reported(root: str) -> int:
+    """gpulib_gpu_unavailable_instances counts, per GPU and kind, exactly the
+    instances the CloudStack report lists used by gpulib:unavailable; the
+    number of them."""
+    series = scrape(root)
+    total = 0
+    for g in cloudstack_report(root)["gpus"]:
+        address = g["pci_address"] if g["pci_address"].count(":") == 2 else \
+            "0000:" + g["pci_address"]
+        for kind, key in (("vgpu", "vgpu_instances"), ("vf", "vf_instances")):
+            want = sum(1 for i in g[key] if i["used_by_vm"] == "gpulib:unavailable")
+            got = value(series, "gpulib_gpu_unavailable_instances", pci_bus_id=bus(address),
+                        kind=kind)
+            assert got == want, (address, kind)
+            total += want
+    return total
+
+
+@pytest.mark.parametrize("name", sorted(HOSTS))
+def test_unavailable_instances_are_the_reports(built: dict[str, str], name: str) -> None:
+    assert_unavailable_as_reported(built[name])
+
+
+def test_an_unmanaged_gpus_instances_have_a_series(tmp_path: Path) -> None:
+    """What the report marks unavailable (an unmanaged GPU's idle vGPU) is no
+    blind spot: its series says how many, so an alert can see it."""
+    host = t4_host(str(tmp_path), live=(U1,))
+    assert assert_unavailable_as_reported(host.root) == 0
+    r = subprocess.run([GPULIB, "device", "unmanage", "0000:3b:00.0"], capture_output=True,
+                       text=True,
+                       env=hook_env(host.root), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert assert_unavailable_as_reported(host.root) > 0
+
+
 @pytest.mark.parametrize("name", sorted(HOSTS))
 def test_metrics_agree_with_discovery(built: dict[str, str], name: str) -> None:
     """The same model as `gpulib discover`: its GPUs, their types' instances
@@ -1050,6 +1091,26 @@ def _a10(tmp: Path, held: int) -> Scenario:
     return series, expect, None
 
 
+def _a10_unreadable_vf(tmp: Path) -> Scenario:
+    """Two VFs given NVIDIA A10-4Q, one whose vGPU state cannot be read: the
+    report lists it gpulib:unavailable, and its series makes that an alert
+    (the read errors fire too)."""
+    from gpulib.sim import faults
+
+    host = a10_host(str(tmp), numvfs=2)
+    for vf in ("0000:41:00.4", "0000:41:00.5"):
+        _gpulib(host.root, "vf", "set-type", vf, "NVIDIA A10-4Q")
+    faults.inject(host.root, "sys/bus/pci/devices/0000:41:00.5/nvidia/current_vgpu_type", "eio")
+    series = scrape(host.root)
+    a10 = bus("0000:41:00.0")
+    assert value(series, "gpulib_gpu_unavailable_instances", pci_bus_id=a10, kind="vf") == 1
+    return series, {
+        "GpulibInstancesUnavailable": [_base("warning", pci_bus_id=a10, kind="vf")],
+        "GpulibGpuReadErrors": [_base("warning", pci_bus_id=a10)],
+        "GpulibReadinessCheckFailing": _failing_checks(series),
+    }, None
+
+
 def _damaged_state(tmp: Path) -> Scenario:
     """A state file from a newer gpulib: its alert, the doctor's state
     check, and the hooks failing starts for it (reason state)."""
@@ -1104,6 +1165,9 @@ SCENARIOS: dict[str, tuple[Callable[[Path], Scenario], set[str]]] = {
     "damaged-state": (_damaged_state, {"GpulibStateFileDamaged", "GpulibHookStartsFailing",
                                        "GpulibStrayVgpus", "GpulibReadinessCheckFailing"}),
     "read-errors": (_read_errors, {"GpulibGpuReadErrors", "GpulibReadinessCheckFailing"}),
+    "a10-unreadable-vf": (_a10_unreadable_vf, {"GpulibInstancesUnavailable",
+                                               "GpulibGpuReadErrors",
+                                               "GpulibReadinessCheckFailing"}),
 }
 
 
