@@ -240,7 +240,8 @@ class _GpuFamilies:
             "types. Unmanaged VFs count in no per-type series.", *vf_labels)
 
 
-def _gpus(exp: Exposition, inventory: Inventory, state: State, per_parent: bool) -> None:
+def _gpus(exp: Exposition, inventory: Inventory, state: State, per_parent: bool,
+          records_known: bool = True) -> None:
     fams = _GpuFamilies(exp, per_parent)
     records = state.vgpus
     unmanaged = state.unmanaged
@@ -281,6 +282,8 @@ def _gpus(exp: Exposition, inventory: Inventory, state: State, per_parent: bool)
         # After the counts: one that cannot be read is one of the GPU's errors.
         fams.errors.add_set(len(gpu.errors), gpu_set)
         _nvidia_vfs(fams, gpu, bus_id, gpu_set, hands_off)
+    if not records_known:
+        fams.pooled.samples.clear()  # pool membership is gpulib's record: unknown
 
 
 def _held_counts(gpu: Gpu, records: dict[str, VgpuRecord], per_parent: bool
@@ -489,19 +492,29 @@ def _allocations(exp: Exposition, ctx: Context, state: State, inventory: Invento
             target.add((pool.count or 0) if found else 0, name)
 
 
-def _state(exp: Exposition, ctx: Context, config: Config) -> State:
-    """The state file's health and age; the state as read (empty when unusable)."""
+def _state(exp: Exposition, ctx: Context, config: Config) -> tuple[State, bool]:
+    """The state file's health and age; the state as read, and whether gpulib's
+    records are known. A damaged file is read as the copy gpulib keeps beside
+    it (what the next hook rebuilds it from: a series does not jump while the
+    file waits for that); with the copy unusable too, they are not."""
     from gpulib.errors import GpulibError
     from gpulib.lifecycle import open_store
     from gpulib.records import UNRECOVERED_KEY
     from gpulib.state import State
 
     store = open_store(ctx, config)
+    known = True
     try:
         state = store.load()
         healthy = store.corrupt_reason is None
+        if not healthy:
+            copy = store.backup_state()
+            if copy is not None:
+                state = copy
+            else:
+                known = False
     except GpulibError:
-        state, healthy = State(), False
+        state, healthy, known = State(), False, False
     exp.family("gpulib_state_healthy", "gauge",
                "1 when gpulib's state file is readable and valid (or missing with no copy: "
                "a new host), 0 when it is corrupt, missing beside its copy, unreadable or "
@@ -514,15 +527,19 @@ def _state(exp: Exposition, ctx: Context, config: Config) -> State:
                       "When gpulib's state file was last written (absent: no file yet).")
     if mtime is not None:
         last.add(round(mtime, 3))
-    exp.family("gpulib_state_intents", "gauge",
-               "Write-ahead intents in the state: sysfs changes of starts not yet settled."
-               ).add(len(state.intents))
+    intents = exp.family("gpulib_state_intents", "gauge",
+                         "Write-ahead intents in the state: sysfs changes of starts not yet "
+                         "settled (absent: the state cannot be read).")
     lost = state.extra.get(UNRECOVERED_KEY)
-    exp.family("gpulib_state_unrecovered", "gauge",
-               "What the last rebuild of the state from the host alone (no usable copy) could "
-               "not recover, in kinds of record (gpulib status lists them; 0: none)."
-               ).add(len(lost) if isinstance(lost, list) else 0)
-    return state
+    unrecovered = exp.family(
+        "gpulib_state_unrecovered", "gauge",
+        "What the last rebuild of the state from the host alone (no usable copy) could "
+        "not recover, in kinds of record (gpulib status lists them; 0: none; absent: the "
+        "state cannot be read).")
+    if known:
+        intents.add(len(state.intents))
+        unrecovered.add(len(lost) if isinstance(lost, list) else 0)
+    return state, known
 
 
 def _mig(exp: Exposition, ctx: Context, config: Config, inventory: Inventory) -> None:
@@ -611,10 +628,14 @@ def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
     from gpulib.runtime import discover_host
 
     exp = Exposition()
-    state = _state(exp, ctx, config)
+    state, known = _state(exp, ctx, config)
     inventory = discover_host(ctx, config, state=state, learn=False, keep_domains=True)
-    _gpus(exp, inventory, state, config.get_bool("metrics", "parent_series"))
-    _allocations(exp, ctx, state, inventory, config)
+    _gpus(exp, inventory, state, config.get_bool("metrics", "parent_series"), known)
+    if known:
+        # Without gpulib's records (the file and its copy unusable) strays,
+        # pools and allocations are unknown, not 0: absent, so no series
+        # reads as a change while the state is broken (its health says so).
+        _allocations(exp, ctx, state, inventory, config)
     _mig(exp, ctx, config, inventory)
     _readiness(exp, ctx, config, inventory)
     _counters(exp, counters.fold(ctx.root) if fold else counters.read(ctx.root))

@@ -374,12 +374,29 @@ def test_allocations_stray_pools_and_state(tmp_path: Path) -> None:
     assert value(series, "gpulib_state_last_write_timestamp_seconds") == pytest.approx(
         mtime, abs=0.01)
     # A damaged state file: unhealthy, the doctor's state check fails, the
-    # host's GPUs are still reported.
+    # host's GPUs are still reported; with its copy beside it (what the next
+    # hook rebuilds it from) gpulib's records read as the copy says, so no
+    # series jumps meanwhile.
+    healthy = {k: v for k, v in series.items() if not k[0].startswith(
+        ("gpulib_state_", "gpulib_readiness_"))}
+    Path(root, "var/lib/gpulib/state.json.bak").write_text(dumps(state))
     Path(root, "var/lib/gpulib/state.json").write_text("{not json")
     series = scrape(root)
     assert value(series, "gpulib_state_healthy") == 0
     assert value(series, "gpulib_readiness_check_status", check="state") == 2
     assert matching(series, "gpulib_gpu_info", pci_bus_id=T4_BUS)
+    assert {k: v for k, v in series.items() if k in healthy and not k[0].endswith(
+        "_age_seconds")} == {k: v for k, v in healthy.items() if not k[0].endswith(
+            "_age_seconds")}
+    # The copy unusable too: gpulib's records are unknown, so what they say
+    # (strays, pools, allocations, intents) is absent, never a 0 or a jump.
+    Path(root, "var/lib/gpulib/state.json.bak").write_text("{not json either")
+    series = scrape(root)
+    assert value(series, "gpulib_state_healthy") == 0
+    for name in ("gpulib_stray_vgpus", "gpulib_pool_members", "gpulib_allocations",
+                 "gpulib_vgpu_pool_instances", "gpulib_state_intents"):
+        assert not matching(series, name), name
+    assert matching(series, "gpulib_vgpu_live_instances", pci_bus_id=T4_BUS)
     Path(root, "var/lib/gpulib/state.json").write_text('{"version": 99}')
     assert value(scrape(root), "gpulib_state_healthy") == 0
 
@@ -1126,7 +1143,7 @@ def _damaged_state(tmp: Path) -> Scenario:
     return series, {
         "GpulibStateFileDamaged": [_base("critical")],
         "GpulibHookStartsFailing": [_base("critical", hook="transformer", reason="state")],
-        "GpulibStrayVgpus": [_base("warning")],
+        # gpulib's records unknown: its live vGPU is no stray for all it knows.
         "GpulibReadinessCheckFailing": failing,
     }, None
 
@@ -1163,7 +1180,7 @@ SCENARIOS: dict[str, tuple[Callable[[Path], Scenario], set[str]]] = {
     "a10-exhausted": (lambda tmp: _a10(tmp, held=2), {"GpulibNvidiaVfProfileExhausted",
                                                       "GpulibReadinessCheckFailing"}),
     "damaged-state": (_damaged_state, {"GpulibStateFileDamaged", "GpulibHookStartsFailing",
-                                       "GpulibStrayVgpus", "GpulibReadinessCheckFailing"}),
+                                       "GpulibReadinessCheckFailing"}),
     "read-errors": (_read_errors, {"GpulibGpuReadErrors", "GpulibReadinessCheckFailing"}),
     "a10-unreadable-vf": (_a10_unreadable_vf, {"GpulibInstancesUnavailable",
                                                "GpulibGpuReadErrors",
