@@ -376,11 +376,11 @@ def build_pool64(root: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:
     host.add_iommu_unit("dmar0")
     m = models()["t4"]
     for g in range(gpus):
-        bus = 0x3B + g * 0x10
-        port = f"0000:{bus - 1:02x}:00.0"
+        domain, bus = g // 8, 0x3B + (g % 8) * 0x10  # eight to a PCI domain, as `large`
+        port = f"{domain:04x}:{bus - 1:02x}:00.0"
         host.add_bridge(port, numa_node=g % 2, iommu_group=host.new_iommu_group())
-        add_model(host, m, f"0000:{bus:02x}:00.0", g % 2, parent=port)
-        host.populate_mdev_parent(f"0000:{bus:02x}:00.0", m["mdev_types"])
+        add_model(host, m, f"{domain:04x}:{bus:02x}:00.0", g % 2, parent=port)
+        host.populate_mdev_parent(f"{domain:04x}:{bus:02x}:00.0", m["mdev_types"])
     host.write_file("etc/gpulib/gpulib.conf",
                     "[pool desktops]\nparents = 10de:1eb8\nprofile = GRID T4-1B\n"
                     f"per_parent = {per_parent}\n")
