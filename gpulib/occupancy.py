@@ -284,6 +284,9 @@ class Occupancy:
             and i.action not in GPU_INSTANCE_ACTIONS and not any(
                 d.id == i.id for d in getattr(state.allocations.get(i.vm), "devices", ())))
         running = list(running)
+        # Asked once for every allocation: a set, or a storm of N starts
+        # costs each of them N x N comparisons.
+        running_names = {d.name for d in running}
         clock: Optional[tuple[Optional[str], float]] = None
         over: list[str] = []
         for vm, alloc in state.allocations.items():
@@ -292,7 +295,7 @@ class Occupancy:
 
                 if clock is None:
                     clock = boot_clock_of(sysfs)
-                if all(d.name != vm for d in running) and (
+                if vm not in running_names and (
                         alloc.status == ACTIVE or from_other_boot(alloc, clock)):
                     # Of an earlier boot, or a stop of this boot that did not
                     # complete (active, no status file): its run is over and the
