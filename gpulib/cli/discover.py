@@ -6,13 +6,13 @@ this command without click; this is the command click shows and parses.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import click
 
 from gpulib.cli.env import Env
 from gpulib.cli.inventory import FORMATS, default_format, render
+from gpulib.process import write_stdout
 
 
 @click.command()
@@ -33,4 +33,4 @@ def discover(env: Env, fmt: Optional[str], as_json: bool) -> None:
     if fmt == "table":
         click.echo(text, nl=False)
     else:
-        sys.stdout.write(text)
+        write_stdout(text)  # whatever its size, without waiting for the reader

@@ -14,6 +14,7 @@ import sys
 
 from gpulib.cli.env import Env
 from gpulib.cli.plain import leading_verbosity, run
+from gpulib.process import write_stdout
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ def main(args: list[str]) -> Optional[int]:
         return None  # for a person at a terminal: click's echo, as every listing
 
     def body() -> None:
-        sys.stdout.write(render(Env.from_environment(verbose), fmt))
-        sys.stdout.flush()
+        # The whole report, then one write that never waits for the reader:
+        # the agent reads only after the exit (gpulib.process.write_stdout).
+        write_stdout(render(Env.from_environment(verbose), fmt))
 
     return run(body)

@@ -9,11 +9,10 @@ which this module makes only when asked for (`metrics`).
 
 from __future__ import annotations
 
-import sys
-
 from gpulib.cli import plain
 from gpulib.cli.env import Env
 from gpulib.cli.plain import leading_verbosity
+from gpulib.process import write_stdout
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -36,8 +35,7 @@ def run(env: Env, output: Optional[str]) -> None:
     # `config` check's series says what is wrong).
     text = metrics.render(env.ctx, env.readable_config)
     if output is None or output == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        write_stdout(text)  # whatever its size, without waiting for the reader
     else:
         metrics.write(output, text)
 

@@ -93,7 +93,8 @@ def _prepare(vm_arg: str) -> int:
 
 
 def _arrive(vm_arg: str) -> int:
-    from gpulib.hooks.common import read_stdin, run_guarded, write_stdout
+    from gpulib.hooks.common import read_stdin, run_guarded
+    from gpulib.process import write_stdout
     from gpulib.xmlns import may_concern_gpulib
 
     def body() -> int:

@@ -22,7 +22,8 @@ USAGE = f"usage: {PROGRAM} transform [<domain xml> | -]"
 def main(argv: list[str]) -> int:
     # Deliberately light: a domain without GPUs must cost no more than the
     # interpreter's own start, so nothing else is imported on that path.
-    from gpulib.hooks.common import HookInputError, error_line, read_stdin, write_stdout
+    from gpulib.hooks.common import HookInputError, error_line, read_stdin
+    from gpulib.process import write_stdout
     from gpulib.xmlns import looks_whole, may_concern_gpulib
 
     if len(argv) < 2 or argv[1] != "transform" or len(argv) > 3:
@@ -43,7 +44,8 @@ def main(argv: list[str]) -> int:
 
 
 def _transform(xml: str) -> int:
-    from gpulib.hooks.common import run_guarded, start, write_stdout
+    from gpulib.hooks.common import run_guarded, start
+    from gpulib.process import write_stdout
 
     out: list[str] = []
 

@@ -1,5 +1,5 @@
-"""`python -m gpulib.sim build NAME DIR`: lay out a sample host (demo, large, large-nvidia,
-pool64, mig).
+"""`python -m gpulib.sim build NAME DIR`: lay out a sample host (demo, large, large-16,
+large-32, large-64, large-nvidia, pool64, mig).
 
 `python -m gpulib.sim fault DIR PATH KIND`: make PATH (relative to the host
 DIR) fail the way a real file does (see `gpulib.sim.faults`).

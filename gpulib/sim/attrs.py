@@ -9,10 +9,23 @@ import os
 
 
 def write_file(path: str, content: str, mode: int = 0o644) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(content)
-    os.chmod(path, mode)
+    """`path` holding `content`, with `mode` whatever the umask (its
+    directories made as needed). Straight system calls: a large host is some
+    hundred thousand of these files, and Python's file objects cost twice the
+    creation itself."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, flags, 0o600)
+    try:
+        data = content.encode("utf-8")
+        while data:
+            data = data[os.write(fd, data):]
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 # In a type's directory: the attribute files its devices have (JSON, name ->

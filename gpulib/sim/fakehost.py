@@ -50,6 +50,7 @@ class FakeHost:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self._next_group = 0
+        self._groups_listed = False
         self._names: dict[int, tuple[str, dict[int, str]]] = {}
         os.makedirs(self.p("sys/bus/pci/devices"), exist_ok=True)
         os.makedirs(self.p("sys/kernel/iommu_groups"), exist_ok=True)
@@ -68,9 +69,16 @@ class FakeHost:
         return os.path.realpath(self.p(f"sys/bus/pci/devices/{_addr(address)}"))
 
     def new_iommu_group(self) -> int:
-        existing = [n for n in map(group_number, os.listdir(self.p("sys/kernel/iommu_groups")))
-                    if n is not None]
-        self._next_group = max([self._next_group, *[g + 1 for g in existing]])
+        """A group number no group of the tree has: past every group when first
+        asked, then the next free one (listing the groups at every call made
+        building a large host quadratic in its devices)."""
+        base = self.p("sys/kernel/iommu_groups")
+        if not self._groups_listed:
+            existing = [n for n in map(group_number, os.listdir(base)) if n is not None]
+            self._next_group = max([self._next_group, *[g + 1 for g in existing]])
+            self._groups_listed = True
+        while os.path.lexists(os.path.join(base, str(self._next_group))):
+            self._next_group += 1  # made since by another hand (the simulated kernel)
         group = self._next_group
         self._next_group += 1
         return group
@@ -247,9 +255,15 @@ class FakeHost:
         """
         a = _addr(parent)
         d = self.device_dir(a)
+        supported = os.path.join(d, "mdev_supported_types")
+        os.makedirs(supported, exist_ok=True)
         for t in types:
-            td = os.path.join(d, "mdev_supported_types", str(t["type_id"]))
-            os.makedirs(os.path.join(td, "devices"), exist_ok=True)
+            td = os.path.join(supported, str(t["type_id"]))
+            for made in (td, os.path.join(td, "devices")):
+                try:
+                    os.mkdir(made)
+                except FileExistsError:
+                    pass
             if t.get("name") is not None:
                 _write(os.path.join(td, "name"), f"{t['name']}\n", 0o444)
             if t.get("description") is not None:

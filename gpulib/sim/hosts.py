@@ -10,7 +10,10 @@
   CloudStack agent fixtures, so their domain XML works against this host.
 * `large`: 8 GPUs x 16 VFs x 24 vGPU types with 64 running VMs, the size the
   discovery budget is measured on; `large-nvidia` the same size with NVIDIA's
-  vendor-specific VFs and its tool (`nvidia-smi`).
+  vendor-specific VFs and its tool (`nvidia-smi`). `large-16`, `large-32`,
+  `large-64`: the same in proportion (16 VFs a GPU, 24 types a VF, 8 running
+  VMs a GPU), eight GPUs to a PCI domain, for the curve of cost against size
+  and the reports that pass the pipe's 64 KiB.
 * `pool64`: four T4s with a declared pool of 64 vGPUs, for the concurrency budget.
 * `mig`: two H100 PCIe 80GB with NVIDIA's vendor-specific vGPU VFs, one in
   MIG mode (MIG-backed types, no GPU instance yet), one not (time-sliced
@@ -299,14 +302,26 @@ def large_types() -> list[dict[str, Any]]:
 
 
 def _large_gpu(host: FakeHost, model: dict[str, Any], g: int, vfs: int) -> list[str]:
-    """The large hosts' GPU number `g` behind a root port of its own: its VFs."""
-    bus = 0x11 + g * 0x20
-    root_port = f"0000:{bus - 1:02x}:01.0"
+    """The large hosts' GPU number `g` behind a root port of its own: its VFs.
+    Eight GPUs to a PCI domain (a bus range of 0x20 each), as a host with
+    several PCI segments (VMD, multi-socket) numbers them past the eighth."""
+    domain, bus = g // 8, 0x11 + (g % 8) * 0x20
+    root_port = f"{domain:04x}:{bus - 1:02x}:01.0"
     host.add_bridge(root_port, numa_node=_numa(bus), iommu_group=host.new_iommu_group())
-    return add_sriov_gpu(host, model, f"0000:{bus:02x}:00.0", _numa(bus), root_port, vfs)
+    return add_sriov_gpu(host, model, f"{domain:04x}:{bus:02x}:00.0", _numa(bus), root_port,
+                         vfs)
 
 
-def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: int = 64) -> FakeHost:
+# The GPUs of the large hosts: `large` and the sizes in proportion to it.
+LARGE_SIZES = (8, 16, 32, 64)
+
+
+def build_large(root: str, gpus: int = 8, vfs_per_gpu: int = 16, vms: Optional[int] = None
+                ) -> FakeHost:
+    """`gpus` L40S x `vfs_per_gpu` VFs x 24 types and `vms` running VMs (8 a
+    GPU unless given), each with a vGPU on a VF of its own."""
+    if vms is None:
+        vms = 8 * gpus
     m = models()
     model = dict(m["l40s"], sriov_totalvfs=32)
     host = FakeHost(root)
@@ -361,11 +376,11 @@ def build_pool64(root: str, gpus: int = 4, per_parent: int = 16) -> FakeHost:
     host.add_iommu_unit("dmar0")
     m = models()["t4"]
     for g in range(gpus):
-        bus = 0x3B + g * 0x10
-        port = f"0000:{bus - 1:02x}:00.0"
+        domain, bus = g // 8, 0x3B + (g % 8) * 0x10  # eight to a PCI domain, as `large`
+        port = f"{domain:04x}:{bus - 1:02x}:00.0"
         host.add_bridge(port, numa_node=g % 2, iommu_group=host.new_iommu_group())
-        add_model(host, m, f"0000:{bus:02x}:00.0", g % 2, parent=port)
-        host.populate_mdev_parent(f"0000:{bus:02x}:00.0", m["mdev_types"])
+        add_model(host, m, f"{domain:04x}:{bus:02x}:00.0", g % 2, parent=port)
+        host.populate_mdev_parent(f"{domain:04x}:{bus:02x}:00.0", m["mdev_types"])
     host.write_file("etc/gpulib/gpulib.conf",
                     "[pool desktops]\nparents = 10de:1eb8\nprofile = GRID T4-1B\n"
                     f"per_parent = {per_parent}\n")
@@ -421,6 +436,16 @@ def build_mig(root: str, numvfs: int = 8) -> FakeHost:
 SAMPLE_HOSTS: dict[str, Callable[[str], FakeHost]] = {
     "demo": build_demo, "large": build_large, "large-nvidia": build_large_nvidia,
     "pool64": build_pool64, "mig": build_mig}
+
+
+def _large_of(gpus: int) -> Callable[[str], FakeHost]:
+    def build_sized(root: str) -> FakeHost:
+        return build_large(root, gpus=gpus)
+
+    return build_sized
+
+
+SAMPLE_HOSTS.update({f"large-{n}": _large_of(n) for n in LARGE_SIZES if n != 8})
 
 
 def build(name: str, root: str) -> FakeHost:
