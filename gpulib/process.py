@@ -70,8 +70,16 @@ def write_stdout(text: str) -> None:
         if written == len(data) or _hand_to_child(fd, data[written:]):
             return
     view = memoryview(data)[written:]
-    while view:
-        view = view[os.write(fd, view):]
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except BrokenPipeError:
+        raise  # the reader went away: no error of the answer's, each caller's own exit
+    except OSError as exc:
+        # A full disk, a quota, a terminal gone: one line, as every error.
+        from gpulib.errors import GpulibError
+
+        raise GpulibError(f"cannot write the output: {exc.strerror or exc}") from None
 
 
 def _is_pipe(fd: int) -> bool:

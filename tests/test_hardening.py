@@ -567,3 +567,32 @@ def test_a_command_runs_without_the_cyclic_collector_and_gives_it_back(
     assert gc.isenabled()
     assert cli.main(args) == 0, capsys.readouterr().err
     assert seen == [False] and gc.isenabled()
+
+
+# -- a full stdout -----------------------------------------------------------------------
+
+FULL_STDOUT_RUNS = {
+    "discover cloudstack": [str(BIN / "gpulib"), "discover", "--format", "cloudstack"],
+    "discover json": [str(BIN / "gpulib"), "discover", "--format", "json"],
+    "discover table": [str(BIN / "gpulib"), "discover", "--format", "table"],
+    "metrics": [str(BIN / "gpulib"), "metrics"],
+    "status": [str(BIN / "gpulib"), "status"],
+    "status json": [str(BIN / "gpulib"), "status", "--json"],
+    "mdev list": [str(BIN / "gpulib"), "mdev", "list"],
+    "doctor": [str(BIN / "gpulib"), "doctor"],
+    "transformer, no GPU": [TRANSFORMER, "transform", "<domain><name>x</name></domain>"],
+    "transformer, a vGPU": [TRANSFORMER, "transform", VGPU_XML.read_text()],
+}
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("name", sorted(FULL_STDOUT_RUNS))
+def test_a_full_stdout_is_one_line_not_a_bug(demo: str, name: str) -> None:
+    """stdout on a full disk (/dev/full): every executable that answers there
+    says so in one line and exits 1; no traceback, no "internal error"."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(FULL_STDOUT_RUNS[name], stdout=full, stderr=subprocess.PIPE,
+                           text=True, env=hook_env(demo), timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("\n") == 1 and "cannot write the output: No space left on device" \
+        in r.stderr and "internal error" not in r.stderr, r.stderr

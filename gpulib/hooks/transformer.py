@@ -23,7 +23,6 @@ def main(argv: list[str]) -> int:
     # Deliberately light: a domain without GPUs must cost no more than the
     # interpreter's own start, so nothing else is imported on that path.
     from gpulib.hooks.common import HookInputError, error_line, read_stdin
-    from gpulib.process import write_stdout
     from gpulib.xmlns import looks_whole, may_concern_gpulib
 
     if len(argv) < 2 or argv[1] != "transform" or len(argv) > 3:
@@ -38,14 +37,29 @@ def main(argv: list[str]) -> int:
         error_line(PROGRAM, "empty domain XML")
         return 2
     if looks_whole(xml) and not may_concern_gpulib(xml):
-        write_stdout(xml)
-        return 0
+        return _answer(xml)
     return _transform(xml)
+
+
+def _answer(text: str) -> int:
+    """The new XML on stdout: 0, or 1 after one line when it cannot be written."""
+    from gpulib.process import write_stdout
+
+    try:
+        write_stdout(text)
+    except Exception as exc:  # gpulib's error is imported only when one came
+        from gpulib.errors import GpulibError
+        from gpulib.hooks.common import error_line
+
+        if not isinstance(exc, GpulibError):
+            raise
+        error_line(PROGRAM, exc.message)
+        return 1
+    return 0
 
 
 def _transform(xml: str) -> int:
     from gpulib.hooks.common import run_guarded, start
-    from gpulib.process import write_stdout
 
     out: list[str] = []
 
@@ -63,9 +77,7 @@ def _transform(xml: str) -> int:
         return 0
 
     code = run_guarded(PROGRAM, body)
-    if code == 0:
-        write_stdout(out[0])
-    return code
+    return _answer(out[0]) if code == 0 else code
 
 
 if __name__ == "__main__":
