@@ -484,8 +484,8 @@ def free_placements(profile: Profile, used: Iterable[Instance]) -> list[int]:
             if not taken.intersection(range(s, s + profile.size))]
 
 
-def choose_placement(profile: Profile, profiles: Iterable[Profile], used: Sequence[Instance]
-                     ) -> Optional[int]:
+def choose_placement(profile: Profile, profiles: Iterable[Profile], used: Sequence[Instance],
+                     among: Optional[Sequence[int]] = None) -> Optional[int]:
     """Where a new GPU instance of `profile` goes, or None when it fits nowhere.
 
     Of the free placements, the one that leaves the most room for larger
@@ -493,8 +493,10 @@ def choose_placement(profile: Profile, profiles: Iterable[Profile], used: Sequen
     number of its placements still free after this one is taken (compared in
     that order); ties go to the highest start (instances pack from the top,
     as the driver's own choice does), so a 4g or 3g instance still fits at
-    slice 0 after 1g ones."""
+    slice 0 after 1g ones. `among`: only these starts are considered."""
     free = free_placements(profile, used)
+    if among is not None:
+        free = [s for s in free if s in among]
     if not free:
         return None
     larger = sorted((p for p in profiles if p.size > profile.size and p.placements),
@@ -519,3 +521,22 @@ def free_count(profile: Profile, used: Sequence[Instance], same_profile: int = 0
         trial.append(Instance(-1, profile.id, profile.name, starts[0], profile.size))
         n += 1
     return n
+
+
+def choose_kept(profile: Profile, profiles: Iterable[Profile], used: Sequence[Instance],
+                starts: Sequence[int], n: int) -> list[int]:
+    """Which `n` of a pool's instances of `profile` at `starts` to keep when
+    the others go (`used`: the GPU's other instances): those
+    `choose_placement` would have chosen were they made now, so that what
+    goes leaves the most room for larger profiles."""
+    profiles = list(profiles)
+    kept: list[int] = []
+    trial = list(used)
+    for _ in range(min(n, len(starts))):
+        start = choose_placement(profile, profiles, trial,
+                                 among=[s for s in starts if s not in kept])
+        if start is None:
+            break
+        kept.append(start)
+        trial.append(Instance(-1, profile.id, profile.name, start, profile.size))
+    return kept

@@ -121,8 +121,23 @@ class Tool:
         """GPU instance `gi` and its compute instances (the driver refuses
         while a vGPU runs on it: "In use by another client")."""
         bus = gpu.bus_id
-        self._run(("mig", "-i", bus, "-gi", str(gi), "-dci"), empty_ok=True)
-        self._run(("mig", "-i", bus, "-gi", str(gi), "-dgi"))
+        dci = ("mig", "-i", bus, "-gi", str(gi), "-dci")
+        code, out, err = nvidiasmi.run(self.path, dci, self.timeout)
+        if code not in (0, NOT_FOUND):
+            raise nvidiasmi.failure(self.path, dci, code, out, err)
+        had_compute = code == 0
+        try:
+            self._run(("mig", "-i", bus, "-gi", str(gi), "-dgi"))
+        except ToolFailed as exc:
+            # The instance stays: it gets its compute instance back, or a
+            # MIG-backed vGPU could never run on it again.
+            if had_compute:
+                try:
+                    self.create_compute(gpu, gi)
+                except ToolFailed as again:
+                    raise ToolFailed(f"{exc}; and its compute instance, destroyed before, "
+                                     f"could not be made again: {again}") from exc
+            raise
 
 
 # -- the cache of the reports -------------------------------------------------------------------

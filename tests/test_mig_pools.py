@@ -477,3 +477,83 @@ def test_the_device_script_reports_and_exercises_one_mig_backed_vgpu(host: FakeH
                           "--out", str(tmp_path / "none")], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "no nvidia-smi below" in res.stderr
+
+
+# -- one apply settles every pool; restore finds another placement -------------------------------
+
+def test_one_apply_shrinks_a_pool_to_make_room_for_another(host: FakeHost) -> None:
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool small]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10C\n"
+                    "count = 7\n")
+    applied(host)
+    assert instances(host) == [(19, s) for s in range(7)]
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool small]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10C\n"
+                    "count = 3\n[pool big]\nparents = 0000:41:00.0\n"
+                    "profile = NVIDIA H100-4-40C\ncount = 1\n")
+    # One run, as the boot unit makes it: the small pool's surplus goes
+    # first, from the bottom slices, and the 4g instance takes them.
+    out = applied(host)
+    assert "FAILED" not in out, out
+    assert instances(host) == [(5, 0), (19, 4), (19, 5), (19, 6)]
+    st = state_of(host.root)
+    assert sorted((r["pool"], r["start"]) for r in st["gpu_instances"]) == [
+        ("big", 0), ("small", 4), ("small", 5), ("small", 6)]
+    assert sorted(r["pool"] for r in st["vf_types"].values()) == ["big"] + ["small"] * 3
+    assert "nothing to do" in applied(host)
+
+
+def test_restore_finds_another_placement_when_the_recorded_one_is_taken(
+        host: FakeHost) -> None:
+    applied(host)  # 1g instances at 5 and 6
+    host = reboot(host, lambda root: build_mig(root))
+    host.write_file(BOOT_ID, "boot-2\n", 0o444)
+    # Before the boot unit, another tool made a 2g instance over slices 4 and 5.
+    smi = host.p("usr/bin/nvidia-smi")
+    assert subprocess.run([smi, "mig", "-i", "0", "-cgi", "14:4", "-C"],
+                          capture_output=True).returncode == 0
+    res = cli(host.root, "restore")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "placement 5 was taken" in res.stdout
+    assert instances(host) == [(14, 4), (19, 3), (19, 6)]
+    st = state_of(host.root)
+    assert sorted((r["pool"], r["start"]) for r in st["gpu_instances"]) == [("mig", 3),
+                                                                            ("mig", 6)]
+    # Both VFs of the pool have their type again; none is left unavailable.
+    assert vf_type(host, "0000:41:00.4") == vf_type(host, "0000:41:00.5") == H100_1_10C
+    assert cloudstack_vfs(host.root) == [("41:00.4", "NVIDIA H100-1-10C", None),
+                                         ("41:00.5", "NVIDIA H100-1-10C", None)]
+    assert "nothing to do" in applied(host)
+    assert [r["status"] for r in doctor_mig(host)] == ["ok"]
+
+
+def test_a_pool_beyond_its_profiles_total_stops_at_the_first_refusal(host: FakeHost) -> None:
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool me]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10CME\n"
+                    "count = 3\n")
+    res = cli(host.root, "pool", "apply")
+    assert res.returncode == 1
+    # One +me instance per GPU: the driver is asked for one, once.
+    assert sum("-cgi 20:" in c for c in host.nvidia_smi_calls()) == 1
+    assert instances(host) == [(20, 6)]
+    failed = [line for line in res.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2, res.stdout
+    assert "holds at most 1 MIG 1g.10gb+me GPU instance(s)" in failed[0]
+    assert "no free GPU instance for 518" in failed[1]
+    st = state_of(host.root)
+    assert list(st["vf_types"]) == ["0000:41:00.4"] and st["intents"] == []
+
+
+def test_a_failed_destroy_leaves_the_instance_its_compute_instance(tmp_path: Path) -> None:
+    from gpulib import migtool
+    from gpulib.nvidiasmi import ToolFailed
+
+    calls = tmp_path / "calls"
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
+                    'case "$*" in *-dgi*) echo "Unable to destroy GPU instance ID  1 from GPU  0:'
+                    ' Unknown Error"; exit 255;; esac\nexit 0\n')
+    tool.chmod(0o755)
+    with pytest.raises(ToolFailed, match="Unknown Error"):
+        migtool.Tool(str(tool)).destroy(PciAddress.parse(MIG_GPU), 1)
+    assert [c.split()[-1] for c in calls.read_text().splitlines()] == ["-dci", "-dgi", "-cci"]
