@@ -17,7 +17,7 @@ import pytest
 
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import MIG_GPU, build_mig
+from gpulib.sim.hosts import MIG_GPU, PLAIN_H100, build_mig
 from gpulib.sim.migdriver import MigGpu
 from tests.conftest import DATA
 from tests.hookrun import STATE_CHANGE, as_agent, hook_env, run
@@ -557,3 +557,57 @@ def test_a_failed_destroy_leaves_the_instance_its_compute_instance(tmp_path: Pat
     with pytest.raises(ToolFailed, match="Unknown Error"):
         migtool.Tool(str(tool)).destroy(PciAddress.parse(MIG_GPU), 1)
     assert [c.split()[-1] for c in calls.read_text().splitlines()] == ["-dci", "-dgi", "-cci"]
+
+
+# -- the doctor says what is known and what is not ----------------------------------------------
+
+def _tool_replaced(host: FakeHost, body: str) -> None:
+    tool = Path(host.p("usr/bin/nvidia-smi"))
+    tool.unlink()
+    tool.write_text("#!/bin/sh\n" + body)
+    tool.chmod(0o755)
+
+
+@pytest.mark.parametrize("body", [
+    'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver. '
+    'Make sure that the latest NVIDIA driver is installed and running."\nexit 9\n',
+    "exec sleep 30\n"], ids=["failing", "hanging"])
+def test_the_doctor_is_honest_when_the_tool_does_not_answer(host: FakeHost, body: str) -> None:
+    applied(host)
+    _tool_replaced(host, body)
+    host.write_file("etc/gpulib/gpulib.conf", POOL + "[discovery]\nnvidia_smi_timeout = 1\n")
+    found = doctor_mig(host)
+    assert not any("no GPU is in MIG mode" in r["message"] for r in found), found
+    [fail] = [r for r in found if r["status"] == "fail"]
+    assert fail["subject"] == MIG_GPU
+    assert "MIG mode and GPU instances unknown" in fail["message"]
+    assert "pool(s) mig record 2 GPU instance(s)" in fail["message"]
+    assert "2 of its VFs carry or are recorded with a MIG-backed type" in fail["message"]
+    why = "exit 9" if "exit 9" in body else "gave no answer within 1 s"
+    assert why in fail["message"] or "s ago" in fail["message"], fail["message"]
+    # The GPU without MIG records is not called out of MIG mode either.
+    assert all(r["subject"] != PLAIN_H100 for r in found)
+
+
+def test_the_doctor_fails_a_pool_whose_gpu_left_mig_mode(host: FakeHost) -> None:
+    applied(host)
+    assert agent(host).returncode == 0  # 41:00.4 pending for the VM
+    host = reboot(host, lambda root: build_mig(root, mig_mode=False))
+    host.write_file(BOOT_ID, "boot-2\n", 0o444)
+    [fail] = [r for r in doctor_mig(host) if r["status"] == "fail"]
+    assert "left MIG mode (it is disabled)" in fail["message"]
+    assert "the 2 GPU instance(s) pool(s) mig record on it are gone" in fail["message"]
+    assert f"nvidia-smi -i {PciAddress.parse(MIG_GPU).bus_id} -mig 1" in fail["fix"]
+    # The start is refused for that reason, not for other VFs' types.
+    refused = agent(host)
+    assert refused.returncode != 0
+    assert b"needs MIG mode, which is off on its GPU" in refused.stdout, refused.stdout
+
+
+def test_a_fresh_mig_host_has_no_warning_before_the_first_pool_apply(host: FakeHost) -> None:
+    assert not Path(host.p("var/lib/gpulib")).exists() or not any(
+        Path(host.p("var/lib/gpulib")).iterdir())
+    res = cli(host.root, "doctor", "--check", "mdev", "--check", "mig", "--json")
+    checks = json.loads(res.stdout)["checks"]
+    assert [c["status"] for c in checks] == ["ok", "ok"], checks
+    assert not Path(host.p("var/lib/gpulib/nvidia-smi.json")).exists()

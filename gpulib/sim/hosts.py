@@ -395,11 +395,13 @@ def add_h100(host: FakeHost, address: str, root_port: str, numa: int, numvfs: in
     return vfs
 
 
-def build_mig(root: str, numvfs: int = 8) -> FakeHost:
+def build_mig(root: str, numvfs: int = 8, mig_mode: bool = True) -> FakeHost:
     """Two H100 PCIe 80GB on an Ubuntu 24.04 host (kernel 6.8: NVIDIA's
-    vendor-specific VFIO framework), `MIG_GPU` in MIG mode and `PLAIN_H100`
-    not, each with `numvfs` VFs (from .4, as the agent's fixtures name them);
-    NVIDIA's tool installed; the pool `mig` declared, not made."""
+    vendor-specific VFIO framework), `MIG_GPU` in MIG mode (unless
+    `mig_mode` is False: a host booted after it was switched off) and
+    `PLAIN_H100` not, each with `numvfs` VFs (from .4, as the agent's
+    fixtures name them); NVIDIA's tool installed; the pool `mig` declared,
+    not made."""
     host = FakeHost(root)
     host.add_iommu_unit("dmar0")
     for mod in ("vfio", "vfio_pci", "vfio_pci_core", "vfio_iommu_type1", "nvidia", "kvm",
@@ -409,7 +411,7 @@ def build_mig(root: str, numvfs: int = 8) -> FakeHost:
                     "blacklist nouveau\noptions nouveau modeset=0\n")
     host.write_file("etc/os-release", 'ID=ubuntu\nVERSION_ID="24.04"\n'
                                       'PRETTY_NAME="Ubuntu 24.04 LTS"\n')
-    add_h100(host, MIG_GPU, "0000:40:03.1", 0, numvfs, mig_mode=True)
+    add_h100(host, MIG_GPU, "0000:40:03.1", 0, numvfs, mig_mode=mig_mode)
     add_h100(host, PLAIN_H100, "0000:c0:01.1", 1, numvfs, mig_mode=False)
     install_nvidia_smi(host)
     host.write_file("etc/gpulib/gpulib.conf",
