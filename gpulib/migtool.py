@@ -218,13 +218,16 @@ def layouts(root: str, gpus: list[Gpu], timeout: float = nvidiasmi.DEFAULT_TIMEO
         cache = {}
     cached = cache.get("gpus") if isinstance(cache.get("gpus"), dict) else {}
     assert isinstance(cached, dict)
+    # A snapshot's replay has no tool to ask: its layouts hold while the
+    # VFs show what they showed (`frozen`).
+    frozen = cache.get("frozen") is True
     out: dict[PciAddress, mig.Layout] = {}
     stale = []
     for g in gpus:
         entry = cached.get(str(g.address))
         layout = mig.Layout.from_json(entry.get("layout")) if isinstance(entry, dict) else None
         if layout is not None and layout.current in (mig.ENABLED, mig.DISABLED) and \
-                not _still_good(entry, g, now, False):  # type: ignore[arg-type]
+                not _still_good(entry, g, now, frozen):  # type: ignore[arg-type]
             layout = None  # a MIG-capable GPU's layout changes
         if layout is not None:
             out[g.address] = layout
@@ -245,6 +248,8 @@ def layouts(root: str, gpus: list[Gpu], timeout: float = nvidiasmi.DEFAULT_TIMEO
         return out
     fresh: dict[str, object] = {"version": CACHE_VERSION, "driver": driver,
                                 "gpus": dict(cached)}
+    if frozen:
+        fresh["frozen"] = True
     try:
         found = tool.layouts(g.address for g in stale)
     except ToolFailed as exc:
@@ -267,6 +272,18 @@ def layouts(root: str, gpus: list[Gpu], timeout: float = nvidiasmi.DEFAULT_TIMEO
     if save:
         _save(path, fresh)
     return out
+
+
+def frozen_cache(root: str, gpus: list[Gpu], found: dict[PciAddress, mig.Layout],
+                 now: float) -> bytes:
+    """The cache a snapshot carries: the layouts of `gpus` as the reports
+    read them, held in a replay (which has no tool) while the VFs show what
+    they show now."""
+    entries = {str(g.address): {"fingerprint": fingerprint(g), "at": now,
+                                "layout": found[g.address].as_json()}
+               for g in gpus if g.address in found}
+    doc = {"version": CACHE_VERSION, "driver": _driver(root), "frozen": True, "gpus": entries}
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
 def wanted(inventory: Inventory) -> list[Gpu]:
