@@ -199,34 +199,6 @@ def _numbers(fields: dict[str, str]) -> TypeNumbers:
                        _int(fields.get("GPU Instance Profile ID", "")))
 
 
-def render(gpus: dict[PciAddress, dict[int, tuple[str, TypeNumbers]]]) -> str:
-    """`nvidia-smi vgpu -s -v` as the driver prints it (its field order and
-    column), for the simulator's tool: {GPU: {type id: (class, numbers)}}."""
-    lines = []
-
-    def field(key: str, value: object, indent: int = 8) -> None:
-        lines.append(f"{' ' * indent}{key:<{42 - indent}}: {value}")
-
-    for address in sorted(gpus):
-        lines.append(f"GPU {address.domain:08X}:{address.bus:02X}:{address.slot:02X}."
-                     f"{address.function:X}")
-        for tid, (klass, n) in sorted(gpus[address].items()):
-            field("vGPU Type ID", f"0x{tid:x}", 4)
-            field("Name", n.name)
-            field("Class", klass)
-            mig_backed = n.gi_profile is not None
-            field("GPU Instance Profile ID", n.gi_profile if mig_backed else "N/A")
-            field("Max Instances", n.max_instances)
-            field("Max Instances Per VM", 1)
-            field("Max Instances Per GI", 1 if mig_backed else "N/A")
-            field("FB Memory", f"{n.framebuffer_mb} MiB")
-            field("Display Heads", n.num_heads)
-            if n.max_resolution:
-                field("Maximum X Resolution", n.max_resolution[0])
-                field("Maximum Y Resolution", n.max_resolution[1])
-    return "\n".join(lines) + "\n"
-
-
 # -- the tool, bounded ---------------------------------------------------------------------
 
 class ToolFailed(Exception):

@@ -27,8 +27,8 @@ import uuid as uuidlib
 from typing import Any, Callable, Optional
 
 from gpulib.nvidiasmi import TypeNumbers
-from gpulib.nvidiasmi import render as render_nvidia_smi
 from gpulib.pci import PciAddress
+from gpulib.sim import captured
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.migdriver import MigGpu
 
@@ -141,7 +141,7 @@ def nvidia_smi_output(host: FakeHost) -> str:
         gpus[PciAddress.parse(name)] = {
             int(tid): vf_type_numbers(model, tname)
             for tid, tname in model["nvidia_vf_types"].items()}
-    return render_nvidia_smi(gpus)
+    return captured.vgpu_types(gpus)
 
 
 def install_nvidia_smi(host: FakeHost, behaviour: str = "answer") -> None:
