@@ -74,6 +74,9 @@ def select(all_gpus: list[Gpu], ident: Optional[str]) -> Optional[list[Gpu]]:
 
 
 def _product(root: str, gpu: Gpu) -> str:
+    state = MigGpu.load(gpu.pf_dir)
+    if state is not None and state.product:
+        return state.product
     device = _read(os.path.join(gpu.pf_dir, "device"))
     return {"0x2331": "NVIDIA H100 PCIe", "0x2236": "NVIDIA A10",
             "0x26b9": "NVIDIA L40S", "0x20f1": "NVIDIA A100-PCIE-40GB"}.get(device, "NVIDIA GPU")
