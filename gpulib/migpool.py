@@ -61,23 +61,27 @@ def pool_tag(name: str) -> str:
 class MigPlan:
     """A MIG-backed pool on one GPU: the type and the profile it runs on."""
 
-    def __init__(self, gpu: Gpu, type_id: int, name: str, profile: int) -> None:
+    def __init__(self, gpu: Gpu, type_id: int, name: str, profile: int,
+                 per_gi: int = 1) -> None:
         self.gpu = gpu
         self.type_id = type_id
         self.name = name
         self.profile = profile
+        # vGPUs of the type one GPU instance runs (NVIDIA's "Max Instances Per GI").
+        self.per_gi = max(1, per_gi)
 
 
-def _bound(sysfs: Sysfs, gpu: Gpu) -> dict[int, PciAddress]:
-    """GPU instance id -> the VF whose vGPU runs on it, read now."""
-    out = {}
+def _bound(sysfs: Sysfs, gpu: Gpu) -> dict[int, list[PciAddress]]:
+    """GPU instance id -> the VFs whose vGPUs run on it (one, or several
+    for a type with more than one vGPU per instance), read now."""
+    out: dict[int, list[PciAddress]] = {}
     for vf in gpu.vfs:
         if vf.nvidia is None:
             continue
         if nvidia.current_type(sysfs, vf.address):
             gi = nvidia.gpu_instance(sysfs, vf.address)
             if gi is not None:
-                out[gi] = vf.address
+                out.setdefault(gi, []).append(vf.address)
     return out
 
 
@@ -263,7 +267,8 @@ def plans(pool: PoolConfig, inventory: Inventory, numbers: nvidiasmi.Numbers,
             continue
         for tid, n in sorted(numbers.get(gpu.address, {}).items()):
             if n.gi_profile is not None and serves(pool.profile, pool.type_id, tid, n.name):
-                out.append(MigPlan(gpu, tid, n.name or str(tid), n.gi_profile))
+                out.append(MigPlan(gpu, tid, n.name or str(tid), n.gi_profile,
+                                   n.per_gi or 1))
                 break
     return out
 
@@ -309,8 +314,9 @@ class GpuWork:
 
     @property
     def need(self) -> int:
-        """The instances it keeps: what it wants, and one per held member."""
-        return max(self.want, len(self.held))
+        """The instances it keeps: enough for what it wants and for every
+        held member (one each, or one per `per_gi` of them)."""
+        return -(-max(self.want, len(self.held)) // self.plan.per_gi)
 
 
 def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
@@ -411,8 +417,8 @@ def _shrink(run: Applier, w: GpuWork, occ: Occupancy) -> None:
     bound = _bound(run.sysfs, gpu) if not run.dry_run else {}
     # A member no VM holds may leave its instance: it is typed again
     # (on an instance kept) when the VFs' turn comes.
-    movable = {gi: vf for gi, vf in bound.items()
-               if str(vf) in w.members and str(vf) not in w.held}
+    movable = {gi: vfs for gi, vfs in bound.items()
+               if all(str(vf) in w.members and str(vf) not in w.held for vf in vfs)}
     free = [r for r in live if r.gi not in bound or r.gi in movable]
     keep = max(0, w.need - (len(live) - len(free)))
     if len(free) <= keep:
@@ -426,8 +432,8 @@ def _shrink(run: Applier, w: GpuWork, occ: Occupancy) -> None:
     for rec in free:
         if rec.start in kept:
             continue
-        vf = movable.get(rec.gi) if rec.gi is not None else None
-        if vf is not None and not run.untype_member(vf, w.pool):
+        vfs = movable.get(rec.gi, []) if rec.gi is not None else []
+        if not all(run.untype_member(vf, w.pool) for vf in vfs):
             break
         if not run.destroy(gpu.address, rec, f"surplus of pool {w.pool}"):
             break

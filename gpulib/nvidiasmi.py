@@ -89,11 +89,14 @@ if TYPE_CHECKING:
         num_heads: Optional[int]
         max_resolution: Optional[tuple[int, int]]
         # The GPU instance profile a MIG-backed type runs on (None: time-sliced).
-        gi_profile: Optional[int]
+        gi_profile: Optional[int] = None
+        # How many vGPUs of a MIG-backed type one GPU instance runs ("Max
+        # Instances Per GI"; None: not said, one).
+        per_gi: Optional[int] = None
 else:  # without typing (see gpulib.pci.PciAddress)
     _TypeNumbersFields = namedtuple("_TypeNumbersFields", (
         "name", "max_instances", "framebuffer_mb", "num_heads", "max_resolution",
-        "gi_profile"), defaults=(None,))
+        "gi_profile", "per_gi"), defaults=(None, None))
 
 
 class TypeNumbers(_TypeNumbersFields):
@@ -105,7 +108,8 @@ class TypeNumbers(_TypeNumbersFields):
         return {"name": self.name, "max_instances": self.max_instances,
                 "framebuffer_mb": self.framebuffer_mb, "num_heads": self.num_heads,
                 "max_resolution": list(self.max_resolution) if self.max_resolution else None,
-                "gi_profile": self.gi_profile}
+                "gi_profile": self.gi_profile,
+                **({"per_gi": self.per_gi} if self.per_gi not in (None, 1) else {})}
 
     @classmethod
     def from_json(cls, data: object) -> Optional[TypeNumbers]:
@@ -123,7 +127,7 @@ class TypeNumbers(_TypeNumbersFields):
         return cls(name if isinstance(name, str) else None, number("max_instances"),
                    number("framebuffer_mb"), number("num_heads"),
                    (int(resolution[0]), int(resolution[1])) if resolution else None,
-                   number("gi_profile"))
+                   number("gi_profile"), number("per_gi"))
 
 
 Numbers = dict[PciAddress, dict[int, TypeNumbers]]
@@ -196,7 +200,8 @@ def _numbers(fields: dict[str, str]) -> TypeNumbers:
     return TypeNumbers(name[:256] if name else None, _int(fields.get("Max Instances", "")),
                        _int(fields.get("FB Memory", "")), _int(fields.get("Display Heads", "")),
                        (x, y) if x and y else None,
-                       _int(fields.get("GPU Instance Profile ID", "")))
+                       _int(fields.get("GPU Instance Profile ID", "")),
+                       _int(fields.get("Max Instances Per GI", "")))
 
 
 # -- the tool, bounded ---------------------------------------------------------------------

@@ -135,3 +135,63 @@ def test_the_tool_names_the_product(tmp_path: Path, key: str) -> None:
                          capture_output=True, text=True, env=hook_env(host.root), timeout=60)
     want = mig_catalog()[key].get("product_name", "NVIDIA H100 PCIe")
     assert f": {want}\n" in res.stdout, res.stdout + res.stderr
+
+
+DC_1_8Q = "NVIDIA RTX Pro 6000 Blackwell DC-1-8Q"
+
+
+def bound(host: FakeHost) -> dict[str, int]:
+    gpu = MigGpu.load(host.device_dir(MIG_GPU))
+    assert gpu is not None
+    return gpu.bound()
+
+
+def test_several_vgpus_share_a_gpu_instance_on_the_rtx_pro_6000(tmp_path: Path) -> None:
+    """DC-1-8Q runs three to a 1g.24gb+gfx instance: six vGPUs take two
+    instances, not six (the GPU has four); a VM starts on one; a shrink to
+    three gives one instance back."""
+    from tests.test_mig_pools import VM, agent, libvirt_runs, state_change, state_of
+
+    host = build_mig(str(tmp_path / "rtx"), model="rtx-pro-6000-bw")
+    host.write_file("proc/sys/kernel/random/boot_id", "boot-1\n", 0o444)
+    host.write_file("etc/gpulib/gpulib.conf", pool(DC_1_8Q, 6))
+    res = cli(host.root, "pool", "apply")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [(p, s) for p, s, _ in instances(host)] == [(47, 2), (47, 3)]
+    on = bound(host)
+    assert len(on) == 6 and sorted(list(on.values()).count(gi) for gi in set(on.values())) == [
+        3, 3]
+    vfs = [v for v in report(host.root)["vf_instances"] if v["vf_profile"] == DC_1_8Q]
+    assert len(vfs) == 6 and {v["max_instances"] for v in vfs} == {12}
+    assert "nothing to do" in cli(host.root, "pool", "apply").stdout
+    # A VM starts on a VF whose instance it shares with two others.
+    started = agent(host)
+    assert started.returncode == 0, started.stdout
+    libvirt_runs(host)
+    state_change(host, "onStart")
+    assert state_of(host.root)["allocations"][VM]["status"] == "active"
+    # Three are enough for one instance: the other goes, the VM's VF stays put.
+    held_gi = bound(host)["0000:41:00.4"]
+    host.write_file("etc/gpulib/gpulib.conf", pool(DC_1_8Q, 3))
+    res = cli(host.root, "pool", "apply")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [gi for _, _, gi in instances(host)] == [held_gi]
+    assert len(bound(host)) == 3 and set(bound(host).values()) == {held_gi}
+    assert bound(host)["0000:41:00.4"] == held_gi
+
+
+def test_max_instances_per_gi_is_read_from_the_tool() -> None:
+    """A capture of `nvidia-smi vgpu -s -v` (RTX PRO 6000 Blackwell, driver
+    580.105.06): a MIG-backed type says how many vGPUs one instance runs, a
+    time-sliced one says N/A; and the report's stored numbers keep it."""
+    from gpulib import nvidiasmi
+    from gpulib.pci import PciAddress
+
+    text = (Path(__file__).resolve().parents[1] / "gpulib/sim/data/nvidia-smi"
+            / "rtx-pro-6000-580.105.06-vgpu-s-v.txt").read_text()
+    types = nvidiasmi.parse(text)[PciAddress.parse("0000:8c:00.0")]
+    assert {tid: (n.gi_profile, n.per_gi) for tid, n in types.items()} == {
+        0x5EE: (None, None), 0x5F1: (None, None), 0x604: (None, None), 0x60A: (19, 1)}
+    three = types[0x60A]._replace(per_gi=3)
+    assert nvidiasmi.TypeNumbers.from_json(three.as_json()) == three
+    assert "per_gi" not in types[0x60A].as_json()

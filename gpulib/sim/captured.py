@@ -199,7 +199,7 @@ def vgpu_types(gpus: dict[PciAddress, dict[int, tuple[str, TypeNumbers]]]) -> st
                 "vGPU Type ID": f"0x{tid:x}", "Name": n.name, "Class": klass,
                 "GPU Instance Profile ID": n.gi_profile if mig_backed else "N/A",
                 "Max Instances": n.max_instances, "Max Instances Per VM": 1,
-                "Max Instances Per GI": 1 if mig_backed else "N/A",
+                "Max Instances Per GI": (n.per_gi or 1) if mig_backed else "N/A",
                 "FB Memory": f"{n.framebuffer_mb} MiB", "Display Heads": n.num_heads}
             if n.max_resolution:
                 values["Maximum X Resolution"] = n.max_resolution[0]

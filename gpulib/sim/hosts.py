@@ -98,7 +98,8 @@ def mig_type_numbers(model: dict[str, Any], name: str, profile_id: int, per_gi: 
     gb = int(m.group(1)) if m else 1
     total = next((p["total"] for p in model["mig_profiles"] if p["id"] == profile_id), 1)
     klass = "Compute" if lazy(r"\dCM?E?$").search(name) else _SERIES.get(name[-1], _SERIES["C"])[0]
-    return klass, TypeNumbers(name, total * per_gi, gb * 1024, 1, (4096, 2160), profile_id)
+    return klass, TypeNumbers(name, total * per_gi, gb * 1024, 1, (4096, 2160), profile_id,
+                              per_gi)
 
 
 def vf_type_numbers(model: dict[str, Any], name: str) -> tuple[str, TypeNumbers]:
