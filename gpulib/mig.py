@@ -11,10 +11,11 @@ a compute instance is free, and a typed VF names the GI it runs on in
 `nvidia/gpu_instance_id`.
 
 This module is pure: the parsers of what `nvidia-smi` prints (`-q`, `mig
--lgip`, `-lgipp`, `-lgi`, `-lci`, `-cgi ... -C`), the same formats written
-back (the simulator's tool prints with them, so both sides agree on one
-layout), and the choice of a placement (`choose_placement`). Running the
-tool is `gpulib.migtool`'s.
+-lgip`, `-lgipp`, `-lgi`, `-lci`, `-cgi ... -C`) and the choice of a
+placement (`choose_placement`). Running the tool is `gpulib.migtool`'s. It
+writes none of these formats: the simulator's tool prints them after real
+captures (`gpulib.sim.captured`), so the parsers meet the tool's layout,
+not their own.
 
 Formats, as NVIDIA's MIG User Guide and public captures show them (see
 tests/data/nvidia-smi/README.md):
@@ -385,94 +386,6 @@ def layout_of(fields: dict[str, str], profiles: dict[int, Profile],
     return Layout(current, pending, profiles, sorted(instances, key=lambda i: i.start))
 
 
-# -- the formats written back (the simulator's tool) -------------------------------------------
-
-_RULE_GIP = "+" + "-" * 79 + "+"
-_HEAD_GIP = ("| GPU instance profiles:                                                        |",
-             "| GPU   Name               ID    Instances   Memory     P2P    SM    DEC   ENC  |",
-             "|                                Free/Total   GiB              CE    JPEG  OFA  |",
-             "|" + "=" * 79 + "|")
-_RULE_GI = "+" + "-" * 57 + "+"
-_HEAD_GI = ("| GPU instances:                                          |",
-            "| GPU   Name               Profile  Instance   Placement  |",
-            "|                            ID       ID       Start:Size |",
-            "|" + "=" * 57 + "|")
-_RULE_CI = "+" + "-" * 68 + "+"
-_HEAD_CI = ("| Compute instances:                                                 |",
-            "| GPU     GPU       Name             Profile   Instance   Placement  |",
-            "|       Instance                       ID        ID       Start:Size |",
-            "|         ID                                                         |",
-            "|" + "=" * 68 + "|")
-
-
-def _table(rule: str, head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    """A table of nvidia-smi's: the rule, the head, then each row's lines and a rule."""
-    lines = [rule, *head]
-    for row in rows:
-        lines += [*row, rule]
-    return "\n".join(lines) + "\n"
-
-
-def render_profiles(gpus: Sequence[tuple[int, Sequence[Profile]]]) -> str:
-    """`nvidia-smi mig -lgip` for (GPU index, its profiles) pairs."""
-    return _table(_RULE_GIP, _HEAD_GIP, (
-        (f"|{gpu:>4}  {p.name:<19}{p.id:>3}     {f'{p.free}/{p.total}':<11}"
-         f"{p.memory_gib:<11}{p.p2p:<7}{p.sm:<7}{p.dec:<6}{p.enc:<4}|",
-         "|" + " " * 63 + f"{p.ce:<6}{p.jpeg:<6}{p.ofa:<4}|")
-        for gpu, profiles in gpus for p in profiles))
-
-
-def render_placements(gpus: Sequence[tuple[int, Sequence[Profile]]]) -> str:
-    """`nvidia-smi mig -lgipp`."""
-    lines = []
-    for gpu, profiles in gpus:
-        for p in profiles:
-            label = "Placements:" if len(p.placements) > 1 else "Placement :"
-            lines.append(f"GPU {gpu:2d} Profile ID {p.id:2d} {label} "
-                         f"{{{','.join(map(str, p.placements))}}}:{p.size}")
-    return "\n".join(lines) + "\n"
-
-
-def render_instances(gpus: Sequence[tuple[int, Sequence[Instance]]]) -> str:
-    """`nvidia-smi mig -lgi`."""
-    return _table(_RULE_GI, _HEAD_GI, (
-        (f"|{gpu:>4}  {i.profile_name:<21}{i.profile_id:>3}{i.id:>9}"
-         f"{'':10}{f'{i.start}:{i.size}':<8}|",)
-        for gpu, instances in gpus for i in instances))
-
-
-def render_compute(gpus: Sequence[tuple[int, Sequence[tuple[Instance, int, int, int]]]]) -> str:
-    """`nvidia-smi mig -lci`: per GPU, (its GI, CI profile id, CI id, compute slices)."""
-    return _table(_RULE_CI, _HEAD_CI, (
-        (f"|{gpu:>4}{gi.id:>7}{'':7}{gi.profile_name:<19}{ci_profile:>3}"
-         f"{ci:>10}{'':10}{f'0:{slices}':<8}|",)
-        for gpu, rows in gpus for gi, ci_profile, ci, slices in rows))
-
-
-def render_created_gi(gi: int, gpu: int, profile: Profile) -> str:
-    return (f"Successfully created GPU instance ID {gi:2d} on GPU {gpu:2d} using profile "
-            f"{profile.name} (ID {profile.id:2d})")
-
-
-def render_created_ci(ci: int, gpu: int, gi: int, profile_name: str, ci_profile: int) -> str:
-    return (f"Successfully created compute instance ID {ci:2d} on GPU {gpu:2d} GPU instance "
-            f"ID {gi:2d} using profile {profile_name} (ID {ci_profile:2d})")
-
-
-def render_destroyed_ci(ci: int, gpu: int, gi: int) -> str:
-    return (f"Successfully destroyed compute instance ID {ci:2d} from GPU {gpu:2d} GPU "
-            f"instance ID {gi:2d}")
-
-
-def render_destroyed_gi(gi: int, gpu: int) -> str:
-    return f"Successfully destroyed GPU instance ID {gi:2d} from GPU {gpu:2d}"
-
-
-def query_field(key: str, value: object, indent: int = 4) -> str:
-    """One `nvidia-smi -q` line: the key, then its colon in column 43."""
-    return f"{' ' * indent}{key:<{42 - indent}}: {value}"
-
-
 # -- placement -------------------------------------------------------------------------------
 
 def free_placements(profile: Profile, used: Iterable[Instance]) -> list[int]:
@@ -484,8 +397,8 @@ def free_placements(profile: Profile, used: Iterable[Instance]) -> list[int]:
             if not taken.intersection(range(s, s + profile.size))]
 
 
-def choose_placement(profile: Profile, profiles: Iterable[Profile], used: Sequence[Instance]
-                     ) -> Optional[int]:
+def choose_placement(profile: Profile, profiles: Iterable[Profile], used: Sequence[Instance],
+                     among: Optional[Sequence[int]] = None) -> Optional[int]:
     """Where a new GPU instance of `profile` goes, or None when it fits nowhere.
 
     Of the free placements, the one that leaves the most room for larger
@@ -493,8 +406,10 @@ def choose_placement(profile: Profile, profiles: Iterable[Profile], used: Sequen
     number of its placements still free after this one is taken (compared in
     that order); ties go to the highest start (instances pack from the top,
     as the driver's own choice does), so a 4g or 3g instance still fits at
-    slice 0 after 1g ones."""
+    slice 0 after 1g ones. `among`: only these starts are considered."""
     free = free_placements(profile, used)
+    if among is not None:
+        free = [s for s in free if s in among]
     if not free:
         return None
     larger = sorted((p for p in profiles if p.size > profile.size and p.placements),
@@ -519,3 +434,22 @@ def free_count(profile: Profile, used: Sequence[Instance], same_profile: int = 0
         trial.append(Instance(-1, profile.id, profile.name, starts[0], profile.size))
         n += 1
     return n
+
+
+def choose_kept(profile: Profile, profiles: Iterable[Profile], used: Sequence[Instance],
+                starts: Sequence[int], n: int) -> list[int]:
+    """Which `n` of a pool's instances of `profile` at `starts` to keep when
+    the others go (`used`: the GPU's other instances): those
+    `choose_placement` would have chosen were they made now, so that what
+    goes leaves the most room for larger profiles."""
+    profiles = list(profiles)
+    kept: list[int] = []
+    trial = list(used)
+    for _ in range(min(n, len(starts))):
+        start = choose_placement(profile, profiles, trial,
+                                 among=[s for s in starts if s not in kept])
+        if start is None:
+            break
+        kept.append(start)
+        trial.append(Instance(-1, profile.id, profile.name, start, profile.size))
+    return kept

@@ -87,23 +87,27 @@ def pool_tag(name: str) -> str:
 class MigPlan:
     """A MIG-backed pool on one GPU: the type and the profile it runs on."""
 
-    def __init__(self, gpu: Gpu, type_id: int, name: str, profile: int) -> None:
+    def __init__(self, gpu: Gpu, type_id: int, name: str, profile: int,
+                 per_gi: int = 1) -> None:
         self.gpu = gpu
         self.type_id = type_id
         self.name = name
         self.profile = profile
+        # vGPUs of the type one GPU instance runs (NVIDIA's "Max Instances Per GI").
+        self.per_gi = max(1, per_gi)
 
 
-def _bound(sysfs: Sysfs, gpu: Gpu) -> dict[int, PciAddress]:
-    """GPU instance id -> the VF whose vGPU runs on it, read now."""
-    out = {}
+def _bound(sysfs: Sysfs, gpu: Gpu) -> dict[int, list[PciAddress]]:
+    """GPU instance id -> the VFs whose vGPUs run on it (one, or several
+    for a type with more than one vGPU per instance), read now."""
+    out: dict[int, list[PciAddress]] = {}
     for vf in gpu.vfs:
         if vf.nvidia is None:
             continue
         if nvidia.current_type(sysfs, vf.address):
             gi = nvidia.gpu_instance(sysfs, vf.address)
             if gi is not None:
-                out[gi] = vf.address
+                out.setdefault(gi, []).append(vf.address)
     return out
 
 
@@ -270,6 +274,20 @@ class Applier:
                                 f"GPU instance {nvidia.gpu_instance(self.sysfs, vf)}"))
         return True
 
+    def untype_member(self, vf: PciAddress, pool: str) -> bool:
+        """A member's type cleared (it stays the pool's, as after its VM's
+        stop), so that the instance it ran on can go."""
+        self.changed = True
+        try:
+            nvidia.clear_type(self.sysfs, vf, retry_seconds=0.5)
+        except GpulibError as exc:
+            self.out.append(Outcome("vf", str(vf), f"move member of pool {pool}", False,
+                                    exc.message))
+            return False
+        self.out.append(Outcome("vf", str(vf), f"move member of pool {pool}", True,
+                                "its GPU instance goes; typed again on one kept"))
+        return True
+
     def clear_vf(self, vf: str, pool: str) -> bool:
         if self.dry_run:
             self.out.append(Outcome("vf", vf, f"would clear surplus of pool {pool}", True))
@@ -304,7 +322,8 @@ def plans(pool: PoolConfig, inventory: Inventory, numbers: nvidiasmi.Numbers,
             continue
         for tid, n in sorted(numbers.get(gpu.address, {}).items()):
             if n.gi_profile is not None and serves(pool.profile, pool.type_id, tid, n.name):
-                out.append(MigPlan(gpu, tid, n.name or str(tid), n.gi_profile))
+                out.append(MigPlan(gpu, tid, n.name or str(tid), n.gi_profile,
+                                   n.per_gi or 1))
                 break
     return out
 
@@ -337,21 +356,48 @@ def mig_backed(config: Config, inventory: Inventory, state: State, root: str,
 
 # -- pool apply ----------------------------------------------------------------------------------
 
+class GpuWork:
+    """One MIG-backed pool on one GPU in one `pool apply`: how many it
+    wants there, its member VFs (those a VM holds apart) and its records."""
+
+    def __init__(self, pool: str, plan: MigPlan, want: int) -> None:
+        self.pool = pool
+        self.plan = plan
+        self.want = want
+        self.members: list[str] = []
+        self.held: set[str] = set()
+
+    @property
+    def need(self) -> int:
+        """The instances it keeps: enough for what it wants and for every
+        held member (one each, or one per `per_gi` of them)."""
+        return -(-max(self.want, len(self.held)) // self.plan.per_gi)
+
+
 def apply(ctx: Context, config: Config, state: State, inventory: Inventory,
           pools: dict[str, list[MigPlan]], tool: migtool.Tool, dry_run: bool = False,
           checkpoint: Checkpoint = None) -> list[Outcome]:
-    """Bring the MIG-backed pools to their size (see the module's notes); the
-    pools of larger profiles first, so that their instances find room."""
+    """Bring the MIG-backed pools to their size (see the module's notes) in
+    one run: every pool's surplus goes first (free VFs, then instances no
+    VF runs on, those that leave the most room for larger profiles), so that
+    what one pool gives up is there for another; then each GPU's missing
+    instances are made, larger profiles first whatever their pool; then the
+    VFs are typed."""
     run = Applier(ctx, state, tool, dry_run, checkpoint)
     if not dry_run:
         run.out += settle_instances(ctx, state, tool, checkpoint)
     occ = inventory.occupancy
-
-    def size(name: str) -> int:
-        return max((_profile_size(run, p) for p in pools[name]), default=0)
-
-    for name in sorted(pools, key=lambda n: (-size(n), n)):
-        _apply_pool(run, name, config.pools[name], pools[name], occ)
+    work: list[GpuWork] = []
+    for name in sorted(pools):
+        ready = _ready(run, name, pools[name])
+        want = config.pools[name].targets([str(p.gpu.address) for p in ready])
+        work += [GpuWork(name, p, want.get(str(p.gpu.address), 0)) for p in ready]
+    for w in work:
+        _shrink(run, w, occ)
+    for w in sorted(work, key=lambda w: (-_profile_size(run, w.plan), w.pool)):
+        _grow(run, w)
+    for w in work:
+        _type_members(run, w, occ)
     if run.changed:
         migtool.forget(ctx.root)
     return run.out
@@ -365,8 +411,9 @@ def _profile_size(run: Applier, plan: MigPlan) -> int:
     return p.size if p is not None else 0
 
 
-def _apply_pool(run: Applier, name: str, pool: PoolConfig, plans_: list[MigPlan],
-                occ: Occupancy) -> None:
+def _ready(run: Applier, name: str, plans_: list[MigPlan]) -> list[MigPlan]:
+    """The plans whose GPU is in MIG mode and has the type's profile (the
+    others reported)."""
     ready = []
     for plan in plans_:
         try:
@@ -386,9 +433,7 @@ def _apply_pool(run: Applier, name: str, pool: PoolConfig, plans_: list[MigPlan]
                                    f"{plan.profile} for {plan.name}"))
             continue
         ready.append(plan)
-    want = pool.targets([str(p.gpu.address) for p in ready])
-    for plan in ready:
-        _apply_gpu(run, name, plan, want.get(str(plan.gpu.address), 0), occ)
+    return ready
 
 
 def _members(state: State, name: str, gpu: Gpu) -> list[str]:
@@ -396,75 +441,146 @@ def _members(state: State, name: str, gpu: Gpu) -> list[str]:
     return sorted(a for a, r in state.vf_types.items() if r.pool == name and a in vfs)
 
 
-def _apply_gpu(run: Applier, name: str, plan: MigPlan, want: int, occ: Occupancy) -> None:
-    gpu, state, sysfs = plan.gpu, run.state, run.sysfs
+def _records(state: State, w: GpuWork) -> list[GpuInstanceRecord]:
+    gpu = str(w.plan.gpu.address)
+    return sorted((r for r in state.gpu_instances if r.pool == w.pool and r.gpu == gpu),
+                  key=lambda r: r.start)
+
+
+def _shrink(run: Applier, w: GpuWork, occ: Occupancy) -> None:
+    """The pool's surplus on the GPU: free member VFs cleared first (so
+    their instances are free), then instances no VF runs on destroyed."""
+    gpu, state = w.plan.gpu, run.state
+    w.members = _members(state, w.pool, gpu)
+    w.held = {a for a in w.members if occ.holder(a) is not None}
+    for addr in reversed(list(w.members)):
+        if len(w.members) <= w.want:
+            break
+        if addr in w.held:
+            continue
+        if run.clear_vf(addr, w.pool):
+            w.members.remove(addr)
     layout = run.layout(gpu.address)
-    profile = layout.profiles[plan.profile]
+    boot = _this_boot(run.sysfs)
+    live = []
+    for r in _records(state, w):
+        found = layout.at(r.start, r.profile)
+        # Only the instances gpulib made count; one made by hand at a recorded
+        # placement is the administrator's (never the pool's, never destroyed).
+        if found is None or not is_ours(run.gi_boot, r, found, boot):
+            continue
+        if found.id != r.gi and not run.dry_run:
+            r.gi = found.id
+        live.append(r)
+    bound = _bound(run.sysfs, gpu) if not run.dry_run else {}
+    # A member no VM holds may leave its instance: it is typed again
+    # (on an instance kept) when the VFs' turn comes.
+    movable = {gi: vfs for gi, vfs in bound.items()
+               if all(str(vf) in w.members and str(vf) not in w.held for vf in vfs)}
+    free = [r for r in live if r.gi not in bound or r.gi in movable]
+    keep = max(0, w.need - (len(live) - len(free)))
+    if len(free) <= keep:
+        return
+    starts = {r.start for r in free}
+    profile = layout.profiles.get(w.plan.profile)
+    kept = mig.choose_kept(profile, layout.profiles.values(),
+                           [i for i in layout.instances if i.start not in starts],
+                           sorted(starts), keep) if profile is not None else \
+        sorted(starts)[len(starts) - keep:]
+    for rec in free:
+        if rec.start in kept:
+            continue
+        vfs = movable.get(rec.gi, []) if rec.gi is not None else []
+        if not all(run.untype_member(vf, w.pool) for vf in vfs):
+            break
+        if not run.destroy(gpu.address, rec, f"surplus of pool {w.pool}"):
+            break
+
+
+def _grow(run: Applier, w: GpuWork) -> None:
+    """The instances the pool lacks on the GPU: those gone since they were
+    made (a reboot) made again where they were, else elsewhere; then new
+    ones where `mig.choose_placement` puts them, within the profile's total."""
+    gpu, state = w.plan.gpu, run.state
+    layout = run.layout(gpu.address)
+    profile = layout.profiles[w.plan.profile]
     profiles = list(layout.profiles.values())
-    members = _members(state, name, gpu)
-    held = {a for a in members if occ.holder(a) is not None}
-    # 1. Surplus members first (free ones only), so their instances are free.
-    for addr in reversed(members):
-        if len(members) <= want:
-            break
-        if addr in held:
-            continue
-        if run.clear_vf(addr, name):
-            members.remove(addr)
-    # 2. The pool's instances: those gone (a reboot) made again, surplus
-    # ones no VF runs on destroyed, missing ones made.
-    records = sorted((r for r in state.gpu_instances
-                      if r.pool == name and r.gpu == str(gpu.address)), key=lambda r: r.start)
-    boot = _this_boot(sysfs)
-    # Only the instances gpulib made count; one made by hand at a recorded
-    # placement is the administrator's (never the pool's, never destroyed).
+    records = _records(state, w)
+    boot = _this_boot(run.sysfs)
     live = [r for r in records if is_ours(run.gi_boot, r, layout.at(r.start, r.profile), boot)]
-    bound = _bound(sysfs, gpu) if not run.dry_run else {}
-    need = max(want, len(held))
-    for r in reversed(live):
-        if len(live) <= need:
-            break
-        if r.gi in bound:
-            continue
-        if run.destroy(gpu.address, r, f"surplus of pool {name}"):
-            live.remove(r)
     used = list(layout.instances)
     for r in records:
-        if r in live or len(live) >= need:
+        if r in live:
             continue
-        # Gone since it was made (a reboot): made again where it was, if free.
-        if r.start not in mig.free_placements(profile, used):
+        if len(live) >= w.need or r.start not in mig.free_placements(profile, used):
+            # Not wanted any more, or its place is taken: a record of
+            # nothing, dropped (a new instance goes elsewhere below).
+            if not run.dry_run:
+                state.gpu_instances = [x for x in state.gpu_instances if x is not r]
+                run.changed = True
             continue
-        if run.create(gpu.address, profile, r.start, name, again=True):
+        if _at_total(run, w, profile, used):
+            break
+        if run.create(gpu.address, profile, r.start, w.pool, again=True):
             live.append(r)
             used.append(mig.Instance(-1, profile.id, profile.name, r.start, profile.size))
-    while len(live) < need:
+    while len(live) < w.need:
+        if _at_total(run, w, profile, used):
+            break
         start = mig.choose_placement(profile, profiles, used)
         if start is None:
-            run.out.append(Outcome("pool", name, "plan", False,
+            run.out.append(Outcome("pool", w.pool, "plan", False,
                                    f"no room for another {profile.name} on {gpu.address} "
-                                   f"({len(live)} of {need})"))
+                                   f"({len(live)} of {w.need})"))
             break
-        if not run.create(gpu.address, profile, start, name):
+        if not run.create(gpu.address, profile, start, w.pool):
             break
         used.append(mig.Instance(-1, profile.id, profile.name, start, profile.size))
         live.append(GpuInstanceRecord(str(gpu.address), profile.id, start, profile.size))
-    # 3. The members: each given its type again, then new ones from idle VFs.
+
+
+def _at_total(run: Applier, w: GpuWork, profile: mig.Profile,
+              used: list[mig.Instance]) -> bool:
+    """Whether the GPU has all the instances of `profile` it can hold (a
+    `+me` profile: one), reported; the driver is not asked then."""
+    if profile.total <= 0 or sum(1 for i in used if i.profile_id == profile.id) < profile.total:
+        return False
+    run.out.append(Outcome("pool", w.pool, "plan", False,
+                           f"{w.plan.gpu.address} holds at most {profile.total} "
+                           f"{profile.name} GPU instance(s), all made"))
+    return True
+
+
+def _type_members(run: Applier, w: GpuWork, occ: Occupancy) -> None:
+    """The members each given its type again, then new ones from idle VFs;
+    the first refusal ends the pool's VFs on this GPU (the next would be
+    refused for the same want of a free instance)."""
+    gpu, state, sysfs, plan = w.plan.gpu, run.state, run.sysfs, w.plan
+    members = w.members
     for addr in members:
         member = PciAddress.parse(addr)
         # A VM that holds it types it itself when it starts.
-        if addr not in held and nvidia.current_type(sysfs, member) == 0:
-            run.type_vf(member, plan, name, "set pool member type")
+        if addr not in w.held and nvidia.current_type(sysfs, member) == 0 and \
+                not run.type_vf(member, plan, w.pool, "set pool member type"):
+            return
     idle = [vf.address for vf in gpu.vfs if vf.nvidia is not None
             and str(vf.address) not in members and str(vf.address) not in state.vf_types
             and str(vf.address) not in state.unmanaged and occ.holder(str(vf.address)) is None]
     for address in idle:
-        if len(members) >= want:
+        if len(members) >= w.want:
             break
         if nvidia.current_type(sysfs, address) != 0 and not run.dry_run:
             continue
-        if run.type_vf(address, plan, name, "set type"):
-            members.append(str(address))
+        if not run.dry_run and plan.type_id not in nvidia.creatable_types(sysfs, address):
+            # The driver offers the type only while an instance is free:
+            # asked now, it would refuse, and so would every other idle VF.
+            run.out.append(Outcome("pool", w.pool, "set type", False,
+                                   f"no free GPU instance for {plan.type_id} ({plan.name}) on "
+                                   f"{gpu.address} ({len(members)} of {w.want} VFs)"))
+            return
+        if not run.type_vf(address, plan, w.pool, "set type"):
+            return
+        members.append(str(address))
 
 
 # -- restore and the settling of interrupted runs ------------------------------------------------
@@ -565,22 +681,46 @@ def restore(ctx: Context, state: State, timeout: float,
             continue
         # Larger instances first: their placements are the fewest.
         boot = _this_boot(ctx.sysfs)
-        for r in sorted((r for r in state.gpu_instances if r.gpu == gpu_addr),
-                        key=lambda r: (-r.size, r.start)):
+        todo = sorted((r for r in state.gpu_instances if r.gpu == gpu_addr),
+                      key=lambda r: (-r.size, r.start))
+        for n, r in enumerate(todo):
             found = layout.at(r.start, r.profile)
             if found is not None:
-                if not is_ours(run.gi_boot, r, found, boot):
-                    out.append(Outcome(
-                        "gi", f"{gpu_addr}@{r.start}", "recreate", False,
-                        f"GPU instance {found.id} at its placement was not made by gpulib "
-                        "(the administrator's): left alone"))
-                continue
+                if is_ours(run.gi_boot, r, found, boot):
+                    if r.gi is None:  # a record from before instance ids were kept
+                        r.gi = found.id
+                    continue
+                # Made by hand where the pool's was (before the boot unit
+                # ran): the administrator's, left alone; the pool's is made
+                # again at another placement below.
+                out.append(Outcome(
+                    "gi", f"{gpu_addr}@{r.start}", "recreate", True,
+                    f"GPU instance {found.id} at its placement was not made by gpulib "
+                    "(the administrator's): left alone"))
             profile = layout.profiles.get(r.profile)
             if profile is None:
                 out.append(Outcome("gi", f"{gpu_addr}@{r.start}", "recreate", False,
                                    f"{gpu_addr} has no GPU instance profile {r.profile}"))
                 continue
-            run.create(address, profile, r.start, r.pool, again=True)
+            start: Optional[int] = r.start
+            if start not in mig.free_placements(profile, layout.instances):
+                # Its place is taken (another tool made an instance there):
+                # another placement of the profile keeps the pool whole.
+                # Not where the records still to be made were.
+                used = [*layout.instances, *(
+                    mig.Instance(-1, x.profile, "", x.start, x.size) for x in todo[n + 1:]
+                    if layout.at(x.start, x.profile) is None)]
+                start = None if sum(1 for i in layout.instances if i.profile_id == profile.id) \
+                    >= profile.total else mig.choose_placement(
+                        profile, list(layout.profiles.values()), used)
+                if start is None:
+                    out.append(Outcome("gi", f"{gpu_addr}@{r.start}", "recreate", False,
+                                       f"its placement {r.start}:{r.size} is taken and no "
+                                       f"other {profile.name} fits on {gpu_addr}"))
+                    continue
+            if run.create(address, profile, start, r.pool, again=True) and start != r.start:
+                state.gpu_instances = [x for x in state.gpu_instances if x is not r]
+                run.out[-1].detail += f" (placement {r.start} was taken)"
             layout = run.layout(address, fresh=True)
     if run.changed:
         migtool.forget(ctx.root)

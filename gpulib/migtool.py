@@ -121,8 +121,23 @@ class Tool:
         """GPU instance `gi` and its compute instances (the driver refuses
         while a vGPU runs on it: "In use by another client")."""
         bus = gpu.bus_id
-        self._run(("mig", "-i", bus, "-gi", str(gi), "-dci"), empty_ok=True)
-        self._run(("mig", "-i", bus, "-gi", str(gi), "-dgi"))
+        dci = ("mig", "-i", bus, "-gi", str(gi), "-dci")
+        code, out, err = nvidiasmi.run(self.path, dci, self.timeout)
+        if code not in (0, NOT_FOUND):
+            raise nvidiasmi.failure(self.path, dci, code, out, err)
+        had_compute = code == 0
+        try:
+            self._run(("mig", "-i", bus, "-gi", str(gi), "-dgi"))
+        except ToolFailed as exc:
+            # The instance stays: it gets its compute instance back, or a
+            # MIG-backed vGPU could never run on it again.
+            if had_compute:
+                try:
+                    self.create_compute(gpu, gi)
+                except ToolFailed as again:
+                    raise ToolFailed(f"{exc}; and its compute instance, destroyed before, "
+                                     f"could not be made again: {again}") from exc
+            raise
 
 
 # -- the cache of the reports -------------------------------------------------------------------
@@ -176,12 +191,23 @@ def fingerprint(gpu: Gpu) -> str:
     return ";".join(parts)
 
 
+def _still_good(entry: dict[str, object], gpu: Gpu, now: float, frozen: bool) -> bool:
+    """Whether a cached layout holds: the VFs show what they showed, and it
+    is recent (or a snapshot's, `frozen`)."""
+    if entry.get("fingerprint") != fingerprint(gpu):
+        return False
+    at = entry.get("at")
+    return frozen or (isinstance(at, (int, float)) and 0 <= now - float(at) < CACHE_SECONDS)
+
+
 def layouts(root: str, gpus: list[Gpu], timeout: float = nvidiasmi.DEFAULT_TIMEOUT,
-            now: Optional[float] = None, save: bool = True) -> dict[PciAddress, mig.Layout]:
+            now: Optional[float] = None, save: bool = True,
+            unknown: Optional[list[str]] = None) -> dict[PciAddress, mig.Layout]:
     """The layouts of `gpus` (NVIDIA GPUs with vendor VFs) for a report:
     from the cache while it is good, else from the tool; a GPU nothing is
-    known of is left out. `save` False (the doctor, which never writes):
-    what was asked is not kept."""
+    known of is left out (why, added to `unknown`). `save` False (the
+    doctor, which never writes): what was asked is not kept."""
+    why = unknown if unknown is not None else []
     if not gpus:
         return {}
     now = time.time() if now is None else now
@@ -192,15 +218,16 @@ def layouts(root: str, gpus: list[Gpu], timeout: float = nvidiasmi.DEFAULT_TIMEO
         cache = {}
     cached = cache.get("gpus") if isinstance(cache.get("gpus"), dict) else {}
     assert isinstance(cached, dict)
+    # A snapshot's replay has no tool to ask: its layouts hold while the
+    # VFs show what they showed (`frozen`).
+    frozen = cache.get("frozen") is True
     out: dict[PciAddress, mig.Layout] = {}
     stale = []
     for g in gpus:
         entry = cached.get(str(g.address))
         layout = mig.Layout.from_json(entry.get("layout")) if isinstance(entry, dict) else None
-        if layout is not None and layout.current in (mig.ENABLED, mig.DISABLED) and not (
-                entry.get("fingerprint") == fingerprint(g)  # type: ignore[union-attr]
-                and isinstance(entry.get("at"), (int, float))  # type: ignore[union-attr]
-                and 0 <= now - float(entry["at"]) < CACHE_SECONDS):  # type: ignore[index]
+        if layout is not None and layout.current in (mig.ENABLED, mig.DISABLED) and \
+                not _still_good(entry, g, now, frozen):  # type: ignore[arg-type]
             layout = None  # a MIG-capable GPU's layout changes
         if layout is not None:
             out[g.address] = layout
@@ -210,16 +237,23 @@ def layouts(root: str, gpus: list[Gpu], timeout: float = nvidiasmi.DEFAULT_TIMEO
         return out
     failed_at = cache.get("failed_at")
     if isinstance(failed_at, (int, float)) and 0 <= now - failed_at < nvidiasmi.RETRY_SECONDS:
-        return out  # failed lately (logged then): not asked again yet
+        # failed lately (logged then): not asked again yet
+        why.append(f"nvidia-smi failed {int(now - failed_at)} s ago (see the log); it is "
+                   f"asked again {int(nvidiasmi.RETRY_SECONDS)} s after a failure")
+        return out
     tool = Tool.find(root, timeout)
     if tool is None:
         log.debug("no nvidia-smi below %s: MIG layouts unknown", root)
+        why.append("nvidia-smi is not installed")
         return out
     fresh: dict[str, object] = {"version": CACHE_VERSION, "driver": driver,
                                 "gpus": dict(cached)}
+    if frozen:
+        fresh["frozen"] = True
     try:
         found = tool.layouts(g.address for g in stale)
     except ToolFailed as exc:
+        why.append(str(exc))
         log.warning("MIG layouts unknown (left out of the report): %s; not asked again for "
                     "%d s", exc, int(nvidiasmi.RETRY_SECONDS))
         fresh["failed_at"] = now
@@ -238,6 +272,18 @@ def layouts(root: str, gpus: list[Gpu], timeout: float = nvidiasmi.DEFAULT_TIMEO
     if save:
         _save(path, fresh)
     return out
+
+
+def frozen_cache(root: str, gpus: list[Gpu], found: dict[PciAddress, mig.Layout],
+                 now: float) -> bytes:
+    """The cache a snapshot carries: the layouts of `gpus` as the reports
+    read them, held in a replay (which has no tool) while the VFs show what
+    they show now."""
+    entries = {str(g.address): {"fingerprint": fingerprint(g), "at": now,
+                                "layout": found[g.address].as_json()}
+               for g in gpus if g.address in found}
+    doc = {"version": CACHE_VERSION, "driver": _driver(root), "frozen": True, "gpus": entries}
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
 def wanted(inventory: Inventory) -> list[Gpu]:

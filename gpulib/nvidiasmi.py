@@ -89,11 +89,14 @@ if TYPE_CHECKING:
         num_heads: Optional[int]
         max_resolution: Optional[tuple[int, int]]
         # The GPU instance profile a MIG-backed type runs on (None: time-sliced).
-        gi_profile: Optional[int]
+        gi_profile: Optional[int] = None
+        # How many vGPUs of a MIG-backed type one GPU instance runs ("Max
+        # Instances Per GI"; None: not said, one).
+        per_gi: Optional[int] = None
 else:  # without typing (see gpulib.pci.PciAddress)
     _TypeNumbersFields = namedtuple("_TypeNumbersFields", (
         "name", "max_instances", "framebuffer_mb", "num_heads", "max_resolution",
-        "gi_profile"), defaults=(None,))
+        "gi_profile", "per_gi"), defaults=(None, None))
 
 
 class TypeNumbers(_TypeNumbersFields):
@@ -105,7 +108,8 @@ class TypeNumbers(_TypeNumbersFields):
         return {"name": self.name, "max_instances": self.max_instances,
                 "framebuffer_mb": self.framebuffer_mb, "num_heads": self.num_heads,
                 "max_resolution": list(self.max_resolution) if self.max_resolution else None,
-                "gi_profile": self.gi_profile}
+                "gi_profile": self.gi_profile,
+                **({"per_gi": self.per_gi} if self.per_gi not in (None, 1) else {})}
 
     @classmethod
     def from_json(cls, data: object) -> Optional[TypeNumbers]:
@@ -123,7 +127,7 @@ class TypeNumbers(_TypeNumbersFields):
         return cls(name if isinstance(name, str) else None, number("max_instances"),
                    number("framebuffer_mb"), number("num_heads"),
                    (int(resolution[0]), int(resolution[1])) if resolution else None,
-                   number("gi_profile"))
+                   number("gi_profile"), number("per_gi"))
 
 
 Numbers = dict[PciAddress, dict[int, TypeNumbers]]
@@ -196,35 +200,8 @@ def _numbers(fields: dict[str, str]) -> TypeNumbers:
     return TypeNumbers(name[:256] if name else None, _int(fields.get("Max Instances", "")),
                        _int(fields.get("FB Memory", "")), _int(fields.get("Display Heads", "")),
                        (x, y) if x and y else None,
-                       _int(fields.get("GPU Instance Profile ID", "")))
-
-
-def render(gpus: dict[PciAddress, dict[int, tuple[str, TypeNumbers]]]) -> str:
-    """`nvidia-smi vgpu -s -v` as the driver prints it (its field order and
-    column), for the simulator's tool: {GPU: {type id: (class, numbers)}}."""
-    lines = []
-
-    def field(key: str, value: object, indent: int = 8) -> None:
-        lines.append(f"{' ' * indent}{key:<{42 - indent}}: {value}")
-
-    for address in sorted(gpus):
-        lines.append(f"GPU {address.domain:08X}:{address.bus:02X}:{address.slot:02X}."
-                     f"{address.function:X}")
-        for tid, (klass, n) in sorted(gpus[address].items()):
-            field("vGPU Type ID", f"0x{tid:x}", 4)
-            field("Name", n.name)
-            field("Class", klass)
-            mig_backed = n.gi_profile is not None
-            field("GPU Instance Profile ID", n.gi_profile if mig_backed else "N/A")
-            field("Max Instances", n.max_instances)
-            field("Max Instances Per VM", 1)
-            field("Max Instances Per GI", 1 if mig_backed else "N/A")
-            field("FB Memory", f"{n.framebuffer_mb} MiB")
-            field("Display Heads", n.num_heads)
-            if n.max_resolution:
-                field("Maximum X Resolution", n.max_resolution[0])
-                field("Maximum Y Resolution", n.max_resolution[1])
-    return "\n".join(lines) + "\n"
+                       _int(fields.get("GPU Instance Profile ID", "")),
+                       _int(fields.get("Max Instances Per GI", "")))
 
 
 # -- the tool, bounded ---------------------------------------------------------------------

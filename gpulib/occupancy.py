@@ -118,6 +118,8 @@ class Tree:
         self.mdev_types = dict(mdev_types or {})
         # The type gpulib's registry gives each NVIDIA vendor VF at VM start.
         self.vf_types = dict(vf_types or {})
+        # The VFs whose recorded type is MIG-backed (runs on a GPU instance).
+        self.mig_vfs: frozenset[str] = frozenset()
         # The live mdevs, listed once for a pass over many (`live_listed`).
         self._live: Optional[frozenset[str]] = None
         self._chains: dict[str, list[str]] = {}
@@ -228,9 +230,22 @@ class Tree:
         if seen is None or seen[0] or recorded in seen[1]:
             return None
         pf = self.parent(node)
-        return Blocked((pf,) if pf is not None else (),
-                       f"its GPU cannot give it its vGPU type {recorded} now (the GPU's other "
-                       "VFs leave no room for it)")
+        return Blocked((pf,) if pf is not None else (), self._vf_why(node, recorded, seen[1]))
+
+    def _vf_why(self, node: str, recorded: int, creatable: dict[int, str]) -> str:
+        if node not in self.mig_vfs:
+            return (f"its GPU cannot give it its vGPU type {recorded} now (the GPU's other "
+                    "VFs leave no room for it)")
+        from gpulib.mig import mig_backed_slices
+
+        if creatable and all(mig_backed_slices(n) is None for n in creatable.values()):
+            return (f"its MIG-backed vGPU type {recorded} needs MIG mode, which is off on its "
+                    "GPU now (its VFs offer time-sliced types only): `gpulib doctor --check "
+                    "mig` says more")
+        return (f"its MIG-backed vGPU type {recorded} needs a free GPU instance of its profile "
+                "with a compute instance, and its GPU has none now (gone since a reboot or a "
+                "reset, or other VFs run on them): `gpulib restore` or `gpulib pool apply` "
+                "makes them")
 
     def seed_group(self, node: str, group: Optional[int]) -> None:
         """The IOMMU group the caller read for the PCI function `node` (by
@@ -291,6 +306,8 @@ class Occupancy:
         tree = Tree(sysfs, {u: r.parent for u, r in state.vgpus.items()},
                     {u: r.type_id for u, r in state.vgpus.items()},
                     {a: r.type_id for a, r in state.vf_types.items()})
+        tree.mig_vfs = frozenset(a for a, r in state.vf_types.items()
+                                 if r.gi_profile is not None)
         occ = cls(tree)
         occ.state = state
         occ.undone = frozenset(

@@ -51,7 +51,7 @@ import stat
 import tarfile
 import time
 from dataclasses import dataclass
-from typing import IO, Callable, Optional
+from typing import IO, TYPE_CHECKING, Callable, Optional
 
 from gpulib import atomicfile, logger, mdev
 from gpulib.cloudstack import STATE_CHANGE_HOOK, TRANSFORMER_HOOK, agent_hooks_dir
@@ -86,6 +86,9 @@ from gpulib.pci import (
 from gpulib.pciids import PCI_IDS_PATHS
 from gpulib.sysfs import ReadFailure, read_file
 from gpulib.validate import decimal, is_uuid
+
+if TYPE_CHECKING:
+    from gpulib.discovery import Inventory
 
 log = logger.get(__name__)
 
@@ -512,6 +515,7 @@ class Collector:
 
         now = time.time()
         config = Config.load(self.ctx.config_path, lenient=True)
+        inventory = None
         try:
             inventory = discover_host(self.ctx, config, learn=False)
         except GpulibError as exc:
@@ -527,9 +531,27 @@ class Collector:
             _, cache, _ = nvidiasmi.lookup(
                 self.ctx.root, gpus, config.get_float("discovery", "nvidia_smi_timeout"))
             self.add_file(nvidiasmi.CACHE_FILE, cache.dumps(), 0o644, now)
+        if inventory is not None:
+            self.copy_mig_layouts(inventory, config, now)
         totals = counters.read(self.ctx.root)
         if totals:
             self.add_file(counters.TOTALS_FILE, counters.Totals(totals).to_bytes(), 0o644, now)
+
+    def copy_mig_layouts(self, inventory: Inventory, config: Config, now: float) -> None:
+        """The MIG layouts of the GPUs with vendor VFs (MIG mode, profiles,
+        GPU and compute instances), as the reports read them (the cache, else
+        the host's nvidia-smi, nothing written on the host), held in the
+        replay while its VFs show what they show here."""
+        from gpulib import migtool
+
+        gpus = migtool.wanted(inventory)
+        if not gpus:
+            return
+        found = migtool.layouts(self.ctx.root, gpus,
+                                config.get_float("discovery", "nvidia_smi_timeout"), save=False)
+        if found:
+            self.add_file(migtool.CACHE_FILE, migtool.frozen_cache(self.ctx.root, gpus, found,
+                                                                   now), 0o644, now)
 
     def collect(self) -> dict[str, Entry]:
         self.copy_sysfs()

@@ -5,6 +5,7 @@ kernel make a VF's MIG-backed types follow the free GPU instances."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -81,24 +82,78 @@ def test_placements_instances_and_compute_instances_of_real_captures() -> None:
     assert nvl["vGPU Device Capability.Fractional Multi-vGPU"] == "Not Supported"
 
 
-def test_the_formats_written_back_are_the_captures_byte_for_byte() -> None:
+TABLES = ("h100-80gb-mig-lgip.txt", "h100-80gb-hbm3-mig-lgip-older.txt",
+          "h100-80gb-mig-lgi.txt", "h100-80gb-hbm3-mig-lgi-7x1g.txt",
+          "h100-80gb-mig-lci.txt", "h100-80gb-hbm3-mig-lci-7x1g.txt")
+_LCI_ROW = re.compile(r"^\|\s*(\d+)\s+(\d+)\s+(MIG \S+)\s+(\d+)\s+(\d+)\s+(\S+)\s*\|$")
+
+
+def _rows_of(name: str, text: str) -> list[list[list[object]]]:
+    """A capture's rows as the values the simulator prints, read with
+    gpulib's parsers (the compute instances' own columns by a pattern)."""
+    if "lgip" in name:
+        return [[[0, p.name, p.id, f"{p.free}/{p.total}", p.memory_gib, p.p2p, p.sm, p.dec,
+                  p.enc], [p.ce, p.jpeg, p.ofa]] for p in mig.parse_profiles(text)[0].values()]
+    if "lgi" in name:
+        return [[[0, i.profile_name, i.profile_id, i.id, f"{i.start}:{i.size}"]]
+                for i in mig.parse_instances(text)[0]]
+    return [[[int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4)), int(m.group(5)),
+              m.group(6)]] for m in map(_LCI_ROW.match, text.splitlines()) if m]
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_the_simulator_lays_out_its_tables_as_each_capture(name: str) -> None:
+    """A table learned from a capture (every driver's layout here) prints
+    that capture's own rows byte for byte: the simulated tool's layout is
+    the captures', not gpulib's."""
+    from gpulib.sim.captured import Table
+
+    text = capture(name)
+    rows = _rows_of(name, text)
+    assert rows
+    assert Table.learn(text).render(rows) == text
+
+
+def test_the_simulators_one_line_answers_are_the_captures() -> None:
+    from gpulib.sim import captured
+
     profiles = h100_profiles()
-    rendered = mig.render_profiles([(0, profiles)])
-    assert rendered == capture("h100-80gb-mig-lgip.txt")
-    assert mig.render_placements([(0, profiles)]) == capture("h100-mig-lgipp.txt")
-    gis = mig.parse_instances(capture("h100-80gb-mig-lgi.txt"))[0]
-    assert mig.render_instances([(0, gis)]) == capture("h100-80gb-mig-lgi.txt")
-    rows = [(gis[0], 1, 0, 2), (gis[1], 2, 0, 4)]
-    assert mig.render_compute([(0, rows)]) == capture("h100-80gb-mig-lci.txt")
+    assert "".join(captured.placements_line(0, p.id, p.placements, p.size) + "\n"
+                   for p in profiles) == capture("h100-mig-lgipp.txt")
     by_id = {p.id: p for p in profiles}
-    made = "\n".join([mig.render_created_gi(2, 0, by_id[9]),
-                      mig.render_created_gi(3, 0, by_id[14])]) + "\n"
+    made = "\n".join([captured.created_gi(2, 0, by_id[9].name, 9),
+                      captured.created_gi(3, 0, by_id[14].name, 14)]) + "\n"
     assert made == capture("h100-80gb-mig-cgi-9-14.txt")
-    assert mig.render_destroyed_gi(1, 0) == capture("mig-dci-dgi.txt").splitlines()[3]
-    assert mig.render_destroyed_ci(2, 0, 1) == capture("mig-dci-dgi.txt").splitlines()[2]
+    assert captured.created_ci(0, 0, 13, "MIG 1g.12gb", 0) == \
+        capture("h100-nvl-mig-cgi-7x19-C.txt").splitlines()[1]
+    assert captured.destroyed_gi(1, 0) == capture("mig-dci-dgi.txt").splitlines()[3]
+    assert captured.destroyed_ci(2, 0, 1) == capture("mig-dci-dgi.txt").splitlines()[2]
     lines = capture("h100-nvl-550.127.06-q-mig.txt").splitlines()
-    assert mig.query_field("Product Name", "NVIDIA H100 NVL") in lines
-    assert mig.query_field("Current", "Enabled", 8) in lines
+    assert captured.query_line("Product Name", "NVIDIA H100 NVL") in lines
+    assert captured.query_line("Current", "Enabled", 8) in lines
+
+
+def test_the_simulated_tool_answers_what_the_parsers_read(tmp_path: Path) -> None:
+    """The simulated tool's tables (their layout learned from the captures)
+    read back with gpulib's parsers as the driver's state holds them."""
+    host = build_mig(str(tmp_path / "h"))
+    smi = host.p("usr/bin/nvidia-smi")
+
+    def tool(*args: str) -> str:
+        res = subprocess.run([smi, *args], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stdout
+        return res.stdout
+
+    tool("mig", "-i", "0", "-cgi", "9:0,19:6,14:4", "-C")
+    profiles = mig.parse_profiles(tool("mig", "-i", "0", "-lgip"))[0]
+    assert (profiles[19].free, profiles[19].total, profiles[15].free, profiles[9].free) == (
+        0, 7, 0, 0)
+    assert mig.parse_placements(tool("mig", "-i", "0", "-lgipp"))[0][9] == ((0, 4), 4)
+    assert [(i.profile_id, i.start, i.size) for i in
+            mig.parse_instances(tool("mig", "-i", "0", "-lgi"))[0]] == [
+        (9, 0, 4), (14, 4, 2), (19, 6, 1)]
+    assert {gi: len(c) for gi, c in mig.parse_compute(tool("mig", "-i", "0", "-lci"))[0]
+            .items()} == {1: 1, 5: 1, 13: 1}
 
 
 @settings(max_examples=200, deadline=None)
@@ -122,18 +177,27 @@ profiles_st = st.builds(
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 15), st.lists(profiles_st, max_size=6, unique_by=lambda p: p.id))
-def test_what_is_written_reads_back(gpu: int, profiles: list[mig.Profile]) -> None:
-    read = mig.parse_profiles(mig.render_profiles([(gpu, profiles)])).get(gpu, {})
+def test_what_the_simulator_prints_reads_back(gpu: int, profiles: list[mig.Profile]) -> None:
+    from gpulib.sim import captured
+
+    text = captured.profiles_table().render([
+        [[gpu, p.name, p.id, f"{p.free}/{p.total}", p.memory_gib, p.p2p, p.sm, p.dec, p.enc],
+         [p.ce, p.jpeg, p.ofa]] for p in profiles])
+    read = mig.parse_profiles(text).get(gpu, {})
     assert [(p.id, p.name, p.free, p.total, p.memory_gib, p.sm, p.dec, p.enc, p.ce, p.jpeg,
              p.ofa) for p in read.values()] == \
         [(p.id, p.name, p.free, p.total, p.memory_gib, p.sm, p.dec, p.enc, p.ce, p.jpeg, p.ofa)
          for p in profiles]
-    placed = mig.parse_placements(mig.render_placements([(gpu, profiles)])).get(gpu, {})
+    placed = mig.parse_placements("".join(
+        captured.placements_line(gpu, p.id, p.placements, p.size) + "\n"
+        for p in profiles)).get(gpu, {})
     assert placed == {p.id: (p.placements, p.size) for p in profiles}
     gis = [mig.Instance(7 + i, p.id, p.name, p.placements[0], p.size, [0])
            for i, p in enumerate(profiles)]
+    listed = captured.instances_table().render([
+        [[gpu, i.profile_name, i.profile_id, i.id, f"{i.start}:{i.size}"]] for i in gis])
     assert [(i.id, i.profile_id, i.start, i.size) for i in
-            mig.parse_instances(mig.render_instances([(gpu, gis)])).get(gpu, [])] == \
+            mig.parse_instances(listed).get(gpu, [])] == \
         [(i.id, i.profile_id, i.start, i.size) for i in gis]
 
 

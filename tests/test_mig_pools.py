@@ -17,7 +17,7 @@ import pytest
 
 from gpulib.pci import PciAddress
 from gpulib.sim.fakehost import FakeHost
-from gpulib.sim.hosts import MIG_GPU, build_mig
+from gpulib.sim.hosts import MIG_GPU, PLAIN_H100, build_mig
 from gpulib.sim.migdriver import MigGpu
 from tests.conftest import DATA
 from tests.hookrun import STATE_CHANGE, as_agent, hook_env, run
@@ -477,3 +477,137 @@ def test_the_device_script_reports_and_exercises_one_mig_backed_vgpu(host: FakeH
                           "--out", str(tmp_path / "none")], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "no nvidia-smi below" in res.stderr
+
+
+# -- one apply settles every pool; restore finds another placement -------------------------------
+
+def test_one_apply_shrinks_a_pool_to_make_room_for_another(host: FakeHost) -> None:
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool small]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10C\n"
+                    "count = 7\n")
+    applied(host)
+    assert instances(host) == [(19, s) for s in range(7)]
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool small]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10C\n"
+                    "count = 3\n[pool big]\nparents = 0000:41:00.0\n"
+                    "profile = NVIDIA H100-4-40C\ncount = 1\n")
+    # One run, as the boot unit makes it: the small pool's surplus goes
+    # first, from the bottom slices, and the 4g instance takes them.
+    out = applied(host)
+    assert "FAILED" not in out, out
+    assert instances(host) == [(5, 0), (19, 4), (19, 5), (19, 6)]
+    st = state_of(host.root)
+    assert sorted((r["pool"], r["start"]) for r in st["gpu_instances"]) == [
+        ("big", 0), ("small", 4), ("small", 5), ("small", 6)]
+    assert sorted(r["pool"] for r in st["vf_types"].values()) == ["big"] + ["small"] * 3
+    assert "nothing to do" in applied(host)
+
+
+def test_restore_finds_another_placement_when_the_recorded_one_is_taken(
+        host: FakeHost) -> None:
+    applied(host)  # 1g instances at 5 and 6
+    host = reboot(host, lambda root: build_mig(root))
+    host.write_file(BOOT_ID, "boot-2\n", 0o444)
+    # Before the boot unit, another tool made a 2g instance over slices 4 and 5.
+    smi = host.p("usr/bin/nvidia-smi")
+    assert subprocess.run([smi, "mig", "-i", "0", "-cgi", "14:4", "-C"],
+                          capture_output=True).returncode == 0
+    res = cli(host.root, "restore")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "placement 5 was taken" in res.stdout
+    assert instances(host) == [(14, 4), (19, 3), (19, 6)]
+    st = state_of(host.root)
+    assert sorted((r["pool"], r["start"]) for r in st["gpu_instances"]) == [("mig", 3),
+                                                                            ("mig", 6)]
+    # Both VFs of the pool have their type again; none is left unavailable.
+    assert vf_type(host, "0000:41:00.4") == vf_type(host, "0000:41:00.5") == H100_1_10C
+    assert cloudstack_vfs(host.root) == [("41:00.4", "NVIDIA H100-1-10C", None),
+                                         ("41:00.5", "NVIDIA H100-1-10C", None)]
+    assert "nothing to do" in applied(host)
+    assert [r["status"] for r in doctor_mig(host)] == ["ok"]
+
+
+def test_a_pool_beyond_its_profiles_total_stops_at_the_first_refusal(host: FakeHost) -> None:
+    host.write_file("etc/gpulib/gpulib.conf",
+                    "[pool me]\nparents = 0000:41:00.0\nprofile = NVIDIA H100-1-10CME\n"
+                    "count = 3\n")
+    res = cli(host.root, "pool", "apply")
+    assert res.returncode == 1
+    # One +me instance per GPU: the driver is asked for one, once.
+    assert sum("-cgi 20:" in c for c in host.nvidia_smi_calls()) == 1
+    assert instances(host) == [(20, 6)]
+    failed = [line for line in res.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2, res.stdout
+    assert "holds at most 1 MIG 1g.10gb+me GPU instance(s)" in failed[0]
+    assert "no free GPU instance for 518" in failed[1]
+    st = state_of(host.root)
+    assert list(st["vf_types"]) == ["0000:41:00.4"] and st["intents"] == []
+
+
+def test_a_failed_destroy_leaves_the_instance_its_compute_instance(tmp_path: Path) -> None:
+    from gpulib import migtool
+    from gpulib.nvidiasmi import ToolFailed
+
+    calls = tmp_path / "calls"
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
+                    'case "$*" in *-dgi*) echo "Unable to destroy GPU instance ID  1 from GPU  0:'
+                    ' Unknown Error"; exit 255;; esac\nexit 0\n')
+    tool.chmod(0o755)
+    with pytest.raises(ToolFailed, match="Unknown Error"):
+        migtool.Tool(str(tool)).destroy(PciAddress.parse(MIG_GPU), 1)
+    assert [c.split()[-1] for c in calls.read_text().splitlines()] == ["-dci", "-dgi", "-cci"]
+
+
+# -- the doctor says what is known and what is not ----------------------------------------------
+
+def _tool_replaced(host: FakeHost, body: str) -> None:
+    tool = Path(host.p("usr/bin/nvidia-smi"))
+    tool.unlink()
+    tool.write_text("#!/bin/sh\n" + body)
+    tool.chmod(0o755)
+
+
+@pytest.mark.parametrize("body", [
+    'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver. '
+    'Make sure that the latest NVIDIA driver is installed and running."\nexit 9\n',
+    "exec sleep 30\n"], ids=["failing", "hanging"])
+def test_the_doctor_is_honest_when_the_tool_does_not_answer(host: FakeHost, body: str) -> None:
+    applied(host)
+    _tool_replaced(host, body)
+    host.write_file("etc/gpulib/gpulib.conf", POOL + "[discovery]\nnvidia_smi_timeout = 1\n")
+    found = doctor_mig(host)
+    assert not any("no GPU is in MIG mode" in r["message"] for r in found), found
+    [fail] = [r for r in found if r["status"] == "fail"]
+    assert fail["subject"] == MIG_GPU
+    assert "MIG mode and GPU instances unknown" in fail["message"]
+    assert "pool(s) mig record 2 GPU instance(s)" in fail["message"]
+    assert "2 of its VFs carry or are recorded with a MIG-backed type" in fail["message"]
+    why = "exit 9" if "exit 9" in body else "gave no answer within 1 s"
+    assert why in fail["message"] or "s ago" in fail["message"], fail["message"]
+    # The GPU without MIG records is not called out of MIG mode either.
+    assert all(r["subject"] != PLAIN_H100 for r in found)
+
+
+def test_the_doctor_fails_a_pool_whose_gpu_left_mig_mode(host: FakeHost) -> None:
+    applied(host)
+    assert agent(host).returncode == 0  # 41:00.4 pending for the VM
+    host = reboot(host, lambda root: build_mig(root, mig_mode=False))
+    host.write_file(BOOT_ID, "boot-2\n", 0o444)
+    [fail] = [r for r in doctor_mig(host) if r["status"] == "fail"]
+    assert "left MIG mode (it is disabled)" in fail["message"]
+    assert "the 2 GPU instance(s) pool(s) mig record on it are gone" in fail["message"]
+    assert f"nvidia-smi -i {PciAddress.parse(MIG_GPU).bus_id} -mig 1" in fail["fix"]
+    # The start is refused for that reason, not for other VFs' types.
+    refused = agent(host)
+    assert refused.returncode != 0
+    assert b"needs MIG mode, which is off on its GPU" in refused.stdout, refused.stdout
+
+
+def test_a_fresh_mig_host_has_no_warning_before_the_first_pool_apply(host: FakeHost) -> None:
+    assert not Path(host.p("var/lib/gpulib")).exists() or not any(
+        Path(host.p("var/lib/gpulib")).iterdir())
+    res = cli(host.root, "doctor", "--check", "mdev", "--check", "mig", "--json")
+    checks = json.loads(res.stdout)["checks"]
+    assert [c["status"] for c in checks] == ["ok", "ok"], checks
+    assert not Path(host.p("var/lib/gpulib/nvidia-smi.json")).exists()

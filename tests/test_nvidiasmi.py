@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,30 @@ gpus = st.dictionaries(
 @settings(max_examples=60, deadline=None)
 @given(gpus)
 def test_what_the_tool_prints_is_read_back(found: dict[PciAddress, dict[int, Any]]) -> None:
-    assert nvidiasmi.parse(nvidiasmi.render(found)) == {
+    """What the simulated tool prints (its layout learned from the RTX PRO
+    6000 capture, not written by gpulib) reads back."""
+    from gpulib.sim.captured import vgpu_types
+
+    assert nvidiasmi.parse(vgpu_types(found)) == {
         a: {t: n for t, (_k, n) in types.items()} for a, types in found.items()}
+
+
+def test_the_simulated_tool_prints_the_captures_blocks_byte_for_byte() -> None:
+    """The capture's own types, printed by the simulator, are the capture's
+    lines (its blocks end at FB Memory; a type's per-VM limit, which the
+    simulator prints as 1, aside)."""
+    from gpulib.sim.captured import vgpu_types
+
+    text = (DATA / "rtx-pro-6000-580.105.06-vgpu-s-v.txt").read_text(encoding="utf-8")
+    classes = {int(m.group(1), 16): m.group(2) for m in re.finditer(
+        r"vGPU Type ID\s+: 0x([0-9a-f]+)\n.*\n\s+Class\s+: (\S+)", text)}
+    found = nvidiasmi.parse(text)
+    assert len(classes) == 4 and sum(len(t) for t in found.values()) == 4
+    printed = vgpu_types({a: {t: (classes[t], n) for t, n in types.items()}
+                          for a, types in found.items()})
+    skip = ("Max Instances Per VM", "Display Heads", "Maximum")
+    assert [line for line in printed.splitlines() if not line.strip().startswith(skip)] == \
+        [line for line in text.splitlines() if not line.strip().startswith(skip)]
 
 
 @settings(max_examples=200, deadline=None)

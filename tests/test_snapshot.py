@@ -202,8 +202,11 @@ def test_snapshot_never_writes_below_the_root(demo_snapshot: Any) -> None:
         return {k: v for k, v in state.items() if k not in tool_log}
 
     assert written(tree_state(host.root)) == written(info["before"])
-    assert host.nvidia_smi_calls() == ["vgpu -s -v"]
+    # The type numbers, and the MIG mode of the GPUs with vendor VFs (`-q`:
+    # this host has none in MIG mode), as a report would ask them.
+    assert host.nvidia_smi_calls() == ["vgpu -s -v", "-q"]
     assert not os.path.exists(os.path.join(host.root, nvidiasmi.CACHE_FILE))
+    assert not os.path.exists(os.path.join(host.root, "var/lib/gpulib/nvidia-mig.json"))
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -305,7 +308,8 @@ def test_a_host_never_discovered_replays_with_its_nvidia_type_numbers(tmp_path: 
     assert not os.path.exists(cache)
     tarball = str(tmp_path / "host.tar.gz")
     snap.create(Context.for_root(host.root), tarball)
-    assert not os.path.exists(cache) and host.nvidia_smi_calls() == ["vgpu -s -v"]
+    # The numbers, and the GPU's MIG mode (`-q`: an A10 has none), as a report asks.
+    assert not os.path.exists(cache) and host.nvidia_smi_calls() == ["vgpu -s -v", "-q"]
     members = member_bytes(tarball)
     assert nvidiasmi.CACHE_FILE in members and nvidiasmi.DRIVER_VERSION in members
     replayed = _reports(unpack(tarball, str(tmp_path / "replay")))
@@ -335,3 +339,42 @@ def test_replay_tells_libvirt_and_qemu_versions_without_the_cache(tmp_path: Any)
     assert (there.status, there.message) == (here.status, here.message)
     with open(os.path.join(root, "var/lib/dpkg/status")) as fh:
         assert "openssh" not in fh.read()
+
+
+def test_a_mig_host_replays_with_its_mig_mode_instances_and_series(tmp_path: Any) -> None:
+    """A MIG host with a pool made: the replay, which has no nvidia-smi,
+    reports its MIG mode, its GPU instances and every gpulib_mig_* series
+    as the host does, from the layouts the tarball carries."""
+    from gpulib import migtool
+    from gpulib.sim.hosts import build_mig
+
+    host = build_mig(str(tmp_path / "mig"))
+    host.write_file("proc/sys/kernel/random/boot_id", "boot-1\n", 0o444)
+    made = subprocess.run([str(BIN / "gpulib"), "pool", "apply"], capture_output=True,
+                          text=True, env=hook_env(host.root), timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
+    tarball = str(tmp_path / "host.tar.gz")
+    snap.create(Context.for_root(host.root), tarball)
+    assert migtool.CACHE_FILE in member_bytes(tarball)
+    original = _reports(host.root)
+    root = unpack(tarball, str(tmp_path / "replay"))
+    assert not os.path.exists(os.path.join(root, "usr/bin/nvidia-smi"))
+    replay = _reports(root)
+    for fmt in original:
+        assert replay[fmt] == original[fmt], fmt
+    series = {line.split("{")[0] for line in replay["metrics"].splitlines()
+              if line.startswith("gpulib_mig_")}
+    assert {"gpulib_mig_mode_enabled", "gpulib_mig_gpu_instances",
+            "gpulib_mig_profile_creatable_instances"} <= series, series
+    assert 'gpulib_mig_mode_enabled{pci_bus_id="00000000:41:00.0"} 1' in replay["metrics"]
+    gpu = next(g for g in json.loads(replay["json"])["gpus"] if g["address"] == "0000:41:00.0")
+    assert len(gpu["mig"]["gpu_instances"]) == 2
+    # Later, still no tool: the layouts hold (a snapshot's are not aged out).
+    cache = os.path.join(root, migtool.CACHE_FILE)
+    with open(cache, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    for entry in doc["gpus"].values():
+        entry["at"] = 0
+    with open(cache, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh)
+    assert _reports(root) == replay

@@ -16,11 +16,16 @@ if TYPE_CHECKING:
 
 
 def _mig_backed_numbers(d: Facts) -> nvidiasmi.Numbers:
-    """The numbers of NVIDIA's tool the reports cached (the doctor runs it not)."""
-    import os
+    """The numbers of NVIDIA's tool: those the reports cached, else asked
+    now and not kept (the doctor writes nothing). A fresh host, where no
+    report ran yet, is asked: its MIG-backed types are offered only once a
+    GPU instance is made, by the first `gpulib pool apply`."""
+    from gpulib import migtool
 
-    cache = nvidiasmi.Cache.load(os.path.join(d.ctx.root, nvidiasmi.CACHE_FILE))
-    return cache.gpus if cache is not None else {}
+    gpus = [g.address for g in migtool.wanted(d.inventory)]
+    found, _cache, _changed = nvidiasmi.lookup(
+        d.ctx.root, gpus, d.config.get_float("discovery", "nvidia_smi_timeout"))
+    return found
 
 
 def _mig_backed(d: Facts, name: str, pool: PoolConfig, numbers: nvidiasmi.Numbers) -> bool:

@@ -12,7 +12,13 @@ the reports cached, else asked now and not kept: the doctor never writes):
   an instance is free): the vGPU host driver does not support MIG-backed
   vGPU there (fail);
 * a GPU instance a pool needs (gpulib's record) that is gone: warn, `gpulib
-  restore` makes it again (the boot unit does).
+  restore` makes it again (the boot unit does);
+* a GPU that left MIG mode (off, and not going on at its next reset) under
+  a pool's recorded instances: fail;
+* a GPU whose layout is unknown (NVIDIA's tool fails, hangs or is missing)
+  while gpulib records GPU instances or MIG-backed types on it: fail,
+  saying what is recorded and what is not known; with nothing recorded the
+  check says the mode is unknown, never that no GPU is in MIG mode.
 """
 
 from __future__ import annotations
@@ -28,16 +34,34 @@ if TYPE_CHECKING:
 CID = "mig"
 
 
-def _layouts(d: Facts) -> dict[str, mig.Layout]:
+def _layouts(d: Facts) -> tuple[dict[str, mig.Layout], list[Gpu], list[str]]:
+    """The layouts known, the GPUs whose layout is not (NVIDIA's tool did
+    not answer, or answered `N/A`: no MIG), and why the tool did not answer."""
     gpus = migtool.wanted(d.inventory)
     have = {str(g.address): g.mig for g in gpus if g.mig is not None}
     missing = [g for g in gpus if g.mig is None]
+    why: list[str] = []
     if missing:
         timeout = d.config.get_float("discovery", "nvidia_smi_timeout")
-        found = migtool.layouts(d.ctx.root, missing, timeout, save=False)
+        found = migtool.layouts(d.ctx.root, missing, timeout, save=False, unknown=why)
         have.update({str(a): layout for a, layout in found.items()
                      if layout.current in (mig.ENABLED, mig.DISABLED)})
-    return have
+        if why:
+            return have, [g for g in missing if str(g.address) not in have], why
+    return have, [], why
+
+
+def _mig_records(d: Facts, gpu: Gpu) -> tuple[list[str], int, int]:
+    """What gpulib's records and the VFs say of MIG on a GPU: the pools
+    with GPU instances on it, how many instances, how many VFs carry (or
+    are recorded with) a MIG-backed type."""
+    addr = str(gpu.address)
+    recs = [r for r in d.state.gpu_instances if r.gpu == addr]
+    vfs = {str(vf.address): vf for vf in gpu.vfs}
+    typed = {a for a, r in d.state.vf_types.items() if a in vfs and r.gi_profile is not None}
+    typed |= {a for a, vf in vfs.items() if vf.nvidia is not None and vf.nvidia.current_type
+              and vf.nvidia.gpu_instance is not None and vf.nvidia.gpu_instance >= 0}
+    return sorted({r.pool or "-" for r in recs}), len(recs), len(typed)
 
 
 def _mig_backed_types(d: Facts, gpu: Gpu) -> tuple[bool, bool]:
@@ -57,10 +81,27 @@ def _label(gpu: Gpu) -> str:
 
 
 def check(d: Facts) -> list[Result]:
-    layouts = _layouts(d)
+    layouts, unknown, why = _layouts(d)
     gpus = {str(g.address): g for g in d.inventory.gpus}
     problems: list[Result] = []
     enabled = 0
+    reason = "; ".join(why)
+    quiet = []
+    for lost in unknown:
+        pools, instances, typed = _mig_records(d, lost)
+        if not (instances or typed):
+            quiet.append(lost)
+            continue
+        held = []
+        if instances:
+            held.append(f"pool(s) {', '.join(pools)} record {instances} GPU instance(s) on it")
+        if typed:
+            held.append(f"{typed} of its VFs carry or are recorded with a MIG-backed type")
+        problems.append(Result(
+            CID, FAIL, str(lost.address), f"{_label(lost)}: MIG mode and GPU instances unknown "
+            f"({reason}); {' and '.join(held)}: whether MIG mode is on and those instances "
+            "exist is not known", "make NVIDIA's tool answer (`nvidia-smi -q`, `nvidia-smi mig "
+            "-lgi`: the driver loaded and not hung), then: gpulib doctor --check mig"))
     for addr, layout in sorted(layouts.items()):
         gpu = gpus.get(addr)
         if gpu is None:
@@ -74,6 +115,15 @@ def check(d: Facts) -> list[Result]:
                 f"{'MIG-backed' if after == 'off' else 'time-sliced'} vGPU types until then",
                 f"stop the VMs on it, then: nvidia-smi -i {bus} -r (or reboot the host)"))
         if not layout.enabled:
+            pools, instances, typed = _mig_records(d, gpu)
+            if instances and not layout.reset_pending:
+                problems.append(Result(
+                    CID, FAIL, addr, f"{_label(gpu)} left MIG mode (it is "
+                    f"{layout.current.lower()}): the {instances} GPU instance(s) pool(s) "
+                    f"{', '.join(pools)} record on it are gone, and its VFs offer time-sliced "
+                    "types, not the pools' MIG-backed ones", f"stop the VMs on it, then: "
+                    f"nvidia-smi -i {bus} -mig 1 && nvidia-smi -i {bus} -r (or reboot the "
+                    "host), then: gpulib restore && gpulib pool apply"))
             continue
         enabled += 1
         for gi in layout.instances:
@@ -102,6 +152,11 @@ def check(d: Facts) -> list[Result]:
                     "gpulib pool apply"))
     if problems:
         return problems
+    if quiet:
+        what = (f"{enabled} GPU(s) in MIG mode; " if enabled else "")
+        return [Result(CID, OK, "GPUs", f"{what}MIG mode of {len(quiet)} GPU(s) unknown "
+                       f"({reason}); gpulib records no GPU instance and no MIG-backed type "
+                       "on them")]
     if enabled:
         total = sum(len(layout.instances) for layout in layouts.values())
         return [Result(CID, OK, "GPUs", f"{enabled} GPU(s) in MIG mode, {total} GPU "

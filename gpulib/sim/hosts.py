@@ -19,7 +19,10 @@
   MIG mode (MIG-backed types, no GPU instance yet), one not (time-sliced
   types), NVIDIA's tool answering MIG's questions, and a declared pool of two
   `NVIDIA H100-1-10C` vGPUs that `gpulib pool apply` makes (GPU instances,
-  then VF types).
+  then VF types). `build_mig(root, model=...)` puts another MIG-capable GPU
+  of `data/mig_models.json` in its place (A100 40GB and 80GB, A30, H100 NVL, RTX PRO
+  6000 Blackwell Server Edition), with that model's profiles and MIG-backed
+  types and a pool of two of its first type.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ import uuid as uuidlib
 from typing import Any, Callable, Optional
 
 from gpulib.nvidiasmi import TypeNumbers
-from gpulib.nvidiasmi import render as render_nvidia_smi
 from gpulib.pci import PciAddress
+from gpulib.sim import captured
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.migdriver import MigGpu
 
@@ -86,17 +89,20 @@ _SERIES = {"Q": ("Quadro", 4, (7680, 4320)), "B": ("NVS", 4, (5120, 2880)),
            "A": ("NVS", 1, (1280, 1024)), "C": ("Compute", 1, (4096, 2160))}
 
 
-def mig_type_numbers(model: dict[str, Any], name: str, profile_id: int
+def mig_type_numbers(model: dict[str, Any], name: str, profile_id: int, per_gi: int = 1
                      ) -> tuple[str, TypeNumbers]:
     """(class, numbers) of a MIG-backed VF type (`NVIDIA H100-1-10C`): its frame
-    buffer from the name, as many instances as its GPU instance profile has,
-    one head at 4096x2160 (a compute type), the profile it runs on."""
+    buffer from the name, as many instances as its GPU instance profile has
+    (times the vGPUs one instance runs), one head at 4096x2160 (a compute
+    type; a Q type has its series' class), the profile it runs on."""
     from gpulib.lazyre import lazy
 
     m = lazy(r"-\d+-(\d+)[A-Z]+$").search(name)
     gb = int(m.group(1)) if m else 1
     total = next((p["total"] for p in model["mig_profiles"] if p["id"] == profile_id), 1)
-    return "Compute", TypeNumbers(name, total, gb * 1024, 1, (4096, 2160), profile_id)
+    klass = "Compute" if lazy(r"\dCM?E?$").search(name) else _SERIES.get(name[-1], _SERIES["C"])[0]
+    return klass, TypeNumbers(name, total * per_gi, gb * 1024, 1, (4096, 2160), profile_id,
+                              per_gi)
 
 
 def vf_type_numbers(model: dict[str, Any], name: str) -> tuple[str, TypeNumbers]:
@@ -116,8 +122,9 @@ def nvidia_smi_output(host: FakeHost) -> str:
     """What `nvidia-smi vgpu -s -v` prints on this host: each NVIDIA GPU whose
     VFs carry the vendor-specific framework, with every type its catalog model
     supports."""
-    by_device = {m["device"]: m for m in models().values()
-                 if m["vendor"] == 0x10DE and m.get("nvidia_vf_types")}
+    by_device = {m["device"]: m for m in [*models().values(), *mig_catalog().values()]
+                 if m["vendor"] == 0x10DE
+                 and (m.get("nvidia_vf_types") or m.get("nvidia_mig_vf_types"))}
     gpus: dict[PciAddress, dict[int, tuple[str, TypeNumbers]]] = {}
     base = host.p("sys/bus/pci/devices")
     for name in sorted(os.listdir(base)):
@@ -138,13 +145,14 @@ def nvidia_smi_output(host: FakeHost) -> str:
         if gpu is not None and gpu.enabled:
             # In MIG mode the driver supports the MIG-backed types only.
             gpus[PciAddress.parse(name)] = {
-                int(tid): mig_type_numbers(model, tname, pid)
-                for tid, (tname, pid) in model["nvidia_mig_vf_types"].items()}
+                int(tid): mig_type_numbers(model, str(t[0]), int(t[1]),
+                                           int(t[2]) if len(t) > 2 else 1)
+                for tid, t in model["nvidia_mig_vf_types"].items()}
             continue
         gpus[PciAddress.parse(name)] = {
             int(tid): vf_type_numbers(model, tname)
             for tid, tname in model["nvidia_vf_types"].items()}
-    return render_nvidia_smi(gpus)
+    return captured.vgpu_types(gpus)
 
 
 def install_nvidia_smi(host: FakeHost, behaviour: str = "answer") -> None:
@@ -391,6 +399,69 @@ MIG_GPU = "0000:41:00.0"
 PLAIN_H100 = "0000:c1:00.0"
 MIG_POOL = ("[pool mig]\nparents = all\nprofile = NVIDIA H100-1-10C\ncount = 2\n")
 
+# NOT NVIDIA's numbers. A MIG-backed vGPU type whose number no public capture
+# gives (`type_id` null in data/mig_models.json) is numbered from here, in the
+# table's order, so the simulated driver can list it; gpulib never knows a
+# type number in advance (pools name types, the driver's creatable_vgpu_types
+# gives their numbers), so nothing of gpulib depends on these.
+PLACEHOLDER_TYPE_IDS = 9001
+
+
+def mig_models() -> dict[str, dict[str, Any]]:
+    """data/mig_models.json: the MIG-capable models besides the H100 PCIe, each fact sourced."""
+    with open(os.path.join(_DATA, "mig_models.json"), encoding="utf-8") as fh:
+        data: dict[str, dict[str, Any]] = json.load(fh)
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def mig_catalog() -> dict[str, dict[str, Any]]:
+    """Every MIG-capable model as a catalog model (models.json's fields), the
+    H100 PCIe's included; a type without a public number gets a placeholder
+    (`PLACEHOLDER_TYPE_IDS`)."""
+    out = {"h100": models()["h100"]}
+    h100 = out["h100"]
+    placeholder = PLACEHOLDER_TYPE_IDS
+    for key, m in mig_models().items():
+        types: dict[str, list[Any]] = {}
+        for t in m["vgpu_types"]:
+            tid = t["type_id"]
+            if tid is None:
+                tid, placeholder = placeholder, placeholder + 1
+            types[str(tid)] = [t["name"], t["profile"], t["per_gi"]]
+        out[key] = dict(
+            h100, device=m["pci"]["device"], vf_device=m["pci"]["device"],
+            device_name=m["pci"]["device_name"], subsystem=m["pci"]["subsystem"],
+            framebuffer_gb=m["framebuffer_gb"], product_name=m["product_name"],
+            nvidia_vf_types={}, nvidia_mig_vf_types=types, mig_profiles=m["profiles"],
+            instance_ids={int(k): v for k, v in m["instance_ids"].items()})
+    return out
+
+
+def add_mig_gpu(host: FakeHost, key: str, address: str, root_port: str, numa: int,
+                numvfs: int, mig_mode: bool) -> list[str]:
+    """A MIG-capable GPU of `mig_catalog()` behind its own root port, on the
+    NVIDIA vGPU host driver with `numvfs` vendor-specific VFs; in MIG mode its
+    VFs offer the MIG-backed types of its free GPU instances (none yet), else
+    the time-sliced ones (none for a model without them in the catalog)."""
+    model = mig_catalog()[key]
+    host.add_bridge(root_port, numa_node=numa, iommu_group=host.new_iommu_group())
+    vfs = add_sriov_gpu(host, model, address, numa, root_port, numvfs)
+    mig_types = {k: list(v) for k, v in model["nvidia_mig_vf_types"].items()}
+    gpu = MigGpu.create(host.device_dir(address), model["mig_profiles"], mig_types, mig_mode,
+                        model.get("instance_ids"),
+                        model["product_name"] if key != "h100" else None)
+    types = {} if mig_mode else {int(k): v for k, v in model["nvidia_vf_types"].items()}
+    for vf in vfs:
+        host.add_nvidia_vf_types(vf, types, instance_files=True)
+    gpu.refresh()
+    return vfs
+
+
+def mig_pool(key: str) -> str:
+    """The sample pool of a MIG model: two vGPUs of its first MIG-backed type."""
+    first = next(iter(mig_catalog()[key]["nvidia_mig_vf_types"].values()))[0]
+    return f"[pool mig]\nparents = all\nprofile = {first}\ncount = 2\n"
+
 
 def add_h100(host: FakeHost, address: str, root_port: str, numa: int, numvfs: int,
              mig_mode: bool) -> list[str]:
@@ -410,11 +481,15 @@ def add_h100(host: FakeHost, address: str, root_port: str, numa: int, numvfs: in
     return vfs
 
 
-def build_mig(root: str, numvfs: int = 8) -> FakeHost:
+def build_mig(root: str, numvfs: int = 8, mig_mode: bool = True, model: str = "h100"
+              ) -> FakeHost:
     """Two H100 PCIe 80GB on an Ubuntu 24.04 host (kernel 6.8: NVIDIA's
-    vendor-specific VFIO framework), `MIG_GPU` in MIG mode and `PLAIN_H100`
-    not, each with `numvfs` VFs (from .4, as the agent's fixtures name them);
-    NVIDIA's tool installed; the pool `mig` declared, not made."""
+    vendor-specific VFIO framework), `MIG_GPU` in MIG mode (unless
+    `mig_mode` is False: a host booted after it was switched off) and
+    `PLAIN_H100` not, each with `numvfs` VFs (from .4, as the agent's
+    fixtures name them); NVIDIA's tool installed; the pool `mig` declared,
+    not made. `model` (a key of `mig_catalog()`) puts another model at
+    `MIG_GPU`, its pool two vGPUs of its first MIG-backed type."""
     host = FakeHost(root)
     host.add_iommu_unit("dmar0")
     for mod in ("vfio", "vfio_pci", "vfio_pci_core", "vfio_iommu_type1", "nvidia", "kvm",
@@ -424,12 +499,15 @@ def build_mig(root: str, numvfs: int = 8) -> FakeHost:
                     "blacklist nouveau\noptions nouveau modeset=0\n")
     host.write_file("etc/os-release", 'ID=ubuntu\nVERSION_ID="24.04"\n'
                                       'PRETTY_NAME="Ubuntu 24.04 LTS"\n')
-    add_h100(host, MIG_GPU, "0000:40:03.1", 0, numvfs, mig_mode=True)
+    if model == "h100":
+        add_h100(host, MIG_GPU, "0000:40:03.1", 0, numvfs, mig_mode=mig_mode)
+    else:
+        add_mig_gpu(host, model, MIG_GPU, "0000:40:03.1", 0, numvfs, mig_mode=mig_mode)
     add_h100(host, PLAIN_H100, "0000:c0:01.1", 1, numvfs, mig_mode=False)
     install_nvidia_smi(host)
     host.write_file("etc/gpulib/gpulib.conf",
                     "# MIG-backed vGPUs: two 1g.10gb GPU instances, two VFs typed for them.\n"
-                    + MIG_POOL)
+                    + MIG_POOL if model == "h100" else mig_pool(model))
     return host
 
 

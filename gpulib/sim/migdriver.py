@@ -21,9 +21,15 @@ nothing; and `gpu_instance_id` names the instance a typed VF runs on
 
 GPU instance ids follow the placement, as on A100 and H100 (the captures in
 tests/data/nvidia-smi show 7 + start for 1-slice instances, 3 + start / 2
-for 2-slice ones, 1 + start / 4 for 4-slice ones, 0 for the whole GPU); an
-instance created without a placement goes to the highest free start, as the
-driver placed the 1g instances of those captures from slice 6 down.
+for 2-slice ones, 1 + start / 4 for 4-slice ones, 0 for the whole GPU); a
+model may give its own bases (`instance_ids`: the A30 numbers from 3, 1, 0);
+an instance created without a placement goes to the highest free start, as
+the driver placed the 1g instances of those captures from slice 6 down.
+
+A MIG-backed type may run several vGPUs on one GPU instance (`per_gi`, the
+RTX PRO 6000 Blackwell's time-sliced MIG-backed types: `DC-1-8Q` three to a
+`1g.24gb+gfx` instance): a VF of that type takes the lowest-id instance of
+its profile that runs fewer than `per_gi` vGPUs, all of the same type.
 """
 
 from __future__ import annotations
@@ -54,9 +60,12 @@ class MigError(Exception):
         self.reason = reason
 
 
-def instance_id(start: int, size: int) -> int:
+H100_INSTANCE_IDS = {8: 0, 4: 1, 2: 3, 1: 7}
+
+
+def instance_id(start: int, size: int, bases: Optional[dict[int, int]] = None) -> int:
     """The id the driver gives the instance at `start:size` (see the module's notes)."""
-    base = {8: 0, 4: 1, 2: 3, 1: 7}.get(size)
+    base = (H100_INSTANCE_IDS if bases is None else bases).get(size)
     return base + start // size if base is not None else 100 + start
 
 
@@ -84,13 +93,22 @@ class MigGpu:
 
     @classmethod
     def create(cls, pf_dir: str, profiles: list[dict[str, Any]],
-               types: dict[str, list[Any]], enabled: bool = True) -> MigGpu:
+               types: dict[str, list[Any]], enabled: bool = True,
+               instance_ids: Optional[dict[int, int]] = None,
+               product: Optional[str] = None) -> MigGpu:
         """A MIG-capable GPU: its profiles (models.json's `mig_profiles`), the
-        MIG-backed vGPU types of its driver ({type id: [name, profile id]}), MIG
-        mode on or off (current and pending alike), no instance."""
+        MIG-backed vGPU types of its driver ({type id: [name, profile id] or
+        [name, profile id, vGPUs per instance]}), MIG mode on or off (current
+        and pending alike), no instance; its model's instance id bases and
+        product name when not the H100 PCIe's."""
         mode = mig.ENABLED if enabled else mig.DISABLED
-        gpu = cls(pf_dir, {"current": mode, "pending": mode, "profiles": profiles,
-                           "types": types, "instances": [], "bound": {}})
+        data: dict[str, Any] = {"current": mode, "pending": mode, "profiles": profiles,
+                                "types": types, "instances": [], "bound": {}}
+        if instance_ids is not None:
+            data["instance_ids"] = {str(k): v for k, v in instance_ids.items()}
+        if product is not None:
+            data["product"] = product
+        gpu = cls(pf_dir, data)
         gpu.save()
         return gpu
 
@@ -128,6 +146,16 @@ class MigGpu:
 
     def types(self) -> dict[int, tuple[str, int]]:
         return {int(k): (str(v[0]), int(v[1])) for k, v in self.data.get("types", {}).items()}
+
+    def per_gi(self, type_id: int) -> int:
+        """How many vGPUs of the type one GPU instance runs (1 unless the model says more)."""
+        found = self.data.get("types", {}).get(str(type_id), [])
+        return int(found[2]) if len(found) > 2 else 1
+
+    @property
+    def product(self) -> Optional[str]:
+        value = self.data.get("product")
+        return str(value) if value is not None else None
 
     def instances(self) -> list[dict[str, Any]]:
         return list(self.data.get("instances", []))
@@ -170,7 +198,9 @@ class MigGpu:
             raise MigError(2, "Invalid Argument")
         if start is None or start not in free:
             raise MigError(INSUFFICIENT, "Insufficient Resources")
-        gi = instance_id(start, p["size"])
+        bases = self.data.get("instance_ids")
+        gi = instance_id(start, p["size"],
+                         {int(k): int(v) for k, v in bases.items()} if bases else None)
         self.data["instances"].append({"id": gi, "profile": p["id"], "start": start,
                                        "size": p["size"], "cis": []})
         return gi, p
@@ -210,27 +240,37 @@ class MigGpu:
             raise MigError(IN_USE, "In use by another client")
         self.data["instances"].remove(inst)
 
-    def free_instance(self, profile_id: int) -> Optional[int]:
+    def free_instance(self, profile_id: int, type_id: Optional[int] = None) -> Optional[int]:
         """The lowest-id GPU instance of the profile that has a compute
-        instance and runs no vGPU."""
-        busy = set(self.data.get("bound", {}).values())
-        ids = [i["id"] for i in self.data["instances"]
-               if i["profile"] == profile_id and i["cis"] and i["id"] not in busy]
+        instance and room for a vGPU of `type_id`: none running, or (a type
+        with several vGPUs per instance) fewer than it holds, all of that type."""
+        bound = self.data.get("bound", {})
+        kinds = self.data.get("bound_types", {})
+        room = self.per_gi(type_id) if type_id is not None else 1
+        ids = []
+        for i in self.data["instances"]:
+            if i["profile"] != profile_id or not i["cis"]:
+                continue
+            on = [vf for vf, gi in bound.items() if gi == i["id"]]
+            if len(on) < room and all(kinds.get(vf) == type_id for vf in on):
+                ids.append(i["id"])
         return min(ids) if ids else None
 
     def bind(self, vf: str, type_id: int) -> int:
-        """A VF's vGPU of MIG-backed type `type_id` takes a free GPU instance."""
+        """A VF's vGPU of MIG-backed type `type_id` takes a GPU instance with room."""
         found = self.types().get(type_id)
         if found is None:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), vf)
-        gi = self.free_instance(found[1])
+        gi = self.free_instance(found[1], type_id)
         if gi is None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), vf)
         self.data.setdefault("bound", {})[vf] = gi
+        self.data.setdefault("bound_types", {})[vf] = type_id
         return gi
 
     def unbind(self, vf: str) -> None:
         self.data.setdefault("bound", {}).pop(vf, None)
+        self.data.setdefault("bound_types", {}).pop(vf, None)
 
     # -- what the VFs show --------------------------------------------------------------------
     def vf_dirs(self) -> list[str]:
@@ -250,7 +290,7 @@ class MigGpu:
         types = self.types()
         bound = self.bound()
         offered = {tid: name for tid, (name, pid) in sorted(types.items())
-                   if self.free_instance(pid) is not None}
+                   if self.free_instance(pid, tid) is not None}
         for d in self.vf_dirs():
             nv = os.path.join(d, "nvidia")
             vf = os.path.basename(d)

@@ -2,9 +2,9 @@
 
 `FakeHost.install_nvidia_smi` installs `usr/bin/nvidia-smi` below the
 host's root; on a host with a MIG-capable GPU that script runs this module
-(`python -m gpulib.sim.nvidia_smi ROOT ARGS...`). It answers, in the formats
-of `gpulib.mig` and `gpulib.nvidiasmi` (NVIDIA's, as the captures in
-tests/data/nvidia-smi show them):
+(`python -m gpulib.sim.nvidia_smi ROOT ARGS...`). It answers in NVIDIA's
+layouts as real captures show them (`gpulib.sim.captured`, which learns
+them from the captures, never through gpulib's own code):
 
 * `vgpu -s -v`: the supported vGPU types (the text the builder rendered);
 * `-q [-i ID]`: each GPU's product, MIG mode (current, pending) and
@@ -29,6 +29,7 @@ from typing import Optional
 
 from gpulib import mig
 from gpulib.pci import PciAddress
+from gpulib.sim import captured
 from gpulib.sim.attrs import read_attribute as _read
 from gpulib.sim.migdriver import NOT_FOUND, MigError, MigGpu
 
@@ -73,6 +74,9 @@ def select(all_gpus: list[Gpu], ident: Optional[str]) -> Optional[list[Gpu]]:
 
 
 def _product(root: str, gpu: Gpu) -> str:
+    state = MigGpu.load(gpu.pf_dir)
+    if state is not None and state.product:
+        return state.product
     device = _read(os.path.join(gpu.pf_dir, "device"))
     return {"0x2331": "NVIDIA H100 PCIe", "0x2236": "NVIDIA A10",
             "0x26b9": "NVIDIA L40S", "0x20f1": "NVIDIA A100-PCIE-40GB"}.get(device, "NVIDIA GPU")
@@ -80,7 +84,7 @@ def _product(root: str, gpu: Gpu) -> str:
 
 def query(root: str, selected: list[Gpu], everything: list[Gpu]) -> str:
     """`nvidia-smi -q`, the lines gpulib reads (and a few around them)."""
-    f = mig.query_field
+    f = captured.query_line
     lines = ["", "==============NVSMI LOG==============", "",
              f("Timestamp", "Mon Jan 19 07:00:00 2026", 0),
              f("Driver Version", _read(os.path.join(root, "sys/module/nvidia/version")), 0),
@@ -118,14 +122,20 @@ def run_mig(args: list[str], selected: list[Gpu]) -> tuple[int, str]:
     gis = _ids(_opt(args, "-gi", "--gpu-instance-id"))
     cis = _ids(_opt(args, "-ci", "--compute-instance-id"))
     if "-lgip" in args or "--list-gpu-instance-profiles" in args:
-        return 0, mig.render_profiles([(g.index, g.mig.model()[0]) for g in migs if g.mig])
+        return 0, captured.profiles_table().render([
+            [[g.index, p.name, p.id, f"{p.free}/{p.total}", p.memory_gib, p.p2p, p.sm, p.dec,
+              p.enc], [p.ce, p.jpeg, p.ofa]]
+            for g in migs if g.mig for p in g.mig.model()[0]])
     if "-lgipp" in args or "--list-gpu-instance-possible-placements" in args:
-        return 0, mig.render_placements([(g.index, g.mig.model()[0]) for g in migs if g.mig])
+        return 0, "".join(captured.placements_line(g.index, p.id, p.placements, p.size) + "\n"
+                          for g in migs if g.mig for p in g.mig.model()[0])
     if "-lgi" in args or "--list-gpu-instances" in args:
         listed = [(g.index, g.mig.model()[1]) for g in migs if g.mig]
         if not any(r for _, r in listed):
             return NOT_FOUND, "No GPU instances found: Not Found\n"
-        return 0, mig.render_instances(listed)
+        return 0, captured.instances_table().render([
+            [[gpu, i.profile_name, i.profile_id, i.id, f"{i.start}:{i.size}"]]
+            for gpu, instances in listed for i in instances])
     if "-lci" in args or "--list-compute-instances" in args:
         out: list[tuple[int, list[tuple[mig.Instance, int, int, int]]]] = []
         for g in migs:
@@ -138,12 +148,14 @@ def run_mig(args: list[str], selected: list[Gpu]) -> tuple[int, str]:
             out.append((g.index, rows))
         if not any(r for _, r in out):
             return NOT_FOUND, "No compute instances found: Not Found\n"
-        return 0, mig.render_compute(out)
+        return 0, captured.compute_table().render([
+            [[gpu, gi.id, gi.profile_name, ci_profile, ci, f"0:{slices}"]]
+            for gpu, rows in out for gi, ci_profile, ci, slices in rows])
     create = _opt(args, "-cgi", "--create-gpu-instance")
     if create is not None:
         return _create(migs, create, "-C" in args or "--default-compute-instance" in args)
     if "-cci" in args or "--create-compute-instance" in args:
-        return _each(migs, gis, lambda g, gi: [mig.render_created_ci(
+        return _each(migs, gis, lambda g, gi: [captured.created_ci(
             ci, g.index, gi, _name(g, gi), prof) for ci, prof in [g.mig.create_ci(gi)]])
     if "-dci" in args or "--destroy-compute-instance" in args:
         def destroy_ci(g: Gpu, gi: int) -> list[str]:
@@ -151,13 +163,13 @@ def run_mig(args: list[str], selected: list[Gpu]) -> tuple[int, str]:
             gone: list[int] = []
             for ci in cis if cis else [None]:
                 gone += g.mig.destroy_ci(gi, ci)
-            return [mig.render_destroyed_ci(ci, g.index, gi) for ci in gone]
+            return [captured.destroyed_ci(ci, g.index, gi) for ci in gone]
         return _each(migs, gis, destroy_ci, what="compute instance")
     if "-dgi" in args or "--destroy-gpu-instance" in args:
         def destroy(g: Gpu, gi: int) -> list[str]:
             assert g.mig is not None
             g.mig.destroy_gi(gi)
-            return [mig.render_destroyed_gi(gi, g.index)]
+            return [captured.destroyed_gi(gi, g.index)]
         return _each(migs, gis, destroy, what="GPU instance")
     return 2, INVALID + "\n"
 
@@ -177,10 +189,10 @@ def _create(migs: list[Gpu], spec: str, with_ci: bool) -> tuple[int, str]:
             ident, _, start = item.strip().partition(":")
             try:
                 gi, p = g.mig.create_gi(ident.strip(), int(start) if start.isdigit() else None)
-                lines.append(mig.render_created_gi(gi, g.index, mig.Profile(p["id"], p["name"])))
+                lines.append(captured.created_gi(gi, g.index, p["name"], p["id"]))
                 if with_ci:
                     ci, prof = g.mig.create_ci(gi)
-                    lines.append(mig.render_created_ci(ci, g.index, gi, p["name"], prof))
+                    lines.append(captured.created_ci(ci, g.index, gi, p["name"], prof))
             except MigError as exc:
                 return _refused(g, lines, exc, f"Unable to create a GPU instance on GPU "
                                 f"{g.index:2d} using profile {ident.strip()}",
