@@ -53,7 +53,7 @@ from gpulib.validate import decimal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Callable, Optional
+    from typing import Any, Callable, Optional
 
     from gpulib import mig
     from gpulib.nvidiasmi import TypeNumbers
@@ -346,6 +346,38 @@ class Gpu:
         if sysfs is not None and len(sysfs.failures) > mark:
             self.note_failures(sysfs.failures[mark:])
         return out
+
+    def vendor_vf_types(self, hands_off: frozenset[str] = frozenset()
+                        ) -> dict[int, tuple[str, int, int, int]]:
+        """Each vGPU type of the GPU's NVIDIA vendor-specific VFs: type id ->
+        (its name, VFs that have it, of those held by a VM, idle VFs that could
+        be given it now). An idle VF counts for every type it could take (the
+        GPU gives one at a time): the one count of what is left, for `gpulib
+        mdev types` and metrics alike, bounded by how many of the type the GPU
+        runs (`max_instances` of NVIDIA's numbers, where attached) less those
+        it has. VFs in `hands_off` (the administrator's) count for nothing."""
+        out: dict[int, list[Any]] = {}
+        for vf in self.vfs:
+            nv = vf.nvidia
+            if nv is None or (hands_off and str(vf.address) in hands_off):
+                continue
+            if nv.current_type:
+                row = out.setdefault(nv.current_type, [str(nv.current_type), 0, 0, 0])
+                if nv.current_name and row[0] == str(nv.current_type):
+                    row[0] = nv.current_name
+                row[1] += 1
+                row[2] += vf.used_by is not None
+            else:
+                for tid, name in nv.creatable.items():
+                    row = out.setdefault(tid, [name, 0, 0, 0])
+                    if row[0] == str(tid):
+                        row[0] = name
+                    row[3] += 1
+        for tid, r in out.items():
+            known = self.nvidia_numbers.get(tid)
+            if known is not None and known.max_instances:
+                r[3] = max(0, min(r[3], known.max_instances - r[1]))
+        return {tid: (r[0], r[1], r[2], r[3]) for tid, r in sorted(out.items())}
 
     def note_failures(self, failures: list[tuple[str, str]]) -> None:
         """Files of the GPU (or its VFs) that could not be read, into `errors`."""

@@ -388,35 +388,14 @@ def _nvidia_vfs(fams: _GpuFamilies, gpu: Gpu, bus_id: str, gpu_set: str,
     fams.nv_typed.add_set(sum(1 for vf in vendor if vf.nvidia and vf.nvidia.current_type),
                           gpu_set)
     fams.nv_held.add_set(sum(1 for vf in vendor if vf.used_by), gpu_set)
-    # type id -> its name, and its typed, held and creatable VFs.
-    type_names: dict[int, str] = {}
-    typed: dict[int, int] = {}
-    held_vfs: dict[int, int] = {}
-    free: dict[int, int] = {}
-    for vf in vendor:
-        nv = vf.nvidia
-        assert nv is not None
-        if hands_off and str(vf.address) in hands_off:
-            continue  # the administrator's: no capacity of gpulib's, typed or not
-        if nv.current_type:
-            tid = nv.current_type
-            if nv.current_name:
-                type_names.setdefault(tid, nv.current_name)
-            typed[tid] = typed.get(tid, 0) + 1
-            held_vfs[tid] = held_vfs.get(tid, 0) + (vf.used_by is not None)
-        else:
-            for tid, name in nv.creatable.items():
-                type_names.setdefault(tid, name)
-                free[tid] = free.get(tid, 0) + 1
     # Every type an idle VF could take or a VF has; typed and held VFs only
     # of the types some VF has (absent: 0).
-    for tid in sorted({*typed, *free}):
-        vf_set = label_set(("pci_bus_id", "type", "profile"),
-                           (bus_id, str(tid), type_names.get(tid, str(tid))))
-        fams.nv_type_creatable.add_set(free.get(tid, 0), vf_set)
-        if tid in typed:
-            fams.nv_type_typed.add_set(typed[tid], vf_set)
-            fams.nv_type_held.add_set(held_vfs[tid], vf_set)
+    for tid, (name, typed, held, free) in gpu.vendor_vf_types(hands_off).items():
+        vf_set = label_set(("pci_bus_id", "type", "profile"), (bus_id, str(tid), name))
+        fams.nv_type_creatable.add_set(free, vf_set)
+        if typed:
+            fams.nv_type_typed.add_set(typed, vf_set)
+            fams.nv_type_held.add_set(held, vf_set)
 
 
 # -- gpulib's own records ---------------------------------------------------------------
@@ -625,11 +604,15 @@ def _counters(exp: Exposition, totals: dict[str, int]) -> None:
 def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
     """Every gpulib metric of the host below ctx's root. `fold`: move the
     hooks' counted events into the counters' totals file (else only read)."""
-    from gpulib.runtime import discover_host
+    from gpulib.runtime import attach_type_numbers, discover_host
 
     exp = Exposition()
     state, known = _state(exp, ctx, config)
     inventory = discover_host(ctx, config, state=state, learn=False, keep_domains=True)
+    # What each vendor-VF type can still be given is bounded by how many the
+    # GPU runs: NVIDIA's numbers (cached per driver), as `mdev types` has them.
+    attach_type_numbers(inventory, ctx.root,
+                        config.get_float("discovery", "nvidia_smi_timeout"))
     _gpus(exp, inventory, state, config.get_bool("metrics", "parent_series"), known)
     if known:
         # Without gpulib's records (the file and its copy unusable) strays,

@@ -175,6 +175,25 @@ def assert_unavailable_as_reported(root: str) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(HOSTS))
+def test_vendor_vf_types_left_are_mdev_types_answer(built: dict[str, str], name: str) -> None:
+    """What an NVIDIA vendor-VF type has left on a GPU is one answer: `gpulib mdev
+    types` shows per GPU what gpulib_nvidia_vf_type_creatable_vfs counts (never
+    more than the GPU runs of the type)."""
+    root = built[name]
+    series = scrape(root)
+    r = subprocess.run([GPULIB, "mdev", "types", "--json"], capture_output=True, text=True,
+                       env=hook_env(root), timeout=60, check=True)
+    rows = {(bus(row["parent"]), row["type_id"]): row for row in json.loads(r.stdout)
+            if row["kind"] == "nvidia-vf"}
+    creatable = {(dict(ls)["pci_bus_id"], dict(ls)["type"]): v for ls, v in
+                 matching(series, "gpulib_nvidia_vf_type_creatable_vfs").items() if v}
+    assert {k: row["available_instances"] for k, row in rows.items()} == creatable
+    for row in rows.values():
+        if row["max_instances"] is not None:
+            assert row["available_instances"] <= row["max_instances"], row
+
+
+@pytest.mark.parametrize("name", sorted(HOSTS))
 def test_unavailable_instances_are_the_reports(built: dict[str, str], name: str) -> None:
     assert_unavailable_as_reported(built[name])
 

@@ -13,7 +13,7 @@ from gpulib.errors import DeviceError, GpulibError, InputError
 from gpulib.lifecycle import open_store
 from gpulib.liveness import running_domains
 from gpulib.occupancy import Occupancy
-from gpulib.pci import PciAddress, list_addresses, physical_function
+from gpulib.pci import PciAddress, physical_function
 from gpulib.records import HANDMADE, is_handmade, pool_of
 from gpulib.state import State, VfRecord, VgpuRecord
 from gpulib.sysfs import Sysfs
@@ -97,27 +97,46 @@ def _or_dash(value: object) -> str:
 
 
 def _vendor_vf_types(env: Env, only: Optional[PciAddress]) -> list[dict[str, object]]:
-    """One row for each type an NVIDIA vendor-specific VF can create now, its
-    numbers NVIDIA's tool's (as `gpulib discover` reports them; null without)."""
+    """The types NVIDIA vendor-specific VFs can be given now: one row for each
+    GPU and type, AVAILABLE the idle VFs that could take it (`Gpu.vendor_vf_types`,
+    the count metrics give too; an unmanaged GPU's or VF's count nothing), or
+    with `--parent VF` that VF's own types; the numbers NVIDIA's tool's (as
+    `gpulib discover` reports them; null without)."""
     from gpulib import nvidiasmi
+    from gpulib.runtime import discover_host
 
     sysfs = env.ctx.sysfs
-    vfs: list[tuple[PciAddress, PciAddress]] = []
-    for a in [only] if only is not None else list_addresses(sysfs):
-        pf = physical_function(sysfs, a)
-        if pf is not None and nvidia.is_vendor_vf(sysfs, a):
-            vfs.append((a, pf))
-    if not vfs:
+    one_vf = only if only is not None and physical_function(sysfs, only) is not None else None
+    if one_vf is not None and not nvidia.is_vendor_vf(sysfs, one_vf):
         return []
-    found = nvidiasmi.numbers(env.ctx.root, sorted({pf for _, pf in vfs}),
+    inventory = discover_host(env.ctx, env.config, learn=False)
+    occ = inventory.occupancy
+    gpus = [g for g in inventory.gpus if any(vf.nvidia is not None for vf in g.vfs)
+            and (only is None or g.address == only
+                 or (one_vf is not None and any(vf.address == one_vf for vf in g.vfs)))]
+    if not gpus:
+        return []
+    found = nvidiasmi.numbers(env.ctx.root, [g.address for g in gpus],
                               env.config.get_float("discovery", "nvidia_smi_timeout"))
+    for gpu in gpus:
+        gpu.nvidia_numbers = found.get(gpu.address, {})
     rows: list[dict[str, object]] = []
-    for vf, pf in vfs:
-        for tid, name in sorted(nvidia.creatable_types(sysfs, vf).items()):
-            n = found.get(pf, {}).get(tid)
+    for gpu in gpus:
+        hands_off = frozenset(str(vf.address) for vf in gpu.vfs
+                              if occ.hands_off(str(vf.address)) is not None)
+        if one_vf is not None:
+            vf = next(v for v in gpu.vfs if v.address == one_vf)
+            types = {tid: (name, 1) for tid, name in
+                     (vf.nvidia.creatable.items() if vf.nvidia is not None
+                      and str(vf.address) not in hands_off else ())}
+        else:
+            types = {tid: (name, free) for tid, (name, _typed, _held, free)
+                     in gpu.vendor_vf_types(hands_off).items() if free}
+        for tid, (name, free) in sorted(types.items()):
+            n = found.get(gpu.address, {}).get(tid)
             res = n.max_resolution if n else None
-            rows.append({"parent": str(vf), "kind": "nvidia-vf", "type_id": str(tid),
-                         "name": name, "available_instances": 1,
+            rows.append({"parent": str(one_vf or gpu.address), "kind": "nvidia-vf",
+                         "type_id": str(tid), "name": name, "available_instances": free,
                          "max_instances": n.max_instances if n else None,
                          "framebuffer_mb": n.framebuffer_mb if n else None,
                          "num_heads": n.num_heads if n else None,
