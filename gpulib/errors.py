@@ -1,6 +1,6 @@
 """Errors that reach a user, each with the exit code an entry point returns.
 
-Exit codes (documented in the README and the man pages):
+Exit codes (documented in gpulib(1) and the hooks' man pages):
   0  success
   1  the operation failed (kernel refused, device missing, nothing available)
   2  bad input or usage (malformed XML, bad UUID, unknown option)
