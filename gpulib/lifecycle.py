@@ -150,32 +150,48 @@ def _unrecovered(state: State, live: Iterable[str], config: Optional[Config],
            "devices marked unmanaged (gpulib device unmanage): mark them again",
            "VF types not set on their VF now (a MIG-backed pool member between VMs): "
            "gpulib pool apply sets them again"]
+    if config is not None and config.pools and state.vf_types:
+        out.append("which typed VFs were members of VF pools (NVIDIA vendor VFs, MIG-backed): "
+                   "they keep their types as gpulib's own; gpulib pool apply may type other "
+                   "VFs for the pools (gpulib vf clear frees one)")
     if loose:
         out.append(f"{len(loose)} live vGPU(s) with no mdevctl definition that no running "
                    f"VM uses ({', '.join(loose)}): not recorded (gpulib reconcile lists them)")
-    if config is not None:
-        by_profile = sorted(n for n, p in config.pools.items() if p.type_id is None)
-        if by_profile:
-            out.append(f"the members of pool(s) named by profile ({', '.join(by_profile)}): "
-                       "gpulib pool apply takes them again")
     return out
 
 
 def _relearn_pools(ctx: Context, state: State, config: Config) -> None:
     """Pool membership from gpulib.conf: each pool takes the persistent vGPUs of
     its type on its parents that no pool has, up to its target."""
+    from gpulib import mdev, profiles
     from gpulib.pci import PciFunction, physical_function
 
+    names: dict[tuple[str, str], Optional[str]] = {}
+
+    def type_name(rec: VgpuRecord, address: PciAddress) -> Optional[str]:
+        """The name the record's type has on its parent (read once a type)."""
+        key = (rec.parent, rec.type_id)
+        if key not in names:
+            names[key] = mdev.MdevType(ctx.sysfs, address, rec.type_id).name
+        return names[key]
+
     for name, pool in sorted(config.pools.items()):
-        if pool.type_id is None:
-            continue  # by profile name: the name needs the host's types; pool apply decides
+        if pool.type_id is None and pool.profile is None:
+            continue
         taken: dict[str, int] = {}
         total = 0
         for _uuid, rec in sorted(state.vgpus.items()):
-            if rec.pool is not None or rec.on_demand or rec.type_id != pool.type_id:
+            if rec.pool is not None or rec.on_demand:
+                continue
+            if pool.type_id is not None and rec.type_id != pool.type_id:
                 continue
             try:
                 address = PciAddress.parse(rec.parent)
+                # A pool named by profile takes a type of that name on the
+                # record's parent (the one rule for names: profiles.serves).
+                if pool.type_id is None and not profiles.serves(
+                        pool.profile, None, rec.type_id, type_name(rec, address)):
+                    continue
                 gpu = physical_function(ctx.sysfs, address) or address
                 fn = PciFunction.read_ids(ctx.sysfs, gpu)
             except (InputError, OSError):

@@ -310,8 +310,16 @@ def test_a_damaged_state_file_costs_no_ownership(host: FakeHost, damage: bytes) 
     assert "from its copy and the host" in log
 
 
-def test_a_damaged_state_and_copy_relearn_pools_from_the_configuration(host: FakeHost) -> None:
+@pytest.mark.parametrize("named_by", ["type", "profile"])
+def test_a_damaged_state_and_copy_relearn_pools_from_the_configuration(
+        host: FakeHost, named_by: str) -> None:
     root = host.root
+    if named_by == "profile":
+        # The same pool named as CloudStack names it: the rebuild reads each
+        # kept vGPU's type name on its parent to tell.
+        host.write_file("etc/gpulib/gpulib.conf",
+                        "[pool t4-desktops]\nparents = 10de:1eb8\nprofile = grid t4-4q\n"
+                        "count = 2\n")
     assert cli(root, "pool", "apply").returncode == 0
     pool = sorted(u for u, r in state_of(root)["vgpus"].items() if r["pool"])
     Path(root, STATE).write_bytes(b"garbage")
@@ -319,6 +327,12 @@ def test_a_damaged_state_and_copy_relearn_pools_from_the_configuration(host: Fak
     res = cli(root, "status", "--json")
     assert res.returncode == 0 and "rebuilt" in res.stderr
     assert sorted(u for u, r in state_of(root)["vgpus"].items() if r["pool"]) == pool
+    assert not any("named by profile" in line
+                   for line in json.loads(res.stdout)["state_unrecovered"])
+    res = cli(root, "pool", "apply")
+    assert res.returncode == 0
+    assert sorted(u for u, r in state_of(root)["vgpus"].items() if r["pool"]) == pool, \
+        "no second set of pool members"
 
 
 # -- 7. unmanaged is hands-off, not blind ----------------------------------------------------------
