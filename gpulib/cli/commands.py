@@ -15,7 +15,7 @@ from gpulib.cli.env import Env
 # name -> (module, attribute); one module per concern.
 COMMANDS = {
     "discover": ("gpulib.cli.discover", "discover"),
-    "status": ("gpulib.cli.device", "status"),
+    "status": ("gpulib.cli.status", "status"),
     "doctor": ("gpulib.cli.doctor", "doctor"),
     "mdev": ("gpulib.cli.vgpu", "mdev_group"),
     "vf": ("gpulib.cli.vgpu", "vf_group"),
