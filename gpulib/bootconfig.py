@@ -510,4 +510,6 @@ def read_config(read: Callable[[str], Optional[str]], listdir: Callable[[str], I
                 family: str) -> BootConfig:
     """The boot configuration as `family`'s grub-mkconfig reads it (Debian's sources the
     grub.d drop-ins; the others only /etc/default/grub). BootConfigError as BootConfig."""
-    return BootConfig(read_sources(read, listdir, family == "debian"))
+    from gpulib.distro import Distro
+
+    return BootConfig(read_sources(read, listdir, Distro.of_family(family).grub_drop_ins))

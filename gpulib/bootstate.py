@@ -24,6 +24,7 @@ import os
 
 from gpulib import bootconfig
 from gpulib.context import MODPROBE_DIRS, PROC_CMDLINE
+from gpulib.distro import DRACUT, INITRAMFS_TOOLS, Distro
 from gpulib.lazyre import lazy
 from gpulib.slotted import Slotted
 
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
 # command line; where it is absent, it takes the running one.
 KERNEL_CMDLINE = "etc/kernel/cmdline"
 VFIO_IDS_ARGS = ("vfio-pci.ids", "vfio_pci.ids")
-INITRAMFS_TOOLS = "initramfs-tools"
-DRACUT = "dracut"
 _TOOL_PATHS = {
     INITRAMFS_TOOLS: ("usr/sbin/update-initramfs", "sbin/update-initramfs"),
     DRACUT: ("usr/bin/dracut", "usr/sbin/dracut", "sbin/dracut"),
@@ -105,7 +104,7 @@ class NextBoot:
     # -- the kernel command line --------------------------------------------------------
     @property
     def drop_ins(self) -> bool:
-        return self.family == "debian"
+        return Distro.of_family(self.family).grub_drop_ins
 
     def grub_sources(self) -> list[bootconfig.Source]:
         return bootconfig.read_sources(bootconfig.text_reader(self.sysfs.read_bytes),
@@ -134,7 +133,7 @@ class NextBoot:
 
     def kernel_cmdline(self) -> Optional[list[str]]:
         """EL's /etc/kernel/cmdline (None: not EL, or absent)."""
-        if self.family != "rhel":
+        if not Distro.of_family(self.family).kernel_cmdline_file:
             return None
         text = self.sysfs.read(KERNEL_CMDLINE)
         return None if text is None else text.split()
@@ -216,11 +215,7 @@ class NextBoot:
         for tool, paths in _TOOL_PATHS.items():
             if any(self.sysfs.exists(p) for p in paths):
                 return tool
-        if self.family == "debian":
-            return INITRAMFS_TOOLS
-        if self.family in ("rhel", "suse"):
-            return DRACUT
-        return None
+        return Distro.of_family(self.family).initramfs_default
 
 
 def initramfs_argv(tool: Optional[str]) -> Optional[tuple[str, ...]]:

@@ -571,7 +571,7 @@ class Planner:
                     f"{host_path(bootconfig.DEFAULT_GRUB)} and is not gpulib's to edit: the "
                     f"arguments go to gpulib's own {host_path(bootconfig.GPULIB_DROP_IN)}, "
                     "which grub-mkconfig sources last")
-        elif running and distro.family != "rhel":
+        elif running and not distro.kernel_cmdline_file:
             self.plan.notes.append(f"{' '.join(running)} is on the running kernel command line "
                                    "but in none of the files grub-mkconfig reads: look in the "
                                    "boot loader's own files")

@@ -40,9 +40,7 @@ from gpulib.context import (
 from gpulib.context import (
     SETUP_JOURNAL as SETUP_JOURNAL,
 )
-from gpulib.context import (
-    Context,
-)
+from gpulib.distro import Distro as Distro
 from gpulib.slotted import Slotted
 
 TYPE_CHECKING = False
@@ -150,112 +148,6 @@ class Result(Slotted):
 
 def worst(statuses: list[str]) -> str:
     return max(statuses, key=lambda s: _RANK[s], default=OK)
-
-
-class Distro(Slotted):
-    """The distribution from `etc/os-release`, for the commands in fixes."""
-
-    __slots__ = ("id", "id_like", "name")
-    _fields = ("id", "id_like", "name")
-
-    def __init__(self, id: str = "", id_like: Optional[list[str]] = None,
-                 name: str = "") -> None:
-        self.id = id
-        self.id_like: list[str] = [] if id_like is None else id_like
-        self.name = name
-
-    @classmethod
-    def read(cls, ctx: Context) -> Distro:
-        text = ctx.sysfs.read(OS_RELEASE) or ctx.sysfs.read("usr/lib/os-release") or ""
-        values: dict[str, str] = {}
-        for line in text.splitlines():
-            key, sep, value = line.strip().partition("=")
-            if sep and key and not key.startswith("#"):
-                value = value.strip()
-                if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-                    value = value[1:-1]
-                values[key] = value
-        return cls(values.get("ID", "").lower(), values.get("ID_LIKE", "").lower().split(),
-                   values.get("PRETTY_NAME", values.get("NAME", "")))
-
-    @property
-    def family(self) -> str:
-        """debian, rhel, suse or unknown."""
-        ids = [self.id, *self.id_like]
-        if any(i in ("debian", "ubuntu") for i in ids):
-            return "debian"
-        if any(i in ("rhel", "fedora", "centos", "rocky", "almalinux", "ol") for i in ids):
-            return "rhel"
-        if any("suse" in i for i in ids):
-            return "suse"
-        return "unknown"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id or None, "id_like": self.id_like, "name": self.name or None,
-                "family": self.family}
-
-    # -- commands for fixes -------------------------------------------------------------
-    def kernel_args_fix(self, add: str = "", remove: str = "",
-                        where: str = "/etc/default/grub") -> str:
-        """How to change the kernel command line for good, on this distribution
-        (the variable and file gpulib setup edits: `where` is the file the
-        effective value comes from)."""
-        key = self.grub_key
-        if remove and add:
-            edit = f'replace "{remove}" with "{add}" in {key}'
-        elif remove:
-            edit = f'remove "{remove}" from {key}'
-        else:
-            edit = f'add "{add}" to {key}'
-        edit += f" in {where}"
-        family = self.family
-        if family == "debian":
-            return f"{edit}, then: update-grub && reboot"
-        if family == "rhel":
-            args = (f' --remove-args="{remove}"' if remove else "") + \
-                (f' --args="{add}"' if add else "")
-            return (f"grubby --update-kernel=ALL{args} && reboot\n"
-                    f"(or {edit}, then: grub2-mkconfig -o /boot/grub2/grub.cfg && reboot)")
-        if family == "suse":
-            return f"{edit}, then: grub2-mkconfig -o /boot/grub2/grub.cfg && reboot"
-        return (f"{edit}, then: update-grub (Debian/Ubuntu) or "
-                "grub2-mkconfig -o /boot/grub2/grub.cfg (RHEL/Fedora/SUSE), and reboot")
-
-    def _by_family(self, debian: str, rhel: str, either: str) -> str:
-        if self.family == "debian":
-            return debian
-        if self.family in ("rhel", "suse"):
-            return rhel
-        return either
-
-    def grub_update(self) -> str:
-        return self._by_family("update-grub", "grub2-mkconfig -o /boot/grub2/grub.cfg",
-                               "update-grub or grub2-mkconfig -o /boot/grub2/grub.cfg")
-
-    # -- commands for gpulib setup (argv, run without a shell) --------------------------
-    @property
-    def grub_key(self) -> str:
-        """The /etc/default/grub variable setup edits: Debian's is for normal boots only."""
-        return "GRUB_CMDLINE_LINUX_DEFAULT" if self.family == "debian" else "GRUB_CMDLINE_LINUX"
-
-    def boot_config_commands(self, add: tuple[str, ...] = (),
-                             remove: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-        """What makes an edited /etc/default/grub reach the boot entries ([] if unknown)."""
-        if self.family == "debian":
-            return [("update-grub",)]
-        if self.family == "rhel":
-            # BLS entries keep their own options: grubby edits every installed kernel's,
-            # /etc/default/grub is for kernels installed later.
-            argv = ["grubby", "--update-kernel=ALL"]
-            if add:
-                argv.append(f"--args={' '.join(add)}")
-            if remove:
-                argv.append(f"--remove-args={' '.join(remove)}")
-            return [tuple(argv)]
-        if self.family == "suse":
-            return [("grub2-mkconfig", "-o", "/boot/grub2/grub.cfg")]
-        return []
-
 
 
 class Report:

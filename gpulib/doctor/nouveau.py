@@ -80,7 +80,7 @@ def dracut_lacks(d: Facts, files: list[str], judged: bool = False) -> list[str]:
 def _host_only(d: Facts) -> bool:
     """dracut makes host-only images (EL's and SUSE's default; Debian's is not): the
     last `hostonly=` of its configuration files, in the order dracut reads them."""
-    value = "yes" if d.distro.family in ("rhel", "suse") else "no"
+    value = "yes" if d.distro.dracut_host_only else "no"
     names: dict[str, str] = {}
     for directory in ("usr/lib/dracut/dracut.conf.d", "etc/dracut.conf.d"):
         for name in d.sysfs.listdir(directory):
