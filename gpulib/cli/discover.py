@@ -11,14 +11,13 @@ from typing import Optional
 import click
 
 from gpulib.cli.env import Env
-from gpulib.cli.inventory import FORMATS, default_format, render
+from gpulib.cli.inventory import OPTIONS, chosen_format, render
 from gpulib.process import write_stdout
 
 
 @click.command()
-@click.option("-f", "--format", "fmt", type=click.Choice(list(FORMATS)),
-              default=None, help="Output format (default: table on a terminal, else json).")
-@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+@OPTIONS[0].click_option()
+@OPTIONS[1].click_option()
 @click.pass_obj
 def discover(env: Env, fmt: Optional[str], as_json: bool) -> None:
     """List the host's GPUs, their vGPU types, instances, VFs and users.
@@ -26,9 +25,7 @@ def discover(env: Env, fmt: Optional[str], as_json: bool) -> None:
     `--format cloudstack` prints exactly what CloudStack's gpudiscovery.sh
     prints, so the agent can use gpulib instead.
     """
-    if as_json:
-        fmt = "json"
-    fmt = fmt or default_format()
+    fmt = chosen_format(fmt, as_json)
     text = render(env, fmt)
     if fmt == "table":
         click.echo(text, nl=False)

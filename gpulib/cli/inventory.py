@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from gpulib.cli.env import Env
-from gpulib.cli.plain import leading_verbosity, run
+from gpulib.cli.plain import Option, parse, run
 from gpulib.process import write_stdout
 
 TYPE_CHECKING = False
@@ -62,33 +62,26 @@ def render(env: Env, fmt: str) -> str:
     return report.table(inventory)
 
 
+# The options of `gpulib discover`, once: the plain parser and click's read them.
+OPTIONS = (
+    Option(("-f", "--format"), "fmt", "Output format (default: table on a terminal, else json).",
+           choices=FORMATS),
+    Option(("--json",), "as_json", "Same as --format json.", flag=True),
+)
+
+
+def chosen_format(fmt: Optional[str], as_json: bool) -> str:
+    return "json" if as_json else fmt or default_format()
+
+
 def parse_args(args: list[str]) -> Optional[tuple[int, str]]:
-    """(verbosity, format) of `[-v...] discover [--format F | -f F | --json]...`,
-    or None for anything else (click then parses it, errors and help included)."""
-    leading = leading_verbosity(args, "discover")
-    if leading is None:
+    """(verbosity, format) of `[-v...] discover [--format F | -f F | --json]`, or
+    None for anything else (click then parses it, errors and help included)."""
+    parsed = parse(args, "discover", OPTIONS)
+    if parsed is None:
         return None
-    verbose, rest = leading
-    fmt: Optional[str] = None
-    as_json = False
-    j = 0
-    while j < len(rest):
-        arg = rest[j]
-        if arg == "--json":
-            as_json = True
-        elif arg in ("--format", "-f") and j + 1 < len(rest):
-            fmt = rest[j + 1]
-            j += 1
-        elif arg.startswith("--format="):
-            fmt = arg[len("--format="):]
-        else:
-            return None
-        if fmt is not None and fmt not in FORMATS:
-            return None
-        j += 1
-    if as_json:
-        fmt = "json"
-    return verbose, fmt or default_format()
+    verbose, values = parsed
+    return verbose, chosen_format(values["fmt"], values["as_json"])
 
 
 def main(args: list[str]) -> Optional[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from gpulib.cli import plain
 from gpulib.cli.env import Env
-from gpulib.cli.plain import leading_verbosity
 from gpulib.process import write_stdout
 
 TYPE_CHECKING = False
@@ -40,21 +39,21 @@ def run(env: Env, output: Optional[str]) -> None:
         metrics.write(output, text)
 
 
+# The options of `gpulib metrics`, once: the plain parser and click's read them.
+OPTIONS = (
+    plain.Option(("-o", "--output"), "output",
+                 "Replace FILE atomically instead of printing (- prints).", metavar="FILE"),
+)
+
+
 def parse_args(args: list[str]) -> Optional[tuple[int, Optional[str]]]:
     """(verbosity, output) of `[-v...] metrics [--output FILE | -o FILE]`, or
     None for anything else (click then parses it, errors and help included)."""
-    leading = leading_verbosity(args, "metrics")
-    if leading is None:
+    parsed = plain.parse(args, "metrics", OPTIONS)
+    if parsed is None:
         return None
-    verbose, rest = leading
-    if not rest:
-        return verbose, None
-    if len(rest) == 2 and rest[0] in ("--output", "-o") and rest[1] and \
-            not rest[1].startswith("-"):
-        return verbose, rest[1]
-    if len(rest) == 1 and rest[0].startswith("--output=") and len(rest[0]) > len("--output="):
-        return verbose, rest[0][len("--output="):]
-    return None
+    verbose, values = parsed
+    return verbose, values["output"]
 
 
 def main(args: list[str]) -> Optional[int]:
@@ -71,8 +70,7 @@ def _command() -> Any:
     import click
 
     @click.command("metrics", help=HELP)
-    @click.option("-o", "--output", metavar="FILE", default=None,
-                  help="Replace FILE atomically instead of printing (- prints).")
+    @OPTIONS[0].click_option()
     @click.pass_obj
     def metrics(env: Env, output: Optional[str]) -> None:
         run(env, output)

@@ -12,7 +12,9 @@ from gpulib.errors import EXIT_BUSY, EXIT_FAILED, GpulibError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Callable, Optional
+    from typing import Any, Callable, Optional, TypeVar
+
+    Decorated = TypeVar("Decorated", bound=Callable[..., Any])
 
 
 def leading_verbosity(args: list[str], command: str) -> Optional[tuple[int, list[str]]]:
@@ -32,6 +34,68 @@ def leading_verbosity(args: list[str], command: str) -> Optional[tuple[int, list
     if i == len(args):
         return None
     return verbose, args[i + 1:]
+
+
+class Option:
+    """One option of a command served both without click and by click, written
+    once: `parse` reads its plain forms, `click_option` makes click's."""
+
+    __slots__ = ("choices", "dest", "flag", "help", "metavar", "names")
+
+    def __init__(self, names: tuple[str, ...], dest: str, help: str, flag: bool = False,
+                 choices: tuple[str, ...] = (), metavar: Optional[str] = None) -> None:
+        self.names = names
+        self.dest = dest
+        self.help = help
+        self.flag = flag
+        self.choices = choices
+        self.metavar = metavar
+
+    def click_option(self) -> Callable[[Decorated], Decorated]:
+        import click
+
+        if self.flag:
+            return click.option(*self.names, self.dest, is_flag=True, help=self.help)
+        kind = click.Choice(list(self.choices)) if self.choices else None
+        return click.option(*self.names, self.dest, type=kind, default=None,
+                            metavar=self.metavar, help=self.help)
+
+
+def parse(args: list[str], command: str, options: tuple[Option, ...]
+          ) -> Optional[tuple[int, dict[str, Any]]]:
+    """(verbosity, option values by `dest`) of `[-v...] command [options]`,
+    or None for anything else: an unknown option, a value missing, empty,
+    looking like an option or not among the choices, an argument (click then
+    parses it, errors and help included). An option given again wins, as in
+    click."""
+    leading = leading_verbosity(args, command)
+    if leading is None:
+        return None
+    verbose, rest = leading
+    by_name = {name: o for o in options for name in o.names}
+    values: dict[str, Any] = {o.dest: (False if o.flag else None) for o in options}
+    j = 0
+    while j < len(rest):
+        name, eq, value = rest[j].partition("=")
+        option = by_name.get(name if eq and name.startswith("--") else rest[j])
+        if option is None:
+            return None
+        if option.flag:
+            if eq:
+                return None
+            values[option.dest] = True
+        else:
+            if not eq:
+                j += 1
+                if j == len(rest):
+                    return None
+                value = rest[j]
+            if not value or value.startswith("-") or \
+                    (option.choices and value not in option.choices):
+                return None
+            values[option.dest] = value
+        j += 1
+    return verbose, values
 
 
 def run(body: Callable[[], None]) -> int:
