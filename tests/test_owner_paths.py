@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +33,7 @@ from gpulib.ownership import ADMIN, HOST, NOBODY, POOL, RUN
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, models
-from tests.hookrun import BIN, mdev_xml, run
+from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, mdev_xml, run
 from tests.hosts import empty_host
 from tests.test_ownership import pci_xml
 
@@ -47,6 +48,52 @@ U_RAW = "4b20d080-1b54-4048-b3bb-000000000002"
 U_MDEVCTL = "4b20d080-1b54-4048-b3bb-000000000003"
 U_RUN = "4b20d080-1b54-4048-b3bb-000000000004"
 VM_UUID = "8e9a2c51-3d4f-4b6a-9c0e-1f2a3b4c5d6e"
+U_PENDING = "4b20d080-1b54-4048-b3bb-000000000005"
+U_ARRIVING = "4b20d080-1b54-4048-b3bb-000000000006"
+U_DEAD = "4b20d080-1b54-4048-b3bb-000000000007"
+U_EARLIER = "4b20d080-1b54-4048-b3bb-000000000008"
+BOOT = "5f0c2b1e-0000-4000-8000-00000000b007"
+RUNS = {U_PENDING: ("i-4-4-VM", "pending", False), U_ARRIVING: ("i-5-5-VM", "pending", True),
+        U_DEAD: ("i-6-6-VM", "pending", False), U_EARLIER: ("i-8-8-VM", "active", False)}
+
+
+def add_runs(host: FakeHost) -> None:
+    """Runs beside the running VM: a pending start, an arriving migration, a
+    start that died past its grace, and an allocation of an earlier boot, each
+    holding an on-demand vGPU gpulib made."""
+    host.write_file("proc/sys/kernel/random/boot_id", BOOT + "\n")
+    path = Path(host.root, "var/lib/gpulib/state.json")
+    state = json.loads(path.read_text())
+    for n, (uuid, (vm, status, arriving)) in enumerate(RUNS.items()):
+        host.add_mdev(uuid, MANAGED, "nvidia-222")
+        state["vgpus"][uuid] = {"created": "2026-01-01T00:00:00Z", "on_demand": True,
+                                "parent": MANAGED, "type_id": "nvidia-222"}
+        alloc = {"vm": vm, "domain_uuid": f"{n}e9a2c51-3d4f-4b6a-9c0e-1f2a3b4c5d6e",
+                 "status": status, "since": "2026-01-01T00:00:00Z", "boot_id": BOOT,
+                 "uptime": 0.0, "devices": [{"kind": "mdev", "id": uuid, "on_demand": True}]}
+        if arriving:
+            alloc["arriving"] = True
+        if uuid == U_EARLIER:
+            alloc["boot_id"] = "5f0c2b1e-0000-4000-8000-0000000e001e"
+        state["allocations"][vm] = alloc
+    path.write_text(json.dumps(state))
+    Path(host.root, "var/lib/gpulib/state.json.bak").unlink()
+    refresh(host.root)
+
+
+def refresh(root: str) -> None:
+    """The pending start and the arrival are fresh (within their grace) now,
+    the dead start well past it."""
+    path = Path(root, "var/lib/gpulib/state.json")
+    state = json.loads(path.read_text())
+    now = time.clock_gettime(time.CLOCK_BOOTTIME)
+    for uuid, (vm, _, _) in RUNS.items():
+        a = state["allocations"].get(vm)
+        if a is not None:
+            a["uptime"] = now - 10_000.0 if uuid == U_DEAD else now
+            a["since"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(
+                time.time() - (10_000 if uuid == U_DEAD else 0)))
+    path.write_text(json.dumps(state))
 
 
 def owners_host(tmp: str) -> tuple[FakeHost, dict[str, str]]:
@@ -95,6 +142,7 @@ def owners_host(tmp: str) -> tuple[FakeHost, dict[str, str]]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
     host, made = owners_host(str(tmp_path_factory.mktemp("owners")))
+    add_runs(host)
     return host.root, made
 
 
@@ -103,15 +151,21 @@ def devices(made: dict[str, str]) -> list[tuple[str, str, str]]:
     return [("pci", IGPU, HOST), ("pci", SHARED, HOST), ("pci", FREE, NOBODY),
             ("mdev", U_UNMANAGED, ADMIN), ("mdev", U_RAW, ADMIN), ("mdev", U_MDEVCTL, ADMIN),
             ("mdev", made["cli"], ADMIN), ("mdev", made["pool"], POOL),
-            ("mdev", U_RUN, RUN)]
+            ("mdev", U_RUN, RUN), ("mdev", U_PENDING, RUN), ("mdev", U_ARRIVING, RUN),
+            # a run that is over holds nothing: its on-demand vGPU is nobody's
+            ("mdev", U_DEAD, NOBODY), ("mdev", U_EARLIER, NOBODY)]
 
 
 HANDS_OFF = {U_UNMANAGED}  # the administrator's unmanaged devices: not even offered
+# On-demand vGPUs of runs that are over: nobody's, and the next hook's to
+# destroy (may_change), so neither offered nor given (a start makes its own).
+LEFT_OVER = {U_DEAD, U_EARLIER}
 
 
 def _copy(root: str, tmp: Path) -> str:
     dst = str(tmp / f"copy{len(os.listdir(tmp))}")
     shutil.copytree(root, dst, symlinks=True)
+    refresh(dst)
     return dst
 
 
@@ -127,7 +181,8 @@ def report_offers(root: str, tmp: Path, kind: str, ident: str) -> bool:
         for v in g["vgpu_instances"]:
             if v["mdev_uuid"] == ident:
                 return v["used_by_vm"] is None
-    raise AssertionError(f"{ident} is not in the report")
+    assert kind == "mdev", f"{ident} is not in the report"
+    return False  # not listed: not offered
 
 
 def transformer_records(root: str, tmp: Path, kind: str, ident: str) -> bool:
@@ -213,9 +268,9 @@ def expected(path: str, kind: str, ident: str, owner: str) -> Any:
         # the host's whole GPUs are the rules' of `whole_gpu_refusal`; as
         # nodes nobody holds they are nobody's
         return NOBODY if owner == HOST else owner
-    if path == "report":
-        return owner in (NOBODY, POOL) or (owner == ADMIN and ident not in HANDS_OFF)
-    if path == "transformer":
+    if path in ("report", "transformer"):
+        if ident in LEFT_OVER:
+            return False
         return owner in (NOBODY, POOL) or (owner == ADMIN and ident not in HANDS_OFF)
     if path in ("pools", "metrics", "mdev create"):
         # gpulib may make vGPUs on a parent that is not hands-off (its capacity)
@@ -231,6 +286,7 @@ PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
 def walk(root: str, made: dict[str, str], tmp: Path) -> list[str]:
     wrong = []
     for path, ask in PATHS.items():
+        refresh(root)  # the arrival's grace is seconds
         for kind, ident, owner in devices(made):
             got = ask(root, tmp, kind, ident)
             want = expected(path, kind, ident, owner)
@@ -260,4 +316,156 @@ def test_a_path_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]
     root, made = built
     monkeypatch.setattr(target, value)
     wrong = walk(root, made, tmp_path)
+    assert any(w.startswith(f"{path}:") for w in wrong), wrong
+
+
+# -- the executables: the same walk through the commands and hooks a host runs ----------------
+#
+# Each runs on its own copy of the host. A path that does not depend on the
+# device (reconcile, another VM's stop) runs once per copy of the host and is
+# asked about every device.
+
+GPULIB = str(BIN / "gpulib")
+OTHER = f"<domain><name>i-2-7-VM</name><uuid>{VM_UUID}</uuid></domain>".encode()
+
+
+def _state(root: str) -> dict[str, Any]:
+    return dict(json.loads(Path(root, "var/lib/gpulib/state.json").read_text()))
+
+
+def _held(root: str) -> set[str]:
+    return {d["id"] for a in _state(root)["allocations"].values() for d in a["devices"]}
+
+
+def _live(root: str, uuid: str) -> bool:
+    return os.path.lexists(os.path.join(root, "sys/bus/mdev/devices", uuid))
+
+
+def qemu_prepare_records(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """Plain libvirt: `prepare begin` of a domain naming it exits 0 and
+    records it as the VM's."""
+    copy = _copy(root, tmp)
+    xml = pci_xml("i-2-7-VM", VM_UUID, ident) if kind == "pci" else \
+        mdev_xml("i-2-7-VM", VM_UUID, ident)
+    res = run([QEMU_HOOK, "i-2-7-VM", "prepare", "begin", "-"], copy, stdin=xml.encode())
+    return res.returncode == 0 and ident in _held(copy)
+
+
+def mdev_remove_removes(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """`gpulib mdev remove` exits 0 and the vGPU is gone."""
+    if kind == "pci":
+        return False
+    copy = _copy(root, tmp)
+    res = run([GPULIB, "mdev", "remove", ident], copy)
+    return res.returncode == 0 and not _live(copy, ident)
+
+
+_ONCE: dict[tuple[str, str], str] = {}
+
+
+def _once(path: str, root: str, tmp: Path, argv: list[str], stdin: bytes = b"") -> str:
+    """The copy `argv` ran on (once per host and path), and its exit code checked."""
+    key = (path, root)
+    if key not in _ONCE:
+        copy = _copy(root, tmp)
+        res = run(argv, copy, stdin=stdin)
+        assert res.returncode == 0, (path, res.stdout, res.stderr)
+        _ONCE[key] = copy
+    return _ONCE[key]
+
+
+def reconcile_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After `gpulib reconcile` it is still there (a vGPU live, a GPU's driver as it was)."""
+    copy = _once("reconcile", root, tmp, [GPULIB, "reconcile"])
+    if kind == "pci":
+        drv = f"sys/bus/pci/devices/{ident}/driver"
+        return os.readlink(os.path.join(copy, drv)) == os.readlink(os.path.join(root, drv))
+    return _live(copy, ident)
+
+
+def other_onstop_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After another VM's onStop it is still held by the run that held it."""
+    copy = _once("onStop", root, tmp, [STATE_CHANGE, "onStop", "i-2-7-VM"])
+    return ident in _held(copy)
+
+
+def other_release_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After another VM's `release end` it is still held by the run that held it."""
+    copy = _once("release", root, tmp, [QEMU_HOOK, "i-2-7-VM", "release", "end", "-"], OTHER)
+    return ident in _held(copy)
+
+
+HELD = {U_PENDING, U_ARRIVING, U_DEAD, U_EARLIER}  # held by an allocation as built
+
+
+def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
+    if path == "qemu prepare":
+        return expected("transformer", kind, ident, owner)
+    if path == "mdev remove":
+        # the administrator's command removes what is not hands-off and no run holds
+        return kind == "mdev" and owner != RUN and ident not in HANDS_OFF
+    if path == "reconcile":
+        # it changes only what is gpulib's and nobody's: a run's that is over
+        return ident not in LEFT_OVER
+    if path in ("onStop", "release end"):
+        # another VM's stop keeps every run's hold; a run that is over is released
+        return owner == RUN and ident in HELD
+    raise AssertionError(path)
+
+
+EXEC_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
+    "qemu prepare": qemu_prepare_records, "mdev remove": mdev_remove_removes,
+    "reconcile": reconcile_keeps, "onStop": other_onstop_keeps,
+    "release end": other_release_keeps}
+
+
+def walk_executables(root: str, made: dict[str, str], tmp: Path,
+                     only: tuple[str, ...] = tuple(EXEC_PATHS)) -> list[str]:
+    _ONCE.clear()
+    wrong = []
+    for path in only:
+        ask = EXEC_PATHS[path]
+        for kind, ident, owner in devices(made):
+            got = ask(root, tmp, kind, ident)
+            want = expected_exec(path, kind, ident, owner)
+            if got != want:
+                wrong.append(f"{path}: {ident} ({owner}'s) answered {got!r}, not {want!r}")
+    return wrong
+
+
+def test_every_executable_gives_the_one_answer(built: tuple[str, dict[str, str]],
+                                               tmp_path: Path) -> None:
+    root, made = built
+    assert walk_executables(root, made, tmp_path) == []
+
+
+# A bypass in the executables' own processes: a sitecustomize that replaces
+# one function before gpulib is imported (hook_env drops GPULIB_* names).
+BYPASS = """
+import importlib, os
+mod, _, attr = os.environ["OWNER_PATHS_BYPASS"].rpartition(".")
+setattr(importlib.import_module(mod), attr, lambda *a, **k: {value})
+"""
+
+
+@pytest.mark.parametrize("path, target, value", [
+    ("qemu prepare", "gpulib.hostfacts.host_endpoints", "[]"),
+    ("mdev remove", "gpulib.cli.vgpu._refuse_hands_off", "None"),
+    ("onStop", "gpulib.liveness.run_over", "'expired'"),
+    ("release end", "gpulib.liveness.run_over", "'expired'"),
+])
+def test_an_executable_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]],
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       path: str, target: str,
+                                                       value: str) -> None:
+    root, made = built
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BYPASS.format(value=value))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("OWNER_PATHS_BYPASS", target)
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    wrong = walk_executables(root, made, cases, only=(path,))
     assert any(w.startswith(f"{path}:") for w in wrong), wrong
