@@ -395,6 +395,42 @@ def other_release_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
     return ident in _held(copy)
 
 
+def restore_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After `gpulib restore` (at boot) it is still there."""
+    copy = _once("restore", root, tmp, [GPULIB, "restore"])
+    return reconcile_keeps(copy, tmp, kind, ident) if kind == "pci" else _live(copy, ident)
+
+
+def other_onstart_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After another VM's onStart it is still held by the run that held it."""
+    copy = _once("onStart", root, tmp, [STATE_CHANGE, "onStart", "i-2-7-VM"])
+    return ident in _held(copy)
+
+
+def other_started_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After another VM's `started begin` it is still held by the run that held it."""
+    copy = _once("started", root, tmp, [QEMU_HOOK, "i-2-7-VM", "started", "begin", "-"], OTHER)
+    return ident in _held(copy)
+
+
+_STATUS: dict[str, Any] = {}
+
+
+def status_says(root: str, tmp: Path, kind: str, ident: str) -> tuple[bool, bool]:
+    """`gpulib status --json`: (a VM holds it, it may be given)."""
+    if root not in _STATUS:
+        res = run([GPULIB, "status", "--json"], _copy(root, tmp))  # a fresh arrival
+        assert res.returncode == 0, res.stderr
+        _STATUS[root] = json.loads(res.stdout)
+    for g in _STATUS[root]["gpus"]:
+        if kind == "pci" and g["address"] == ident:
+            return g["used_by"] is not None, g["whole_refusal"] is None
+        for v in g["vgpus"]:
+            if v["uuid"] == ident:
+                return v["used_by"] is not None, bool(v["available"])
+    raise AssertionError(f"{ident} is not in gpulib status")
+
+
 HELD = {U_PENDING, U_ARRIVING, U_DEAD, U_EARLIER}  # held by an allocation as built
 
 
@@ -404,10 +440,13 @@ def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
     if path == "mdev remove":
         # the administrator's command removes what is not hands-off and no run holds
         return kind == "mdev" and owner != RUN and ident not in HANDS_OFF
-    if path == "reconcile":
+    if path == "status":
+        # held by a run, and offered: the report's answer
+        return owner == RUN, owner == RUN or expected("report", kind, ident, owner)
+    if path in ("reconcile", "restore"):
         # it changes only what is gpulib's and nobody's: a run's that is over
         return ident not in LEFT_OVER
-    if path in ("onStop", "release end"):
+    if path in ("onStop", "release end", "onStart", "started"):
         # another VM's stop keeps every run's hold; a run that is over is released
         return owner == RUN and ident in HELD
     raise AssertionError(path)
@@ -415,13 +454,16 @@ def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
 
 EXEC_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "qemu prepare": qemu_prepare_records, "mdev remove": mdev_remove_removes,
-    "reconcile": reconcile_keeps, "onStop": other_onstop_keeps,
-    "release end": other_release_keeps}
+    "reconcile": reconcile_keeps, "restore": restore_keeps, "onStart": other_onstart_keeps,
+    "onStop": other_onstop_keeps, "started": other_started_keeps,
+    "release end": other_release_keeps, "status": status_says}
 
 
 def walk_executables(root: str, made: dict[str, str], tmp: Path,
                      only: tuple[str, ...] = tuple(EXEC_PATHS)) -> list[str]:
     _ONCE.clear()
+    _STATUS.clear()
+    refresh(root)  # the arrival's grace is seconds
     wrong = []
     for path in only:
         ask = EXEC_PATHS[path]
@@ -443,8 +485,16 @@ def test_every_executable_gives_the_one_answer(built: tuple[str, dict[str, str]]
 # one function before gpulib is imported (hook_env drops GPULIB_* names).
 BYPASS = """
 import importlib, os
-mod, _, attr = os.environ["OWNER_PATHS_BYPASS"].rpartition(".")
-setattr(importlib.import_module(mod), attr, lambda *a, **k: {value})
+names = os.environ["OWNER_PATHS_BYPASS"].split(".")
+for i in range(len(names) - 1, 0, -1):
+    try:
+        owner = importlib.import_module(".".join(names[:i]))
+    except ImportError:
+        continue
+    for n in names[i:-1]:
+        owner = getattr(owner, n)
+    setattr(owner, names[-1], lambda *a, **k: {value})
+    break
 """
 
 
@@ -453,6 +503,9 @@ setattr(importlib.import_module(mod), attr, lambda *a, **k: {value})
     ("mdev remove", "gpulib.cli.vgpu._refuse_hands_off", "None"),
     ("onStop", "gpulib.liveness.run_over", "'expired'"),
     ("release end", "gpulib.liveness.run_over", "'expired'"),
+    ("onStart", "gpulib.liveness.run_over", "'expired'"),
+    ("reconcile", "gpulib.liveness.run_over", "'expired'"),
+    ("status", "gpulib.occupancy.Occupancy.hands_off", "None"),
 ])
 def test_an_executable_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]],
                                                        tmp_path: Path,
