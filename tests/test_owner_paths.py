@@ -34,7 +34,7 @@ from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, models
 from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, mdev_xml, run
-from tests.hosts import empty_host
+from tests.hosts import a10_host, empty_host
 from tests.test_ownership import pci_xml
 
 IGPU = "0000:00:02.0"  # the boot VGA device
@@ -363,11 +363,15 @@ def mdev_remove_removes(root: str, tmp: Path, kind: str, ident: str) -> bool:
 _ONCE: dict[tuple[str, str], str] = {}
 
 
-def _once(path: str, root: str, tmp: Path, argv: list[str], stdin: bytes = b"") -> str:
-    """The copy `argv` ran on (once per host and path), and its exit code checked."""
+def _once(path: str, root: str, tmp: Path, argv: list[str], stdin: bytes = b"",
+          conf: str = "") -> str:
+    """The copy `argv` ran on (once per host and path; `conf`: its gpulib.conf
+    then), and its exit code checked."""
     key = (path, root)
     if key not in _ONCE:
         copy = _copy(root, tmp)
+        if conf:
+            Path(copy, "etc/gpulib/gpulib.conf").write_text(conf)
         res = run(argv, copy, stdin=stdin)
         assert res.returncode == 0, (path, res.stdout, res.stderr)
         _ONCE[key] = copy
@@ -521,4 +525,144 @@ def test_an_executable_that_skips_the_answer_is_caught(built: tuple[str, dict[st
     cases = tmp_path / "cases"
     cases.mkdir()
     wrong = walk_executables(root, made, cases, only=(path,))
+    assert any(w.startswith(f"{path}:") for w in wrong), wrong
+
+
+# -- the VFs: an A10 with a VF typed outside gpulib, a pool member and free VFs,
+# and an unmanaged A10 whose VFs (one typed by hand) are hands-off ---------------------------
+
+A10 = "0000:41:00.0"
+A10_UNMANAGED = "0000:43:00.0"
+VF_OUTSIDE, VF_POOL, VF_FREE = "0000:41:00.4", "0000:41:00.5", "0000:41:00.6"
+VF_UNMANAGED, VF_UNMANAGED_TYPED = "0000:43:00.4", "0000:43:00.5"
+VF_HANDS_OFF = {VF_UNMANAGED, VF_UNMANAGED_TYPED}
+A10_4Q = "NVIDIA A10-4Q"
+
+
+def vf_owners_host(tmp: str) -> FakeHost:
+    host = a10_host(tmp, numvfs=4)
+    m = models()["a10"]
+    host.add_bridge("0000:42:03.1", numa_node=0, iommu_group=host.new_iommu_group())
+    host.add_function(A10_UNMANAGED, m["vendor"], m["device"], m["class"], driver="nvidia",
+                      iommu_group=host.new_iommu_group(), numa_node=0, parent="0000:42:03.1",
+                      vendor_name=m["vendor_name"], device_name=m["device_name"])
+    host.set_sriov_capability(A10_UNMANAGED, 32, m["vf_device"], offset=4)
+    types = {int(k): v for k, v in m["nvidia_vf_types"].items()}
+    for vf in host.enable_sriov(A10_UNMANAGED, 2, vf_driver="nvidia"):
+        host.add_nvidia_vf_types(vf, types)
+    for argv in (["vf", "set-type", VF_OUTSIDE, A10_4Q, "--no-keep"],  # no record: outside
+                 ["vf", "set-type", VF_UNMANAGED_TYPED, A10_4Q]):
+        res = run([GPULIB, *argv], host.root)
+        assert res.returncode == 0, res.stderr
+    host.write_file("etc/gpulib/gpulib.conf",
+                    f"[pool a]\nparents = {A10}\nprofile = {A10_4Q}\ncount = 1\n")
+    res = run([GPULIB, "pool", "apply"], host.root)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert VF_POOL in _state(host.root)["vf_types"]
+    assert run([GPULIB, "device", "unmanage", A10_UNMANAGED], host.root).returncode == 0
+    return host
+
+
+@pytest.fixture(scope="module")
+def vf_built(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return vf_owners_host(str(tmp_path_factory.mktemp("vf-owners"))).root
+
+
+VF_DEVICES = [("vf", VF_OUTSIDE, ADMIN), ("vf", VF_POOL, POOL), ("vf", VF_FREE, NOBODY),
+              ("vf", VF_UNMANAGED, ADMIN), ("vf", VF_UNMANAGED_TYPED, ADMIN)]
+
+
+def _vf_type(root: str, vf: str) -> int:
+    return int(Path(root, f"sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type").read_text())
+
+
+def vf_report_offers(root: str, tmp: Path, kind: str, vf: str) -> bool:
+    """The CloudStack report lists the VF free (`used_by_vm` null)."""
+    doc = cloudstack.render(discover_host(Context.for_root(root), learn=False))
+    for g in doc["gpus"]:
+        for v in g.get("vf_instances", []):
+            if v["vf_pci_address"] == vf[5:]:
+                return v["used_by_vm"] is None
+    return False  # an untyped VF is capacity, not an instance
+
+
+def vf_set_type_types(root: str, tmp: Path, kind: str, vf: str) -> bool:
+    copy = _copy(root, tmp)
+    res = run([GPULIB, "vf", "set-type", vf, A10_4Q], copy)
+    return res.returncode == 0 and _vf_type(copy, vf) != 0
+
+
+def vf_clear_clears(root: str, tmp: Path, kind: str, vf: str) -> bool:
+    copy = _copy(root, tmp)
+    res = run([GPULIB, "vf", "clear", vf], copy)
+    return res.returncode == 0 and _vf_type(copy, vf) == 0
+
+
+def vf_pool_takes(root: str, tmp: Path, kind: str, vf: str) -> bool:
+    """A pool of every GPU's VFs, as many as there are, holds it after `pool apply`."""
+    copy = _once("vf pool", root, tmp, [GPULIB, "pool", "apply"],
+                 conf=f"[pool a]\nparents = all\nprofile = {A10_4Q}\ncount = 9\n")
+    rec = _state(copy)["vf_types"].get(vf)
+    return rec is not None and rec.get("pool") == "a"
+
+
+def vf_owner_says(root: str, tmp: Path, kind: str, vf: str) -> str:
+    return owner_says(root, tmp, kind, vf)
+
+
+def expected_vf(path: str, kind: str, vf: str, owner: str) -> Any:
+    hands_off = vf in VF_HANDS_OFF
+    if path == "owner":
+        return owner
+    if path == "report":
+        # a typed VF not hands-off (the administrator's is theirs to hand to CloudStack)
+        return owner in (POOL, ADMIN) and not hands_off
+    if path == "vf set-type":
+        # only an untyped VF nobody holds (the driver refuses to retype a typed one)
+        return owner == NOBODY
+    if path == "vf clear":
+        # the administrator's command: whatever is not hands-off and no run holds
+        return not hands_off and owner != RUN
+    if path == "pool apply":
+        return owner in (POOL, NOBODY)  # may_give
+    raise AssertionError(path)
+
+
+VF_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
+    "owner": vf_owner_says, "report": vf_report_offers, "vf set-type": vf_set_type_types,
+    "vf clear": vf_clear_clears, "pool apply": vf_pool_takes}
+
+
+def walk_vfs(root: str, tmp: Path, only: tuple[str, ...] = tuple(VF_PATHS)) -> list[str]:
+    _ONCE.clear()
+    wrong = []
+    for path in only:
+        for kind, vf, owner in VF_DEVICES:
+            got = VF_PATHS[path](root, tmp, kind, vf)
+            want = expected_vf(path, kind, vf, owner)
+            if got != want:
+                wrong.append(f"{path}: {vf} ({owner}'s) answered {got!r}, not {want!r}")
+    return wrong
+
+
+def test_every_path_gives_the_one_answer_for_vfs(vf_built: str, tmp_path: Path) -> None:
+    assert walk_vfs(vf_built, tmp_path) == []
+
+
+@pytest.mark.parametrize("path, target, value", [
+    ("vf clear", "gpulib.cli.vgpu._refuse_hands_off", "None"),
+    ("pool apply", "gpulib.occupancy.Occupancy.owner",
+     "__import__('gpulib.ownership').ownership.NOBODYS"),
+])
+def test_a_vf_path_that_skips_the_answer_is_caught(vf_built: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   path: str, target: str, value: str) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BYPASS.format(value=value))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("OWNER_PATHS_BYPASS", target)
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    wrong = walk_vfs(vf_built, cases, only=(path,))
     assert any(w.startswith(f"{path}:") for w in wrong), wrong
