@@ -364,7 +364,7 @@ _ONCE: dict[tuple[str, str], str] = {}
 
 
 def _once(path: str, root: str, tmp: Path, argv: list[str], stdin: bytes = b"",
-          conf: str = "") -> str:
+          conf: str = "", codes: tuple[int, ...] = (0,)) -> str:
     """The copy `argv` ran on (once per host and path; `conf`: its gpulib.conf
     then), and its exit code checked."""
     key = (path, root)
@@ -373,7 +373,7 @@ def _once(path: str, root: str, tmp: Path, argv: list[str], stdin: bytes = b"",
         if conf:
             Path(copy, "etc/gpulib/gpulib.conf").write_text(conf)
         res = run(argv, copy, stdin=stdin)
-        assert res.returncode == 0, (path, res.stdout, res.stderr)
+        assert res.returncode in codes, (path, res.stdout, res.stderr)
         _ONCE[key] = copy
     return _ONCE[key]
 
@@ -435,6 +435,23 @@ def status_says(root: str, tmp: Path, kind: str, ident: str) -> tuple[bool, bool
     raise AssertionError(f"{ident} is not in gpulib status")
 
 
+def _seen(root: str, kind: str, ident: str) -> Any:
+    """What the host and the state say of a device: a GPU's driver, a vGPU's
+    life and record, a VF's type and record."""
+    state = _state(root)
+    if kind == "mdev":
+        return _live(root, ident), state["vgpus"].get(ident)
+    if kind == "vf":
+        return _vf_type(root, ident), state["vf_types"].get(ident)
+    return os.readlink(os.path.join(root, f"sys/bus/pci/devices/{ident}/driver"))
+
+
+def doctor_leaves(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """`gpulib doctor` (every check) leaves the device and its record as they were."""
+    copy = _once("doctor", root, tmp, [GPULIB, "doctor"], codes=(0, 1, 5))
+    return bool(_seen(copy, kind, ident) == _seen(root, kind, ident))
+
+
 HELD = {U_PENDING, U_ARRIVING, U_DEAD, U_EARLIER}  # held by an allocation as built
 
 
@@ -444,6 +461,8 @@ def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
     if path == "mdev remove":
         # the administrator's command removes what is not hands-off and no run holds
         return kind == "mdev" and owner != RUN and ident not in HANDS_OFF
+    if path == "doctor":
+        return True  # it reads; its fixes are printed, never applied
     if path == "status":
         # held by a run, and offered: the report's answer
         return owner == RUN, owner == RUN or expected("report", kind, ident, owner)
@@ -460,7 +479,7 @@ EXEC_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "qemu prepare": qemu_prepare_records, "mdev remove": mdev_remove_removes,
     "reconcile": reconcile_keeps, "restore": restore_keeps, "onStart": other_onstart_keeps,
     "onStop": other_onstop_keeps, "started": other_started_keeps,
-    "release end": other_release_keeps, "status": status_says}
+    "release end": other_release_keeps, "status": status_says, "doctor": doctor_leaves}
 
 
 def walk_executables(root: str, made: dict[str, str], tmp: Path,
@@ -625,12 +644,14 @@ def expected_vf(path: str, kind: str, vf: str, owner: str) -> Any:
         return not hands_off and owner != RUN
     if path == "pool apply":
         return owner in (POOL, NOBODY)  # may_give
+    if path == "doctor":
+        return True
     raise AssertionError(path)
 
 
 VF_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "owner": vf_owner_says, "report": vf_report_offers, "vf set-type": vf_set_type_types,
-    "vf clear": vf_clear_clears, "pool apply": vf_pool_takes}
+    "vf clear": vf_clear_clears, "pool apply": vf_pool_takes, "doctor": doctor_leaves}
 
 
 def walk_vfs(root: str, tmp: Path, only: tuple[str, ...] = tuple(VF_PATHS)) -> list[str]:
