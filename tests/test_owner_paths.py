@@ -657,6 +657,10 @@ def expected_vf(path: str, kind: str, vf: str, owner: str) -> Any:
     if path == "report":
         # a typed VF not hands-off (the administrator's is theirs to hand to CloudStack)
         return owner in (POOL, ADMIN) and not hands_off
+    if path in ("transformer", "qemu prepare"):
+        # a start naming it is given what the report offers (an untyped VF is
+        # no vGPU to name)
+        return expected_vf("report", kind, vf, owner)
     if path == "vf set-type":
         # only an untyped VF nobody holds (the driver refuses to retype a typed one)
         return owner == NOBODY
@@ -672,7 +676,9 @@ def expected_vf(path: str, kind: str, vf: str, owner: str) -> Any:
 
 VF_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "owner": vf_owner_says, "report": vf_report_offers, "vf set-type": vf_set_type_types,
-    "vf clear": vf_clear_clears, "pool apply": vf_pool_takes, "doctor": doctor_leaves}
+    "vf clear": vf_clear_clears, "pool apply": vf_pool_takes, "doctor": doctor_leaves,
+    "transformer": lambda root, tmp, kind, vf: transformer_records(root, tmp, "pci", vf),
+    "qemu prepare": lambda root, tmp, kind, vf: qemu_prepare_records(root, tmp, "pci", vf)}
 
 
 def walk_vfs(root: str, tmp: Path, only: tuple[str, ...] = tuple(VF_PATHS)) -> list[str]:
