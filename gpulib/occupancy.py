@@ -524,7 +524,7 @@ class Occupancy:
         if self.state is None:
             return NOBODYS
         current = None
-        if kind == "pci":
+        if kind in ("pci", "vf"):  # a VF is asked of by either kind
             seen = self.tree._vf_state(node)
             current = seen[0] if seen is not None else None
         return device_owner(self.state, kind, node, chain,

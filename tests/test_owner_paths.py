@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,8 +33,8 @@ from gpulib.ownership import ADMIN, HOST, NOBODY, POOL, RUN
 from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, models
-from tests.hookrun import BIN, mdev_xml, run
-from tests.hosts import empty_host
+from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, mdev_xml, run
+from tests.hosts import a10_host, empty_host
 from tests.test_ownership import pci_xml
 
 IGPU = "0000:00:02.0"  # the boot VGA device
@@ -47,6 +48,52 @@ U_RAW = "4b20d080-1b54-4048-b3bb-000000000002"
 U_MDEVCTL = "4b20d080-1b54-4048-b3bb-000000000003"
 U_RUN = "4b20d080-1b54-4048-b3bb-000000000004"
 VM_UUID = "8e9a2c51-3d4f-4b6a-9c0e-1f2a3b4c5d6e"
+U_PENDING = "4b20d080-1b54-4048-b3bb-000000000005"
+U_ARRIVING = "4b20d080-1b54-4048-b3bb-000000000006"
+U_DEAD = "4b20d080-1b54-4048-b3bb-000000000007"
+U_EARLIER = "4b20d080-1b54-4048-b3bb-000000000008"
+BOOT = "5f0c2b1e-0000-4000-8000-00000000b007"
+RUNS = {U_PENDING: ("i-4-4-VM", "pending", False), U_ARRIVING: ("i-5-5-VM", "pending", True),
+        U_DEAD: ("i-6-6-VM", "pending", False), U_EARLIER: ("i-8-8-VM", "active", False)}
+
+
+def add_runs(host: FakeHost) -> None:
+    """Runs beside the running VM: a pending start, an arriving migration, a
+    start that died past its grace, and an allocation of an earlier boot, each
+    holding an on-demand vGPU gpulib made."""
+    host.write_file("proc/sys/kernel/random/boot_id", BOOT + "\n")
+    path = Path(host.root, "var/lib/gpulib/state.json")
+    state = json.loads(path.read_text())
+    for n, (uuid, (vm, status, arriving)) in enumerate(RUNS.items()):
+        host.add_mdev(uuid, MANAGED, "nvidia-222")
+        state["vgpus"][uuid] = {"created": "2026-01-01T00:00:00Z", "on_demand": True,
+                                "parent": MANAGED, "type_id": "nvidia-222"}
+        alloc = {"vm": vm, "domain_uuid": f"{n}e9a2c51-3d4f-4b6a-9c0e-1f2a3b4c5d6e",
+                 "status": status, "since": "2026-01-01T00:00:00Z", "boot_id": BOOT,
+                 "uptime": 0.0, "devices": [{"kind": "mdev", "id": uuid, "on_demand": True}]}
+        if arriving:
+            alloc["arriving"] = True
+        if uuid == U_EARLIER:
+            alloc["boot_id"] = "5f0c2b1e-0000-4000-8000-0000000e001e"
+        state["allocations"][vm] = alloc
+    path.write_text(json.dumps(state))
+    Path(host.root, "var/lib/gpulib/state.json.bak").unlink()
+    refresh(host.root)
+
+
+def refresh(root: str) -> None:
+    """The pending start and the arrival are fresh (within their grace) now,
+    the dead start well past it."""
+    path = Path(root, "var/lib/gpulib/state.json")
+    state = json.loads(path.read_text())
+    now = time.clock_gettime(time.CLOCK_BOOTTIME)
+    for uuid, (vm, _, _) in RUNS.items():
+        a = state["allocations"].get(vm)
+        if a is not None:
+            a["uptime"] = now - 10_000.0 if uuid == U_DEAD else now
+            a["since"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(
+                time.time() - (10_000 if uuid == U_DEAD else 0)))
+    path.write_text(json.dumps(state))
 
 
 def owners_host(tmp: str) -> tuple[FakeHost, dict[str, str]]:
@@ -95,6 +142,7 @@ def owners_host(tmp: str) -> tuple[FakeHost, dict[str, str]]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
     host, made = owners_host(str(tmp_path_factory.mktemp("owners")))
+    add_runs(host)
     return host.root, made
 
 
@@ -103,15 +151,21 @@ def devices(made: dict[str, str]) -> list[tuple[str, str, str]]:
     return [("pci", IGPU, HOST), ("pci", SHARED, HOST), ("pci", FREE, NOBODY),
             ("mdev", U_UNMANAGED, ADMIN), ("mdev", U_RAW, ADMIN), ("mdev", U_MDEVCTL, ADMIN),
             ("mdev", made["cli"], ADMIN), ("mdev", made["pool"], POOL),
-            ("mdev", U_RUN, RUN)]
+            ("mdev", U_RUN, RUN), ("mdev", U_PENDING, RUN), ("mdev", U_ARRIVING, RUN),
+            # a run that is over holds nothing: its on-demand vGPU is nobody's
+            ("mdev", U_DEAD, NOBODY), ("mdev", U_EARLIER, NOBODY)]
 
 
 HANDS_OFF = {U_UNMANAGED}  # the administrator's unmanaged devices: not even offered
+# On-demand vGPUs of runs that are over: nobody's, and the next hook's to
+# destroy (may_change), so neither offered nor given (a start makes its own).
+LEFT_OVER = {U_DEAD, U_EARLIER}
 
 
 def _copy(root: str, tmp: Path) -> str:
     dst = str(tmp / f"copy{len(os.listdir(tmp))}")
     shutil.copytree(root, dst, symlinks=True)
+    refresh(dst)
     return dst
 
 
@@ -127,7 +181,8 @@ def report_offers(root: str, tmp: Path, kind: str, ident: str) -> bool:
         for v in g["vgpu_instances"]:
             if v["mdev_uuid"] == ident:
                 return v["used_by_vm"] is None
-    raise AssertionError(f"{ident} is not in the report")
+    assert kind == "mdev", f"{ident} is not in the report"
+    return False  # not listed: not offered
 
 
 def transformer_records(root: str, tmp: Path, kind: str, ident: str) -> bool:
@@ -213,9 +268,9 @@ def expected(path: str, kind: str, ident: str, owner: str) -> Any:
         # the host's whole GPUs are the rules' of `whole_gpu_refusal`; as
         # nodes nobody holds they are nobody's
         return NOBODY if owner == HOST else owner
-    if path == "report":
-        return owner in (NOBODY, POOL) or (owner == ADMIN and ident not in HANDS_OFF)
-    if path == "transformer":
+    if path in ("report", "transformer"):
+        if ident in LEFT_OVER:
+            return False
         return owner in (NOBODY, POOL) or (owner == ADMIN and ident not in HANDS_OFF)
     if path in ("pools", "metrics", "mdev create"):
         # gpulib may make vGPUs on a parent that is not hands-off (its capacity)
@@ -231,6 +286,7 @@ PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
 def walk(root: str, made: dict[str, str], tmp: Path) -> list[str]:
     wrong = []
     for path, ask in PATHS.items():
+        refresh(root)  # the arrival's grace is seconds
         for kind, ident, owner in devices(made):
             got = ask(root, tmp, kind, ident)
             want = expected(path, kind, ident, owner)
@@ -260,4 +316,401 @@ def test_a_path_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]
     root, made = built
     monkeypatch.setattr(target, value)
     wrong = walk(root, made, tmp_path)
+    assert any(w.startswith(f"{path}:") for w in wrong), wrong
+
+
+# -- the executables: the same walk through the commands and hooks a host runs ----------------
+#
+# Each runs on its own copy of the host. A path that does not depend on the
+# device (reconcile, another VM's stop) runs once per copy of the host and is
+# asked about every device.
+
+GPULIB = str(BIN / "gpulib")
+OTHER = f"<domain><name>i-2-7-VM</name><uuid>{VM_UUID}</uuid></domain>".encode()
+
+
+def _state(root: str) -> dict[str, Any]:
+    return dict(json.loads(Path(root, "var/lib/gpulib/state.json").read_text()))
+
+
+def _held(root: str) -> set[str]:
+    return {d["id"] for a in _state(root)["allocations"].values() for d in a["devices"]}
+
+
+def _live(root: str, uuid: str) -> bool:
+    return os.path.lexists(os.path.join(root, "sys/bus/mdev/devices", uuid))
+
+
+def qemu_prepare_records(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """Plain libvirt: `prepare begin` of a domain naming it exits 0 and
+    records it as the VM's."""
+    copy = _copy(root, tmp)
+    xml = pci_xml("i-2-7-VM", VM_UUID, ident) if kind == "pci" else \
+        mdev_xml("i-2-7-VM", VM_UUID, ident)
+    res = run([QEMU_HOOK, "i-2-7-VM", "prepare", "begin", "-"], copy, stdin=xml.encode())
+    return res.returncode == 0 and ident in _held(copy)
+
+
+def mdev_remove_removes(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """`gpulib mdev remove` exits 0 and the vGPU is gone."""
+    if kind == "pci":
+        return False
+    copy = _copy(root, tmp)
+    res = run([GPULIB, "mdev", "remove", ident], copy)
+    return res.returncode == 0 and not _live(copy, ident)
+
+
+_ONCE: dict[tuple[str, str], str] = {}
+
+
+def _once(path: str, root: str, tmp: Path, argv: list[str], stdin: bytes = b"",
+          conf: str = "", codes: tuple[int, ...] = (0,)) -> str:
+    """The copy `argv` ran on (once per host and path; `conf`: its gpulib.conf
+    then), and its exit code checked."""
+    key = (path, root)
+    if key not in _ONCE:
+        copy = _copy(root, tmp)
+        if conf:
+            Path(copy, "etc/gpulib/gpulib.conf").write_text(conf)
+        res = run(argv, copy, stdin=stdin)
+        assert res.returncode in codes, (path, res.stdout, res.stderr)
+        _ONCE[key] = copy
+    return _ONCE[key]
+
+
+def reconcile_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After `gpulib reconcile` it is still there (a vGPU live, a GPU's driver as it was)."""
+    copy = _once("reconcile", root, tmp, [GPULIB, "reconcile"])
+    if kind == "pci":
+        drv = f"sys/bus/pci/devices/{ident}/driver"
+        return os.readlink(os.path.join(copy, drv)) == os.readlink(os.path.join(root, drv))
+    return _live(copy, ident)
+
+
+def other_onstop_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After another VM's onStop it is still held by the run that held it."""
+    copy = _once("onStop", root, tmp, [STATE_CHANGE, "onStop", "i-2-7-VM"])
+    return ident in _held(copy)
+
+
+def other_release_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After another VM's `release end` it is still held by the run that held it."""
+    copy = _once("release", root, tmp, [QEMU_HOOK, "i-2-7-VM", "release", "end", "-"], OTHER)
+    return ident in _held(copy)
+
+
+def restore_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After `gpulib restore` (at boot) it is still there."""
+    copy = _once("restore", root, tmp, [GPULIB, "restore"])
+    return reconcile_keeps(copy, tmp, kind, ident) if kind == "pci" else _live(copy, ident)
+
+
+def other_onstart_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After another VM's onStart it is still held by the run that held it."""
+    copy = _once("onStart", root, tmp, [STATE_CHANGE, "onStart", "i-2-7-VM"])
+    return ident in _held(copy)
+
+
+def other_started_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After another VM's `started begin` it is still held by the run that held it."""
+    copy = _once("started", root, tmp, [QEMU_HOOK, "i-2-7-VM", "started", "begin", "-"], OTHER)
+    return ident in _held(copy)
+
+
+_STATUS: dict[str, Any] = {}
+
+
+def status_says(root: str, tmp: Path, kind: str, ident: str) -> tuple[bool, bool]:
+    """`gpulib status --json`: (a VM holds it, it may be given)."""
+    if root not in _STATUS:
+        res = run([GPULIB, "status", "--json"], _copy(root, tmp))  # a fresh arrival
+        assert res.returncode == 0, res.stderr
+        _STATUS[root] = json.loads(res.stdout)
+    for g in _STATUS[root]["gpus"]:
+        if kind == "pci" and g["address"] == ident:
+            return g["used_by"] is not None, g["whole_refusal"] is None
+        for v in g["vgpus"]:
+            if v["uuid"] == ident:
+                return v["used_by"] is not None, bool(v["available"])
+    raise AssertionError(f"{ident} is not in gpulib status")
+
+
+def _seen(root: str, kind: str, ident: str) -> Any:
+    """What the host and the state say of a device: a GPU's driver, a vGPU's
+    life and record, a VF's type and record."""
+    state = _state(root)
+    if kind == "mdev":
+        return _live(root, ident), state["vgpus"].get(ident)
+    if kind == "vf":
+        return _vf_type(root, ident), state["vf_types"].get(ident)
+    return os.readlink(os.path.join(root, f"sys/bus/pci/devices/{ident}/driver"))
+
+
+def doctor_leaves(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """`gpulib doctor` (every check) leaves the device and its record as they were."""
+    copy = _once("doctor", root, tmp, [GPULIB, "doctor"], codes=(0, 1, 5))
+    return bool(_seen(copy, kind, ident) == _seen(root, kind, ident))
+
+
+def own_late_release_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After a `release end` of the holder's VM (a late one of its previous
+    run, as libvirt sends it) the run still holds it."""
+    if ident not in RUNS:
+        return False
+    vm = RUNS[ident][0]
+    copy = _copy(root, tmp)
+    uuid = _state(copy)["allocations"][vm]["domain_uuid"]
+    xml = f"<domain><name>{vm}</name><uuid>{uuid}</uuid></domain>".encode()
+    res = run([QEMU_HOOK, vm, "release", "end", "-"], copy, stdin=xml)
+    return res.returncode == 0 and ident in _held(copy)
+
+
+HELD = {U_PENDING, U_ARRIVING, U_DEAD, U_EARLIER}  # held by an allocation as built
+
+
+def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
+    if path == "qemu prepare":
+        return expected("transformer", kind, ident, owner)
+    if path == "mdev remove":
+        # the administrator's command removes what is not hands-off and no run holds
+        return kind == "mdev" and owner != RUN and ident not in HANDS_OFF
+    if path == "doctor":
+        return True  # it reads; its fixes are printed, never applied
+    if path == "status":
+        # held by a run, and offered: the report's answer
+        return owner == RUN, owner == RUN or expected("report", kind, ident, owner)
+    if path in ("reconcile", "restore"):
+        # it changes only what is gpulib's and nobody's: a run's that is over
+        return ident not in LEFT_OVER
+    if path == "own late release":
+        # `release end` ends its VM's run only if libvirt prepared it, an
+        # arrival (a failed incoming migration) or one of an earlier boot: a
+        # start of this boot libvirt has not prepared is a newer run's, dead
+        # or not (the next hook's sweep ends a dead one)
+        return ident in (U_PENDING, U_DEAD)
+    if path in ("onStop", "release end", "onStart", "started"):
+        # another VM's stop keeps every run's hold; a run that is over is released
+        return owner == RUN and ident in HELD
+    raise AssertionError(path)
+
+
+EXEC_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
+    "qemu prepare": qemu_prepare_records, "mdev remove": mdev_remove_removes,
+    "reconcile": reconcile_keeps, "restore": restore_keeps, "onStart": other_onstart_keeps,
+    "onStop": other_onstop_keeps, "started": other_started_keeps,
+    "release end": other_release_keeps, "own late release": own_late_release_keeps,
+    "status": status_says, "doctor": doctor_leaves}
+
+
+def walk_executables(root: str, made: dict[str, str], tmp: Path,
+                     only: tuple[str, ...] = tuple(EXEC_PATHS)) -> list[str]:
+    _ONCE.clear()
+    _STATUS.clear()
+    refresh(root)  # the arrival's grace is seconds
+    wrong = []
+    for path in only:
+        ask = EXEC_PATHS[path]
+        for kind, ident, owner in devices(made):
+            got = ask(root, tmp, kind, ident)
+            want = expected_exec(path, kind, ident, owner)
+            if got != want:
+                wrong.append(f"{path}: {ident} ({owner}'s) answered {got!r}, not {want!r}")
+    return wrong
+
+
+def test_every_executable_gives_the_one_answer(built: tuple[str, dict[str, str]],
+                                               tmp_path: Path) -> None:
+    root, made = built
+    assert walk_executables(root, made, tmp_path) == []
+
+
+# A bypass in the executables' own processes: a sitecustomize that replaces
+# one function before gpulib is imported (hook_env drops GPULIB_* names).
+BYPASS = """
+import importlib, os
+names = os.environ["OWNER_PATHS_BYPASS"].split(".")
+for i in range(len(names) - 1, 0, -1):
+    try:
+        owner = importlib.import_module(".".join(names[:i]))
+    except ImportError:
+        continue
+    for n in names[i:-1]:
+        owner = getattr(owner, n)
+    setattr(owner, names[-1], lambda *a, **k: {value})
+    break
+"""
+
+
+@pytest.mark.parametrize("path, target, value", [
+    ("qemu prepare", "gpulib.hostfacts.host_endpoints", "[]"),
+    ("mdev remove", "gpulib.cli.vgpu._refuse_hands_off", "None"),
+    ("onStop", "gpulib.liveness.run_over", "'expired'"),
+    ("release end", "gpulib.liveness.run_over", "'expired'"),
+    ("onStart", "gpulib.liveness.run_over", "'expired'"),
+    ("reconcile", "gpulib.liveness.run_over", "'expired'"),
+    ("own late release", "gpulib.hooks.vmstate._stop_ends", "True"),
+    ("status", "gpulib.occupancy.Occupancy.hands_off", "None"),
+])
+def test_an_executable_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]],
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       path: str, target: str,
+                                                       value: str) -> None:
+    root, made = built
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BYPASS.format(value=value))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("OWNER_PATHS_BYPASS", target)
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    wrong = walk_executables(root, made, cases, only=(path,))
+    assert any(w.startswith(f"{path}:") for w in wrong), wrong
+
+
+# -- the VFs: an A10 with a VF typed outside gpulib, a pool member and free VFs,
+# and an unmanaged A10 whose VFs (one typed by hand) are hands-off ---------------------------
+
+A10 = "0000:41:00.0"
+A10_UNMANAGED = "0000:43:00.0"
+VF_OUTSIDE, VF_POOL, VF_FREE = "0000:41:00.4", "0000:41:00.5", "0000:41:00.6"
+VF_UNMANAGED, VF_UNMANAGED_TYPED = "0000:43:00.4", "0000:43:00.5"
+VF_HANDS_OFF = {VF_UNMANAGED, VF_UNMANAGED_TYPED}
+A10_4Q = "NVIDIA A10-4Q"
+
+
+def vf_owners_host(tmp: str) -> FakeHost:
+    host = a10_host(tmp, numvfs=4)
+    m = models()["a10"]
+    host.add_bridge("0000:42:03.1", numa_node=0, iommu_group=host.new_iommu_group())
+    host.add_function(A10_UNMANAGED, m["vendor"], m["device"], m["class"], driver="nvidia",
+                      iommu_group=host.new_iommu_group(), numa_node=0, parent="0000:42:03.1",
+                      vendor_name=m["vendor_name"], device_name=m["device_name"])
+    host.set_sriov_capability(A10_UNMANAGED, 32, m["vf_device"], offset=4)
+    types = {int(k): v for k, v in m["nvidia_vf_types"].items()}
+    for vf in host.enable_sriov(A10_UNMANAGED, 2, vf_driver="nvidia"):
+        host.add_nvidia_vf_types(vf, types)
+    for argv in (["vf", "set-type", VF_OUTSIDE, A10_4Q, "--no-keep"],  # no record: outside
+                 ["vf", "set-type", VF_UNMANAGED_TYPED, A10_4Q]):
+        res = run([GPULIB, *argv], host.root)
+        assert res.returncode == 0, res.stderr
+    host.write_file("etc/gpulib/gpulib.conf",
+                    f"[pool a]\nparents = {A10}\nprofile = {A10_4Q}\ncount = 1\n")
+    res = run([GPULIB, "pool", "apply"], host.root)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert VF_POOL in _state(host.root)["vf_types"]
+    assert run([GPULIB, "device", "unmanage", A10_UNMANAGED], host.root).returncode == 0
+    return host
+
+
+@pytest.fixture(scope="module")
+def vf_built(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return vf_owners_host(str(tmp_path_factory.mktemp("vf-owners"))).root
+
+
+VF_DEVICES = [("vf", VF_OUTSIDE, ADMIN), ("vf", VF_POOL, POOL), ("vf", VF_FREE, NOBODY),
+              ("vf", VF_UNMANAGED, ADMIN), ("vf", VF_UNMANAGED_TYPED, ADMIN)]
+
+
+def _vf_type(root: str, vf: str) -> int:
+    return int(Path(root, f"sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type").read_text())
+
+
+def vf_report_offers(root: str, tmp: Path, kind: str, vf: str) -> bool:
+    """The CloudStack report lists the VF free (`used_by_vm` null)."""
+    doc = cloudstack.render(discover_host(Context.for_root(root), learn=False))
+    for g in doc["gpus"]:
+        for v in g.get("vf_instances", []):
+            if v["vf_pci_address"] == vf[5:]:
+                return v["used_by_vm"] is None
+    return False  # an untyped VF is capacity, not an instance
+
+
+def vf_set_type_types(root: str, tmp: Path, kind: str, vf: str) -> bool:
+    copy = _copy(root, tmp)
+    res = run([GPULIB, "vf", "set-type", vf, A10_4Q], copy)
+    return res.returncode == 0 and _vf_type(copy, vf) != 0
+
+
+def vf_clear_clears(root: str, tmp: Path, kind: str, vf: str) -> bool:
+    copy = _copy(root, tmp)
+    res = run([GPULIB, "vf", "clear", vf], copy)
+    return res.returncode == 0 and _vf_type(copy, vf) == 0
+
+
+def vf_pool_takes(root: str, tmp: Path, kind: str, vf: str) -> bool:
+    """A pool of every GPU's VFs, as many as there are, holds it after `pool apply`."""
+    copy = _once("vf pool", root, tmp, [GPULIB, "pool", "apply"],
+                 conf=f"[pool a]\nparents = all\nprofile = {A10_4Q}\ncount = 9\n")
+    rec = _state(copy)["vf_types"].get(vf)
+    return rec is not None and rec.get("pool") == "a"
+
+
+def vf_owner_says(root: str, tmp: Path, kind: str, vf: str) -> str:
+    return owner_says(root, tmp, kind, vf)
+
+
+def expected_vf(path: str, kind: str, vf: str, owner: str) -> Any:
+    hands_off = vf in VF_HANDS_OFF
+    if path == "owner":
+        return owner
+    if path == "report":
+        # a typed VF not hands-off (the administrator's is theirs to hand to CloudStack)
+        return owner in (POOL, ADMIN) and not hands_off
+    if path in ("transformer", "qemu prepare"):
+        # a start naming it is given what the report offers (an untyped VF is
+        # no vGPU to name)
+        return expected_vf("report", kind, vf, owner)
+    if path == "vf set-type":
+        # only an untyped VF nobody holds (the driver refuses to retype a typed one)
+        return owner == NOBODY
+    if path == "vf clear":
+        # the administrator's command: whatever is not hands-off and no run holds
+        return not hands_off and owner != RUN
+    if path == "pool apply":
+        return owner in (POOL, NOBODY)  # may_give
+    if path == "doctor":
+        return True
+    raise AssertionError(path)
+
+
+VF_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
+    "owner": vf_owner_says, "report": vf_report_offers, "vf set-type": vf_set_type_types,
+    "vf clear": vf_clear_clears, "pool apply": vf_pool_takes, "doctor": doctor_leaves,
+    "transformer": lambda root, tmp, kind, vf: transformer_records(root, tmp, "pci", vf),
+    "qemu prepare": lambda root, tmp, kind, vf: qemu_prepare_records(root, tmp, "pci", vf)}
+
+
+def walk_vfs(root: str, tmp: Path, only: tuple[str, ...] = tuple(VF_PATHS)) -> list[str]:
+    _ONCE.clear()
+    wrong = []
+    for path in only:
+        for kind, vf, owner in VF_DEVICES:
+            got = VF_PATHS[path](root, tmp, kind, vf)
+            want = expected_vf(path, kind, vf, owner)
+            if got != want:
+                wrong.append(f"{path}: {vf} ({owner}'s) answered {got!r}, not {want!r}")
+    return wrong
+
+
+def test_every_path_gives_the_one_answer_for_vfs(vf_built: str, tmp_path: Path) -> None:
+    assert walk_vfs(vf_built, tmp_path) == []
+
+
+@pytest.mark.parametrize("path, target, value", [
+    ("vf clear", "gpulib.cli.vgpu._refuse_hands_off", "None"),
+    ("pool apply", "gpulib.occupancy.Occupancy.owner",
+     "__import__('gpulib.ownership').ownership.NOBODYS"),
+])
+def test_a_vf_path_that_skips_the_answer_is_caught(vf_built: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   path: str, target: str, value: str) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BYPASS.format(value=value))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("OWNER_PATHS_BYPASS", target)
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    wrong = walk_vfs(vf_built, cases, only=(path,))
     assert any(w.startswith(f"{path}:") for w in wrong), wrong
