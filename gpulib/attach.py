@@ -154,7 +154,7 @@ def _refuse_cloudstack(ctx: Context, force: bool) -> None:
 
 
 def _inventory(ctx: Context, config: Config) -> tuple[State, Inventory]:
-    from gpulib.runtime import discover_host
+    from gpulib.hostview import discover_host
 
     state = open_store(ctx, config).load()
     return state, discover_host(ctx, config, state=state, learn=False)

@@ -6,7 +6,7 @@
 strings; counts are numbers; unknown numbers are null; `vf_profile` is never
 null). NVIDIA vendor-specific VFs carry the profile numbers the agent added
 for them (max_instances, video_ram, max_heads, max_resolution_x/y): NVIDIA's
-tool's where `runtime.attach_type_numbers` found them, else null but for the frame
+tool's where `hostview.attach_type_numbers` found them, else null but for the frame
 buffer a profile's name tells.
 
 No device is dropped for a passing reason: the management server marks a

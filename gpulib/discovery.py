@@ -282,7 +282,7 @@ class Gpu:
         self.host_endpoint: Optional[str] = None
         self.unmanaged: Optional[str] = None
         # The numbers of its NVIDIA vendor-specific VF types by type id, from
-        # NVIDIA's tool (`runtime.attach_type_numbers`; discovery itself runs nothing).
+        # NVIDIA's tool (`hostview.attach_type_numbers`; discovery itself runs nothing).
         self.nvidia_numbers: dict[int, TypeNumbers] = {}
         # Its MIG mode and instances, from NVIDIA's tool (`migtool.attach`);
         # None: not asked, or the GPU has no MIG.

@@ -20,6 +20,7 @@ from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.definitions import DEFINITIONS_MARKER, follow_definitions
+from gpulib.domstatus import DomainDevices
 from gpulib.errors import GpulibError, InputError
 from gpulib.liveness import (
     ABANDONED_ARRIVAL,
@@ -48,7 +49,6 @@ from gpulib.state import (
     VgpuRecord,
     utc_now,
 )
-from gpulib.usage import DomainDevices
 
 # The vGPU modules and the allocator are imported where a function needs
 # them: onStart comes here for its store and clock, and needs neither.

@@ -13,7 +13,7 @@ whatever event arrives (a late or repeated onStop, a stop that failed, a start
 under its name): the caller asks `is_running` first and logs instead.
 
 Reading costs one directory listing (names); a UUID is read from the head of
-one status file, only when asked (`usage.status_uuid`, no XML parser), and the
+one status file, only when asked (`domstatus.status_uuid`, no XML parser), and the
 devices every running domain names (`running_devices`) only when a device is
 about to be destroyed.
 """
@@ -24,11 +24,11 @@ import os
 import time
 from collections.abc import Iterable
 
-from gpulib import usage
+from gpulib import domstatus
 from gpulib.context import BOOT_ID, RUNNING_DOMAINS
+from gpulib.domstatus import MAX_STATUS_BYTES, DomainDevices, running_names, status_uuid
 from gpulib.lazyre import lazy
 from gpulib.sysfs import ReadFailure
-from gpulib.usage import MAX_STATUS_BYTES, DomainDevices, running_names, status_uuid
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -41,11 +41,11 @@ if TYPE_CHECKING:
 def running_domains(sysfs: Sysfs, save_cache: bool = False) -> list[DomainDevices]:
     """Every running domain of this boot and the devices its status file names:
     the one answer to "what runs", which every caller asks here, never of
-    libvirt's files itself (`usage` reads them, cached by file identity).
+    libvirt's files itself (`domstatus` reads them, cached by file identity).
 
     `save_cache`: keep what was parsed in the cross-process cache (the hooks,
-    `gpulib discover` and `gpulib metrics`; see `usage.running_domains`)."""
-    return usage.running_domains(sysfs, save_cache=save_cache)
+    `gpulib discover` and `gpulib metrics`; see `domstatus.running_domains`)."""
+    return domstatus.running_domains(sysfs, save_cache=save_cache)
 
 
 class Liveness:

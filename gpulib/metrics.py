@@ -1,7 +1,7 @@
 """The host's GPU facts in Prometheus' text exposition format (`gpulib metrics`).
 
 Everything comes from the model discovery and the hooks share: the
-Inventory (`gpulib.runtime.discover_host`, with the occupancy of gpulib's
+Inventory (`gpulib.hostview.discover_host`, with the occupancy of gpulib's
 allocations and the running domains), gpulib's state file, the doctor's
 checks and the hooks' counters (`gpulib.counters`). Nothing here writes but
 the counters' fold and, with `--output`, the file it renders (atomically, so
@@ -604,7 +604,7 @@ def _counters(exp: Exposition, totals: dict[str, int]) -> None:
 def collect(ctx: Context, config: Config, fold: bool = True) -> Exposition:
     """Every gpulib metric of the host below ctx's root. `fold`: move the
     hooks' counted events into the counters' totals file (else only read)."""
-    from gpulib.runtime import attach_type_numbers, discover_host
+    from gpulib.hostview import attach_type_numbers, discover_host
 
     exp = Exposition()
     state, known = _state(exp, ctx, config)

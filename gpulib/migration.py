@@ -531,7 +531,7 @@ def _own(state: State, vm: str, domain_uuid: str) -> list[Device]:
 
 
 def _inventory(ctx: Context, config: Config, state: State, occ: Occupancy) -> Inventory:
-    from gpulib.runtime import discover_host
+    from gpulib.hostview import discover_host
 
     return discover_host(ctx, config, state=state, learn=False, occupancy=occ)
 

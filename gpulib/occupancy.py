@@ -50,9 +50,9 @@ if TYPE_CHECKING:
     from typing import NamedTuple, Optional
 
     from gpulib.config import Config
+    from gpulib.domstatus import DomainDevices
     from gpulib.state import State
     from gpulib.sysfs import Sysfs
-    from gpulib.usage import DomainDevices
 
 log = logger.get(__name__)
 

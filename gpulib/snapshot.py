@@ -511,7 +511,7 @@ class Collector:
     # -- what gpulib's reports keep beside the host's files -----------------------------
     def copy_gpulib_caches(self) -> None:
         from gpulib import counters, nvidiasmi
-        from gpulib.runtime import discover_host
+        from gpulib.hostview import discover_host
 
         now = time.time()
         config = Config.load(self.ctx.config_path, lenient=True)

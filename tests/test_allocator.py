@@ -28,17 +28,17 @@ from gpulib.allocator import (
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.domain import PassthroughRequest, VgpuRequest
+from gpulib.domstatus import DomainDevices
 from gpulib.entry import context_for_root
 from gpulib.errors import NotAvailableError
+from gpulib.hostview import discover_host
 from gpulib.lifecycle import open_store, reconcile, restore
 from gpulib.liveness import Liveness, boot_clock_of
 from gpulib.occupancy import Occupancy
 from gpulib.pci import PciAddress, virtfn_links
-from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import models
 from gpulib.state import Allocation, Device, State, VgpuRecord
-from gpulib.usage import DomainDevices
 
 PROFILES = ["GRID T4-1B", "GRID T4-4Q", "NVIDIA A10-6Q", "NVIDIA A10-24Q"]
 VMS = [f"vm-{i}" for i in range(6)]

@@ -258,7 +258,7 @@ def test_a_device_that_cannot_be_given_for_a_while_is_never_dropped(tmp_path: Pa
     them from allocation."""
     from gpulib import cloudstack
     from gpulib.config import Config
-    from gpulib.runtime import discover_host
+    from gpulib.hostview import discover_host
     from gpulib.sim import faults
     from gpulib.sim.hosts import add_sriov_gpu
 

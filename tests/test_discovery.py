@@ -19,8 +19,8 @@ from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.discovery import discover
 from gpulib.entry import context_for_root
+from gpulib.hostview import attach_type_numbers, discover_host
 from gpulib.pci import group_number
-from gpulib.runtime import attach_type_numbers, discover_host
 from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sysfs import Sysfs

@@ -465,7 +465,7 @@ def test_a_gpu_in_a_five_digit_pci_domain_is_discovered(demo: str) -> None:
     `10000:01:00.0`: PciAddress.parse refused it as "out of range" and the GPU
     vanished from discovery without a word. It is listed, with libvirt's
     address `domain='0x10000'`."""
-    from gpulib.runtime import discover_host
+    from gpulib.hostview import discover_host
     from gpulib.sim.hosts import add_model, models
 
     host = FakeHost(demo)

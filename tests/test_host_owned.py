@@ -14,9 +14,9 @@ import pytest
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.errors import ConfigError
+from gpulib.hostview import discover_host
 from gpulib.lifecycle import open_store
 from gpulib.records import HANDMADE, VfRecord, VgpuRecord, is_handmade, pool_of
-from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, models
 from tests.hookrun import BIN, QEMU_HOOK, as_agent, run

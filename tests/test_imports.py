@@ -417,7 +417,7 @@ def test_what_runs_is_asked_of_liveness_alone(graph: dict[str, dict[str, str]]) 
     askers = []
     for mod, path in modules_of(PACKAGE).items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module == "gpulib.usage" and \
+            if isinstance(node, ast.ImportFrom) and node.module == "gpulib.domstatus" and \
                     {"running_domains", "running_names"} & {a.name for a in node.names}:
                 askers.append(mod)
             if isinstance(node, ast.Attribute) and node.attr in ("running_domains",

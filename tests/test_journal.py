@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpulib import mdev
+from gpulib.domstatus import status_uuid
 from gpulib.errors import DeviceError
 from gpulib.journal import Journal, release_devices, settle
 from gpulib.liveness import Liveness, boot_clock_of
 from gpulib.sim.fakehost import FakeHost
 from gpulib.state import Allocation, Device, Intent, State, VgpuRecord
-from gpulib.usage import status_uuid
 from tests.hosts import simulated, t4_host
 
 T4 = "0000:3b:00.0"

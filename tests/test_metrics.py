@@ -31,8 +31,8 @@ from gpulib import counters, metrics
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.entry import context_for_root
+from gpulib.hostview import discover_host
 from gpulib.pci import PciAddress
-from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo
 from gpulib.state import Allocation, Device, State, StateStore, VgpuRecord, dumps

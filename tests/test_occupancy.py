@@ -66,8 +66,8 @@ def test_running_and_active_holds_are_named_before_pending_ones(
 
 
 def test_build_reads_allocations_and_status_files(tmp_path: Path) -> None:
+    from gpulib.domstatus import running_domains
     from gpulib.state import Allocation, Device, State
-    from gpulib.usage import running_domains
 
     host = build_demo(str(tmp_path / "demo"))
     host.add_running_domain("runs", "9b4c2e17-3a6f-4d8b-a5e1-7c0f3d9b2a46", pci=(RTX,))

@@ -26,11 +26,11 @@ from gpulib.domain import parse_domain
 from gpulib.entry import context_for_root
 from gpulib.errors import GpulibError
 from gpulib.hooks import prepare as prepare_mod
+from gpulib.hostview import discover_host
 from gpulib.lifecycle import open_store
 from gpulib.liveness import running_domains
 from gpulib.occupancy import Occupancy
 from gpulib.ownership import ADMIN, HOST, NOBODY, POOL, RUN
-from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, models
 from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, mdev_xml, run

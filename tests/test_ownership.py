@@ -17,13 +17,13 @@ from lxml import etree
 
 from gpulib import cloudstack
 from gpulib.context import Context
+from gpulib.domstatus import running_domains
 from gpulib.entry import context_for_root
 from gpulib.lifecycle import open_store, reconcile
 from gpulib.liveness import PENDING_GRACE_SECONDS, Liveness, run_over
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4, build_demo
 from gpulib.state import Allocation
-from gpulib.usage import running_domains
 from tests.conftest import DATA
 from tests.hookrun import QEMU_HOOK, as_agent, hook_env, libvirt_start_fails, mdev_xml, run
 from tests.hosts import tree_contents
@@ -157,7 +157,7 @@ def test_non_gpu_hostdevs_are_left_alone(demo: str) -> None:
 # -- discovery and the hooks agree -----------------------------------------------------------
 
 def _inventory(root: str) -> Any:
-    from gpulib.runtime import discover_host
+    from gpulib.hostview import discover_host
 
     return discover_host(Context.for_root(root), learn=False)
 
@@ -261,9 +261,9 @@ def _scan_seconds(root: str, runs: int = 3) -> float:
     sysfs = Context.for_root(root).sysfs
     best = float("inf")
     for _ in range(runs):
-        from gpulib import usage
+        from gpulib import domstatus
 
-        usage._CACHE.clear()
+        domstatus._CACHE.clear()
         t = time.perf_counter()
         running_domains(sysfs)
         best = min(best, time.perf_counter() - t)
@@ -575,7 +575,7 @@ def test_a_declared_pool_makes_a_gpu_unavailable_whole(demo: str) -> None:
     with open(os.path.join(demo, "etc/gpulib/gpulib.conf"), "a") as fh:
         fh.write(f"\n[pool gvt]\nparents = {igpu}\ntype = i915-GVTg_V5_4\ncount = 1\n")
     from gpulib.config import Config
-    from gpulib.runtime import discover_host
+    from gpulib.hostview import discover_host
 
     config = Config.load(os.path.join(demo, "etc/gpulib/gpulib.conf"))
     doc = cloudstack.render(discover_host(Context.for_root(demo), config, learn=False))

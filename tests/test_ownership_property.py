@@ -25,9 +25,9 @@ from gpulib.entry import context_for_root
 from gpulib.errors import GpulibError
 from gpulib.hooks import prepare as prepare_mod
 from gpulib.hooks.vmstate import activate, deactivate
+from gpulib.hostview import discover_host
 from gpulib.journal import Journal
 from gpulib.lifecycle import open_store, reconcile
-from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, add_sriov_gpu, models
 from gpulib.sysfs import Sysfs
@@ -319,8 +319,8 @@ class Ownership(RuleBasedStateMachine):
         `free_for`, also with the live mdevs listed once."""
         if self.host is None:
             return
+        from gpulib.domstatus import running_domains
         from gpulib.occupancy import Occupancy
-        from gpulib.usage import running_domains
 
         state = open_store(self.ctx).load()
         occ = Occupancy.build(self.ctx.sysfs, state, running_domains(self.ctx.sysfs))

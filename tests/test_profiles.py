@@ -119,9 +119,9 @@ def test_attach_profile_in_any_case(tmp_path: Path) -> None:
 def test_pool_profile_in_any_case_and_the_doctor_agrees(tmp_path: Path) -> None:
     from gpulib import doctor
     from gpulib.config import Config
+    from gpulib.hostview import discover_host
     from gpulib.lifecycle import open_store
     from gpulib.pools import apply
-    from gpulib.runtime import discover_host
 
     host = t4_host(str(tmp_path))
     host.write_file("etc/gpulib/gpulib.conf",
@@ -143,8 +143,8 @@ def test_pool_profile_in_any_case_and_the_doctor_agrees(tmp_path: Path) -> None:
 
 def test_vendor_pool_profile_and_type_in_any_spelling(tmp_path: Path) -> None:
     from gpulib.config import Config
+    from gpulib.hostview import discover_host
     from gpulib.pools import plan
-    from gpulib.runtime import discover_host
 
     host = a10_host(str(tmp_path))
     ctx = simulated(host)

@@ -24,19 +24,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpulib import cloudstack as cloudstack_mod
-from gpulib import usage
+from gpulib import domstatus
 from gpulib.config import Config
 from gpulib.context import LOG_FAILURES_FILE, Context
+from gpulib.domstatus import running_domains
 from gpulib.entry import context_for_root
 from gpulib.errors import ConfigError, DeviceError
+from gpulib.hostview import discover_host
 from gpulib.logs import FailureNote, LazyFileHandler
 from gpulib.pci import PciAddress, list_addresses
-from gpulib.runtime import discover_host
 from gpulib.sim import faults
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, add_sriov_gpu, build_demo, models
 from gpulib.sysfs import ATTRIBUTE_MAX, ReadFailure, Sysfs, read_file, read_file_unless
-from gpulib.usage import running_domains
 from tests import hookrun
 from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, as_agent, hook_env
 from tests.hosts import scratch
@@ -210,7 +210,7 @@ def test_unreadable_status_files_cost_only_their_domain(host: str) -> None:
     assert held
     os.mkfifo(qemu / "i-9-1-VM.xml")
     (qemu / "i-9-2-VM.xml").mkdir()
-    (qemu / "i-9-3-VM.xml").write_bytes(b"<domstatus>" + b" " * (usage.MAX_STATUS_BYTES + 1))
+    (qemu / "i-9-3-VM.xml").write_bytes(b"<domstatus>" + b" " * (domstatus.MAX_STATUS_BYTES + 1))
     for _ in range(2):
         after = {d.name: d for d in running_domains(Context.for_root(host).sysfs)}
         assert set(after) == set(before) | {"i-9-1-VM", "i-9-2-VM", "i-9-3-VM"}

@@ -28,9 +28,9 @@ from gpulib import doctor as dr
 from gpulib.context import Context
 from gpulib.entry import context_for_root
 from gpulib.hooks import qemu, statechange, transformer
+from gpulib.hostview import discover_host
 from gpulib.occupancy import Tree
 from gpulib.pci import PciAddress, virtfn_links
-from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, add_sriov_gpu, models
 from gpulib.sysfs import Sysfs

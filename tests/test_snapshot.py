@@ -20,8 +20,8 @@ from gpulib import doctor as dr
 from gpulib import snapshot as snap
 from gpulib.context import Context
 from gpulib.entry import context_for_root
+from gpulib.hostview import discover_host
 from gpulib.pci import PciAddress
-from gpulib.runtime import discover_host
 from gpulib.sim.fakehost import NVIDIA_SMI_CALLS, FakeHost
 from gpulib.sim.hosts import DEMO_T4, build_demo, install_nvidia_smi
 from tests.hookrun import BIN, hook_env

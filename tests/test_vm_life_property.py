@@ -50,6 +50,7 @@ from gpulib import nvidia
 from gpulib.allocator import release
 from gpulib.config import Config
 from gpulib.domain import parse_domain
+from gpulib.domstatus import running_domains
 from gpulib.entry import context_for_root
 from gpulib.errors import GpulibError
 from gpulib.hooks.prepare import Preparer, StartMode, record_running
@@ -59,7 +60,6 @@ from gpulib.liveness import Liveness
 from gpulib.occupancy import Tree
 from gpulib.sim.hosts import build_demo
 from gpulib.state import State
-from gpulib.usage import running_domains
 from tests.hookrun import hook_env, pci_hostdev
 from tests.hosts import reboot
 
@@ -392,8 +392,8 @@ class Lives(RuleBasedStateMachine):
 
     @rule(address=st.sampled_from([RTX, A100, T4_WHOLE]))
     def admin_unmanages(self, address: str) -> None:
+        from gpulib.domstatus import running_domains
         from gpulib.occupancy import Occupancy
-        from gpulib.usage import running_domains
 
         with open_store(self.ctx, self.config).transaction() as state:
             occ = Occupancy.build(self.ctx.sysfs, state, running_domains(self.ctx.sysfs))
@@ -402,8 +402,8 @@ class Lives(RuleBasedStateMachine):
 
     @rule()
     def pool_apply(self) -> None:
+        from gpulib.hostview import discover_host
         from gpulib.pools import apply
-        from gpulib.runtime import discover_host
 
         store = open_store(self.ctx, self.config)
         with store.transaction() as state:
@@ -471,8 +471,8 @@ class Lives(RuleBasedStateMachine):
         or pending, of this boot, not an arrival past its timeout of 0, within
         its grace). Nothing else is reported used."""
         from gpulib import cloudstack
+        from gpulib.hostview import discover_host
         from gpulib.liveness import PENDING_GRACE_SECONDS, boot_clock_of
-        from gpulib.runtime import discover_host
 
         doc = self._snapshot()
         path = Path(self.root, STATE)

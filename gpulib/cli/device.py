@@ -10,9 +10,9 @@ import click
 from gpulib import report
 from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.errors import GpulibError
+from gpulib.hostview import discover_host
 from gpulib.lifecycle import open_store
 from gpulib.pci import PciAddress
-from gpulib.runtime import discover_host
 from gpulib.state import State
 
 

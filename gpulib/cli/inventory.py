@@ -30,7 +30,7 @@ def default_format() -> str:
 def render(env: Env, fmt: str) -> str:
     """The report in `fmt` (one of FORMATS), ending in a newline."""
     # Imported here: `gpulib --help` and the other commands need none of it.
-    from gpulib.runtime import discover_host
+    from gpulib.hostview import discover_host
 
     # A problem in gpulib.conf must not empty the agent's report (it would
     # mark every GPU failed): what is bad is left at its defaults and logged.
@@ -46,7 +46,7 @@ def render(env: Env, fmt: str) -> str:
     if fmt != "table":
         # The numbers of NVIDIA vendor-specific VF types, from NVIDIA's tool
         # (cached; asked only on hosts with such VFs).
-        from gpulib.runtime import attach_type_numbers
+        from gpulib.hostview import attach_type_numbers
 
         attach_type_numbers(inventory, env.ctx.root, timeout)
     if fmt == "cloudstack":

@@ -8,9 +8,9 @@ from gpulib import pools
 from gpulib.allocator import release as release_vm
 from gpulib.cli.common import Env, Group, emit_json, json_option
 from gpulib.errors import GpulibError
+from gpulib.hostview import discover_host
 from gpulib.lifecycle import open_store, reconcile, restore
 from gpulib.outcome import Outcome
-from gpulib.runtime import discover_host
 from gpulib.validate import check_vm_name
 
 

@@ -10,6 +10,7 @@ import click
 from gpulib import report
 from gpulib.cli.common import Env, emit_json, json_option
 from gpulib.errors import GpulibError
+from gpulib.hostview import discover_host
 from gpulib.lifecycle import boot_clock, open_store
 from gpulib.liveness import (
     ABANDONED_ARRIVAL,
@@ -21,7 +22,6 @@ from gpulib.liveness import (
     run_over,
 )
 from gpulib.records import UNRECOVERED_KEY
-from gpulib.runtime import discover_host
 from gpulib.state import Allocation, State, StateStore
 
 # The version of `gpulib status --json`'s document: raised when a key changes

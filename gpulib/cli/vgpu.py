@@ -103,7 +103,7 @@ def _vendor_vf_types(env: Env, only: Optional[PciAddress]) -> list[dict[str, obj
     with `--parent VF` that VF's own types; the numbers NVIDIA's tool's (as
     `gpulib discover` reports them; null without)."""
     from gpulib import nvidiasmi
-    from gpulib.runtime import discover_host
+    from gpulib.hostview import discover_host
 
     sysfs = env.ctx.sysfs
     one_vf = only if only is not None and physical_function(sysfs, only) is not None else None

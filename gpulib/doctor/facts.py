@@ -30,9 +30,9 @@ from gpulib.doctor.core import (
     Result,
     host_path,
 )
+from gpulib.hostview import discover_host
 from gpulib.nvidia import NVIDIA_VENDOR
 from gpulib.pci import BRIDGE_BASE_CLASS, PciAddress, PciFunction
-from gpulib.runtime import discover_host
 from gpulib.state import CorruptStateError, State, StateVersionError
 from gpulib.sysfs import DOCUMENT_MAX, ReadFailure, read_file
 from gpulib.validate import decimal

@@ -59,6 +59,7 @@ from gpulib.domain import (
     VgpuRequest,
     derive_uuid,
 )
+from gpulib.domstatus import DomainDevices
 from gpulib.errors import DeviceError, GpulibError
 from gpulib.hostfacts import HostReader
 from gpulib.journal import Journal, settle
@@ -81,7 +82,6 @@ from gpulib.plan import (
 )
 from gpulib.records import pool_of
 from gpulib.state import Device, State
-from gpulib.usage import DomainDevices
 from gpulib.validate import check_vm_name
 
 if TYPE_CHECKING:
@@ -186,12 +186,12 @@ class Preparer:
             if fills and pooled and request.vgpus and not request.passthrough:
                 # Pools usually serve a request: their GPUs are then all it needs to
                 # read (whether they suffice is decided under the lock).
+                from gpulib.hostview import pool_inventory
                 from gpulib.occupancy import Tree
-                from gpulib.runtime import pool_inventory
 
                 self._light = pool_inventory(self.ctx, early, Occupancy(Tree(self.sysfs)))
             else:
-                from gpulib.runtime import discover_host
+                from gpulib.hostview import discover_host
 
                 self._host = discover_host(self.ctx, self.config, state=early, learn=False)
 
@@ -389,7 +389,7 @@ class Preparer:
         # the common path of a VM that names its devices.
         if self._host is not None:
             return self._host  # read before the lock; the allocator asks `occ`
-        from gpulib.runtime import discover_host
+        from gpulib.hostview import discover_host
 
         return discover_host(self.ctx, self.config, state=state, learn=False, occupancy=occ)
 
@@ -402,7 +402,7 @@ class Preparer:
         if request.passthrough or not request.vgpus:
             return None
         if inventory is None:
-            from gpulib.runtime import pool_inventory
+            from gpulib.hostview import pool_inventory
 
             inventory = pool_inventory(self.ctx, state, occ)
         allocator = Allocator(self.sysfs, state, inventory, occupancy=occ)

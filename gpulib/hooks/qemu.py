@@ -160,8 +160,8 @@ def _reconnect(vm_arg: str) -> None:
         if not may_concern_gpulib(xml):
             # No GPU now, but the name may still hold the allocation of another
             # domain (redefined while libvirtd was down): replaced, GPU or not.
+            from gpulib.domstatus import status_uuid
             from gpulib.hooks.vmstate import replace_other_domain
-            from gpulib.usage import status_uuid
             from gpulib.validate import check_vm_name
 
             uuid = status_uuid(xml.encode("utf-8", "surrogateescape"))

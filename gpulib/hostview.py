@@ -49,7 +49,7 @@ def discover_host(ctx: Context, config: Optional[Config] = None,
     running domains when not given, so every caller asks the same model.
 
     `keep_domains`: leave what was parsed of the running domains' status files
-    in their cross-process cache (`gpulib.usage`), for the reports run again
+    in their cross-process cache (`gpulib.domstatus`), for the reports run again
     and again (the agent's discovery, the metrics timer): on a host where no
     hook has run since boot, each would otherwise parse every status file
     again, importing lxml to do it."""
