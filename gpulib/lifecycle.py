@@ -78,9 +78,10 @@ def rebuild_state(ctx: Context, previous: Optional[State] = None,
     membership included, is taken from it. Then the host adds what it can
     tell: live vGPUs that mdevctl defines, NVIDIA VF types, and the devices
     of running VMs (an active allocation for a VM the copy does not know, or
-    knows as another domain). Without a copy, pool membership is re-learned
-    from gpulib.conf (persistent vGPUs of a pool's type on its parents, up to
-    its target), so `pool apply` does not make a second set.
+    knows as another domain). Without a copy, every mdevctl definition is
+    recorded (live or not), and pool membership is re-learned from gpulib.conf
+    (persistent vGPUs of a pool's type or profile on its parents, up to its
+    target), so `pool apply` does not make a second set.
     """
     from gpulib import mdev, mdevctl, nvidia
 
@@ -99,6 +100,14 @@ def rebuild_state(ctx: Context, previous: Optional[State] = None,
         if known is not None and uuid not in state.vgpus and \
                 (known.parent, known.type_id) == (str(m.parent), m.type_id):
             state.vgpus[uuid] = VgpuRecord(known.parent, known.type_id)
+    if previous is None:
+        # Without a copy, mdevctl's definitions are the record of what is kept
+        # (gpulib defines every vGPU it keeps): one not live now (after a
+        # reboot, before the boot unit ran) is recorded too, so the report
+        # keeps listing it and the pools below take their members back.
+        for uuid, known in defs.items():
+            if uuid not in state.vgpus and uuid not in live:
+                state.vgpus[uuid] = VgpuRecord(known.parent, known.type_id)
     for address in list_addresses(sysfs):
         if str(address) not in state.vf_types and nvidia.is_vendor_vf(sysfs, address):
             current = nvidia.current_type(sysfs, address) or 0

@@ -335,6 +335,37 @@ def test_a_damaged_state_and_copy_relearn_pools_from_the_configuration(
         "no second set of pool members"
 
 
+def test_state_and_copy_lost_after_a_reboot_keep_the_report_whole(host: FakeHost) -> None:
+    """A host gpulib ran on (the boot unit defined its pool vGPUs for mdevctl)
+    reboots, and both state.json and its copy are lost before the boot unit
+    runs: the rebuild from the host takes the kept vGPUs back from mdevctl's
+    definitions (not live now) and their pool from gpulib.conf, so the
+    CloudStack report lists every one (the management server would mark a
+    missing one Error) and pool apply makes no second set."""
+    def report(root: str) -> dict[str, Any]:
+        res = cli(root, "discover", "--format", "cloudstack")
+        assert res.returncode == 0, res.stderr
+        doc: dict[str, Any] = json.loads(res.stdout)
+        return doc
+
+    assert cli(host.root, "restore").returncode == 0
+    pool = sorted(u for u, r in state_of(host.root)["vgpus"].items() if r["pool"])
+    assert len(pool) == 2
+    host = reboot(host, build_demo)
+    host.write_file(BOOT_ID, "boot-2\n", 0o444)
+    root = host.root
+    uuids = {v["mdev_uuid"] for g in report(root)["gpus"] for v in g["vgpu_instances"]}
+    assert set(pool) <= uuids
+    Path(root, STATE).write_bytes(b"garbage")
+    Path(root, STATE + ".bak").write_bytes(b"garbage")
+    res = cli(root, "status", "--json")
+    assert res.returncode == 0 and "rebuilt" in res.stderr
+    assert {v["mdev_uuid"] for g in report(root)["gpus"] for v in g["vgpu_instances"]} == uuids
+    assert sorted(u for u, r in state_of(root)["vgpus"].items() if r["pool"]) == pool
+    assert cli(root, "pool", "apply").returncode == 0
+    assert sorted(u for u, r in state_of(root)["vgpus"].items() if r["pool"]) == pool
+
+
 # -- 7. unmanaged is hands-off, not blind ----------------------------------------------------------
 
 def test_unmanage_is_refused_while_a_vm_holds_part_of_the_gpu(host: FakeHost) -> None:
