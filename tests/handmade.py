@@ -21,6 +21,10 @@ def _ln(target: str, link: str) -> None:
     os.symlink(os.path.relpath(target, os.path.dirname(link)), link)
 
 
+# The primitives, for other hand-laid trees.
+write, link = _w, _ln
+
+
 def fn(root: str, chain: list[str], vendor: str, device: str, klass: str, driver: str | None,
        group: int, numa: str = "0") -> str:
     """A function at sys/devices/pci<dom:bus>/<chain...>."""

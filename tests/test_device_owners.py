@@ -18,6 +18,7 @@ from gpulib import doctor
 from gpulib.context import Context
 from gpulib.ownership import ADMIN, POOL, host_endpoints
 from gpulib.pci import PciAddress
+from tests import handmade
 from tests.hookrun import BIN, QEMU_HOOK, as_agent, mdev_xml, run
 from tests.hosts import a10_host, t4_host, tree_contents
 from tests.test_ownership import pci_xml
@@ -57,15 +58,8 @@ def _one_line_error(proc: Any) -> str:
 # -- a host laid out by hand --------------------------------------------------------------
 
 
-def _w(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as fh:
-        fh.write(text)
-
-
-def _ln(target: str, link: str) -> None:
-    os.makedirs(os.path.dirname(link), exist_ok=True)
-    os.symlink(os.path.relpath(target, os.path.dirname(link)), link)
+# The two primitives of a tree written with plain os calls (tests.handmade's).
+_w, _ln = handmade.write, handmade.link
 
 
 def _function(root: str, port: str, bdf: str, vendor: int, device: int, klass: int,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import build_demo
 from tests.conftest import DATA
 from tests.hookrun import BIN, STATE_CHANGE, as_agent, hook_env
@@ -28,7 +29,9 @@ def status(root: str) -> dict:  # type: ignore[type-arg]
     return json.loads(r.stdout)  # type: ignore[no-any-return]
 
 
-def test_a_cloudstack_start_and_stop_as_the_demo_runs_them(tmp_path: Path) -> None:
+def transformed(tmp_path: Path) -> tuple[FakeHost, str, Path]:
+    """The demo host after the agent's transformer ran for its vGPU VM: the host,
+    the VM's name and the XML the transformer returned (in a file)."""
     host = build_demo(str(tmp_path / "demo"))
     xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
     vm = xml.split("<name>", 1)[1].split("<", 1)[0]
@@ -36,6 +39,12 @@ def test_a_cloudstack_start_and_stop_as_the_demo_runs_them(tmp_path: Path) -> No
     assert res.returncode == 0, res.stdout
     out = tmp_path / "out.xml"
     out.write_bytes(res.stdout)
+    return host, vm, out
+
+
+def test_a_cloudstack_start_and_stop_as_the_demo_runs_them(tmp_path: Path) -> None:
+    host, vm, out = transformed(tmp_path)
+    xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
     pending = status(host.root)["allocations"][vm]
     assert (pending["status"], pending["run"]["state"]) == ("pending", "starting")
 
@@ -74,13 +83,7 @@ def test_bad_arguments_are_one_line(tmp_path: Path) -> None:
 def test_status_says_a_stop_that_did_not_complete_is_over(tmp_path: Path) -> None:
     """The VM stopped and its onStop never came: the allocation is still
     active in the file, and status says what the hooks will do with it."""
-    host = build_demo(str(tmp_path / "demo"))
-    xml = (DATA / "cloudstack-xml" / "vgpu-mdev.xml").read_text()
-    vm = xml.split("<name>", 1)[1].split("<", 1)[0]
-    res = as_agent(host.root, xml)
-    assert res.returncode == 0, res.stdout
-    out = tmp_path / "out.xml"
-    out.write_bytes(res.stdout)
+    host, vm, out = transformed(tmp_path)
     assert sim("launch", host.root, str(out)).returncode == 0
     subprocess.run([STATE_CHANGE, "onStart", vm], env=hook_env(host.root), check=True,
                    timeout=60)
