@@ -259,10 +259,16 @@ def test_metrics_agree_with_discovery(built: dict[str, str], name: str) -> None:
         assert value(series, "gpulib_nvidia_vfs_held", pci_bus_id=gpu) == \
             sum(1 for vf in vendor if vf["used_by"])
         free = matching(series, "gpulib_nvidia_vf_type_creatable_vfs", pci_bus_id=gpu)
+        runs = {str(t["type_id"]): t["max_instances"] for t in g["nvidia_types"]
+                if t["max_instances"]}
         for ls, n in free.items():
             tid = dict(ls)["type"]
-            assert n == sum(1 for vf in vendor if not vf["nvidia"]["current_type"]
-                            and tid in vf["nvidia"]["creatable"])
+            # Idle VFs that could take the type, never more than the GPU runs
+            # of it less those it has.
+            idle = sum(1 for vf in vendor if not vf["nvidia"]["current_type"]
+                       and tid in vf["nvidia"]["creatable"])
+            has = sum(1 for vf in vendor if str(vf["nvidia"]["current_type"]) == tid)
+            assert n == (min(idle, max(0, runs[tid] - has)) if tid in runs else idle), tid
         # Typed and held VFs per type where a VF has the type (absent: 0).
         typed = {dict(ls)["type"]: v for ls, v in
                  matching(series, "gpulib_nvidia_vf_type_typed_vfs", pci_bus_id=gpu).items()}
