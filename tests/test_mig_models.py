@@ -195,3 +195,22 @@ def test_max_instances_per_gi_is_read_from_the_tool() -> None:
     three = types[0x60A]._replace(per_gi=3)
     assert nvidiasmi.TypeNumbers.from_json(three.as_json()) == three
     assert "per_gi" not in types[0x60A].as_json()
+
+
+def test_the_h200_answers_lgip_as_a_public_capture(tmp_path: Path) -> None:
+    """An H200 141GB's `nvidia-smi mig -lgip` rows, as a public capture prints
+    them (id, total, GiB, SMs, DEC, ENC, CE, JPEG, OFA): the simulated tool
+    answers the same from the table."""
+    host = build_mig(str(tmp_path / "h200"), model="h200")
+    res = subprocess.run([host.p("usr/bin/nvidia-smi"), "mig", "-lgip"], capture_output=True,
+                         text=True, env=hook_env(host.root), timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [rows] = mig.parse_profiles(res.stdout).values()  # the one GPU in MIG mode
+    got = {p.name: (p.id, p.total, p.memory_gib, p.sm, p.dec, p.enc, p.ce, p.jpeg, p.ofa)
+           for p in rows.values()}
+    assert got == {
+        "MIG 1g.18gb": (19, 7, "16.00", 16, 1, 0, 1, 1, 0),
+        "MIG 1g.18gb+me": (20, 1, "16.00", 16, 1, 0, 1, 1, 1),
+        "MIG 2g.35gb": (14, 3, "32.50", 32, 2, 0, 2, 2, 0),
+        "MIG 7g.141gb": (0, 1, "140.00", 132, 7, 0, 8, 7, 1),
+    }

@@ -20,8 +20,8 @@
   types), NVIDIA's tool answering MIG's questions, and a declared pool of two
   `NVIDIA H100-1-10C` vGPUs that `gpulib pool apply` makes (GPU instances,
   then VF types). `build_mig(root, model=...)` puts another MIG-capable GPU
-  of `data/mig_models.json` in its place (A100 40GB and 80GB, A30, H100 NVL, RTX PRO
-  6000 Blackwell Server Edition), with that model's profiles and MIG-backed
+  of `data/mig_models.json` in its place (A100 40GB and 80GB, A30, H100 NVL, H200 NVL,
+  RTX PRO 6000 Blackwell Server Edition), with that model's profiles and MIG-backed
   types and a pool of two of its first type.
 """
 
