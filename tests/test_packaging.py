@@ -595,9 +595,9 @@ def test_packaging_check() -> None:
     if reason:
         pytest.skip(f"scripts/packaging-check: {reason}")
     cache_before = _man_cache()
-    # About 7 minutes on a busy two-core machine, 9 when it is very busy: it
-    # builds four releases (three old ones in the background) and upgrades
-    # from three while the hooks run in loops.
+    # About 8 minutes on a busy two-core machine, 10 when it is very busy: it
+    # builds five releases (four old ones in the background), upgrades from
+    # three and downgrades to two while the hooks run in loops.
     r = subprocess.run([str(CHECK)], capture_output=True, text=True, timeout=1500,
                        stdin=subprocess.DEVNULL)
     out = r.stdout + r.stderr
