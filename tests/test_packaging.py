@@ -74,12 +74,20 @@ def test_every_data_file_is_in_a_declared_package(monkeypatch: pytest.MonkeyPatc
         shipped = [f for f in files if not f.endswith((".py", ".pyc"))]
         if not shipped:
             continue
-        package = os.path.relpath(directory, REPO).replace(os.sep, ".")
+        # A directory Python cannot import (`nvidia-smi`) holds data of the
+        # package above it, named by their path below that package.
+        parts = os.path.relpath(directory, REPO).split(os.sep)
+        depth = len(parts)
+        while not all(part.isidentifier() for part in parts[:depth]):
+            depth -= 1
+        package = ".".join(parts[:depth])
+        below = "/".join(parts[depth:])
         assert package in packages, f"{package} holds {shipped} but is no declared package"
         for name in shipped:
             found += 1
-            assert any(fnmatch.fnmatch(name, p) for p in data.get(package, [])), \
-                f"{package}/{name} is not declared package data"
+            rel = f"{below}/{name}" if below else name
+            assert any(fnmatch.fnmatch(rel, p) for p in data.get(package, [])), \
+                f"{package}/{rel} is not declared package data"
     assert found  # the models of gpulib.sim at least
 
 
@@ -667,7 +675,7 @@ def test_selinux_rules_cover_what_the_hooks_write() -> None:
     that let libvirt's daemons write it (the hook runs in virtqemud_t under EL9's
     modular daemons, virtd_t under libvirtd): the same rules for both, and a file
     transition for each directory a hook may make anew."""
-    from gpulib import mdevctl, usage
+    from gpulib import domstatus, mdevctl
     from gpulib.context import LOG_DIR, LOG_FAILURES_FILE, STATE_DIR
 
     contexts = []
@@ -685,7 +693,7 @@ def test_selinux_rules_cover_what_the_hooks_write() -> None:
 
     written = {rel: type_of(rel) for rel in (
         STATE_DIR, STATE_DIR + "/state.json", LOG_DIR, LOG_DIR + "/gpulib.log",
-        os.path.dirname(usage.CACHE_FILE), usage.CACHE_FILE, LOG_FAILURES_FILE,
+        os.path.dirname(domstatus.CACHE_FILE), domstatus.CACHE_FILE, LOG_FAILURES_FILE,
         mdevctl.MDEVCTL_DIR, mdevctl.MDEVCTL_DIR + "/0000:3b:00.0/uuid")}
     te = (SELINUX / "gpulib.te").read_text(encoding="utf-8")
     blocks = _policy_blocks(te)
@@ -698,7 +706,7 @@ def test_selinux_rules_cover_what_the_hooks_write() -> None:
                 assert f"manage_{kind}_pattern({domain}, {selinux_type}, {selinux_type})" \
                     in rules, (domain, rel, selinux_type)
         # each directory a hook may make: a file transition gives it gpulib's type
-        for rel in (STATE_DIR, LOG_DIR, os.path.dirname(usage.CACHE_FILE), mdevctl.MDEVCTL_DIR):
+        for rel in (STATE_DIR, LOG_DIR, os.path.dirname(domstatus.CACHE_FILE), mdevctl.MDEVCTL_DIR):
             name = os.path.basename(rel)
             assert re.search(rf'filetrans\w*\({domain}, (\w+, )?{written[rel]}, dir, "{name}"\)',
                              rules), (domain, rel)
