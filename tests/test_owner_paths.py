@@ -495,6 +495,11 @@ def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
         if kind == "pci":
             return None
         return "kept" if expected("transformer", kind, ident, owner) else "other"
+    if path == "reconnect":
+        # it records what the VM runs with; the administrator's, a pool's and
+        # another run's outlive its stop: only a run's that is over was
+        # gpulib's on-demand vGPU, now this VM's
+        return None if kind == "pci" else (True, ident not in LEFT_OVER)
     if path in ("onStop", "release end", "onStart", "started"):
         # another VM's stop keeps every run's hold; a run that is over is released
         return owner == RUN and ident in HELD
@@ -508,7 +513,8 @@ EXEC_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "release end": other_release_keeps, "own late release": own_late_release_keeps,
     "status": status_says, "doctor": doctor_leaves,
     "migrate check": lambda *a: migrate_check_keeps(*a),
-    "migrate begin": lambda *a: migrate_begin_keeps(*a)}
+    "migrate begin": lambda *a: migrate_begin_keeps(*a),
+    "reconnect": lambda *a: reconnect_records(*a)}
 
 
 def walk_executables(root: str, made: dict[str, str], tmp: Path,
@@ -782,3 +788,25 @@ def migrate_begin_keeps(root: str, tmp: Path, kind: str, ident: str) -> Any:
         return None
     held = {d["id"] for d in _state(copy)["allocations"][MIG_VM]["devices"]}
     return "kept" if ident in held else "other"
+
+
+# -- `reconnect begin`: a VM that runs with the device, re-learned after libvirtd restarts ---
+
+
+def reconnect_records(root: str, tmp: Path, kind: str, ident: str) -> Any:
+    """(the VM is recorded holding it, it outlives the VM's stop): a running VM
+    is re-learned with what its status file names; only gpulib's on-demand
+    vGPUs that no other run holds go with it."""
+    if kind == "pci":
+        return None
+    copy = _copy(root, tmp)
+    host = FakeHost(copy)
+    host.add_running_domain(MIG_VM, MIG_UUID, mdevs=(ident,), pid=5000, domain_id=9)
+    res = run([QEMU_HOOK, MIG_VM, "reconnect", "begin", "-"], copy,
+              stdin=mdev_xml(MIG_VM, MIG_UUID, ident).encode())
+    assert res.returncode == 0, res.stderr
+    alloc = _state(copy)["allocations"].get(MIG_VM)
+    recorded = alloc is not None and any(d["id"] == ident for d in alloc["devices"])
+    host.stop_domain(MIG_VM)
+    assert run([STATE_CHANGE, "onStop", MIG_VM], copy).returncode == 0
+    return recorded, _live(copy, ident)
