@@ -495,6 +495,11 @@ def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
         if kind == "pci":
             return None
         return "kept" if expected("transformer", kind, ident, owner) else "other"
+    if path == "own onStop":
+        # onStop releases what is not pending: a pending start or arrival is
+        # a newer run's (one past its grace too: the VM's own hook never
+        # sweeps it, another VM's hook does); an earlier boot's is released
+        return ident in RUNS and RUNS[ident][1] == "pending"
     if path == "reconnect":
         # it records what the VM runs with; the administrator's, a pool's and
         # another run's outlive its stop: only a run's that is over was
@@ -514,7 +519,8 @@ EXEC_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "status": status_says, "doctor": doctor_leaves,
     "migrate check": lambda *a: migrate_check_keeps(*a),
     "migrate begin": lambda *a: migrate_begin_keeps(*a),
-    "reconnect": lambda *a: reconnect_records(*a)}
+    "reconnect": lambda *a: reconnect_records(*a),
+    "own onStop": lambda *a: own_onstop_keeps(*a)}
 
 
 def walk_executables(root: str, made: dict[str, str], tmp: Path,
@@ -567,6 +573,7 @@ for i in range(len(names) - 1, 0, -1):
     ("status", "gpulib.occupancy.Occupancy.hands_off", "None"),
     ("migrate check", "gpulib.migration._left_over", "frozenset()"),
     ("migrate begin", "gpulib.migration.Planner._taken", "None"),
+    ("own onStop", "gpulib.hooks.vmstate._stop_ends", "True"),
 ])
 def test_an_executable_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]],
                                                        tmp_path: Path,
@@ -810,3 +817,12 @@ def reconnect_records(root: str, tmp: Path, kind: str, ident: str) -> Any:
     host.stop_domain(MIG_VM)
     assert run([STATE_CHANGE, "onStop", MIG_VM], copy).returncode == 0
     return recorded, _live(copy, ident)
+
+
+def own_onstop_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After the holder's own onStop (the CloudStack agent's) the run still holds it."""
+    if ident not in RUNS:
+        return False
+    copy = _copy(root, tmp)
+    res = run([STATE_CHANGE, "onStop", RUNS[ident][0]], copy)
+    return res.returncode == 0 and ident in _held(copy)
