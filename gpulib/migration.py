@@ -73,7 +73,7 @@ from gpulib.errors import DeviceError, GpulibError, NotAvailableError
 from gpulib.journal import Journal, settle
 from gpulib.lifecycle import boot_clock, open_store, release_stale
 from gpulib.liveness import Liveness, running_domains
-from gpulib.occupancy import Occupancy, refusal
+from gpulib.occupancy import Occupancy, node_id, refusal
 from gpulib.pci import PCI_DEVICES, PciAddress, PciFunction, has_gpu_class
 from gpulib.profiles import pick
 from gpulib.state import Device, State
@@ -274,11 +274,13 @@ class Planner:
 
     def __init__(self, sysfs: Sysfs, state: State, occ: Occupancy,
                  allocator: Callable[[], Allocator], vm: str, domain_uuid: str,
-                 own: list[Device]) -> None:
+                 own: list[Device], left_over: frozenset[str] = frozenset()) -> None:
         """`allocator`: makes the allocator when a vGPU needs one (it reads the
         whole host: not when every vGPU keeps its device). `own`: what this VM
         already holds here (an earlier attempt's allocation, the changes a killed
-        attempt left): kept when it serves."""
+        attempt left): kept when it serves. `left_over`: on-demand devices of
+        runs that are over, which the arrival's cleanup destroys before it
+        chooses (`check` foresees it: it destroys nothing)."""
         self.sysfs = sysfs
         self.state = state
         self.occ = occ
@@ -287,6 +289,7 @@ class Planner:
         self.vm = vm
         self.domain_uuid = domain_uuid
         self.own = own
+        self.left_over = left_over
         self.chosen: set[str] = set()
         # The devices kept so far and what makes each ready (None: nothing).
         self._kept: list[tuple[str, Optional[AllocationAction]]] = []
@@ -305,6 +308,8 @@ class Planner:
         """Why `ident` cannot be this VM's, whatever it is (None: it can)."""
         if ident in self.chosen:
             return "given to another of its vGPUs"
+        if ident in self.left_over:
+            return "left by a run that is over: the arrival's cleanup destroys it"
         hands_off = self.occ.hands_off(ident)
         if hands_off is not None:
             return hands_off.reason
@@ -650,6 +655,16 @@ class Answer(NamedTuple):
         return out
 
 
+def _left_over(config: Config, state: State, occ: Occupancy) -> frozenset[str]:
+    """The on-demand devices no run holds, which an arrival's cleanup
+    (`release_stale`) destroys before it chooses: not there for it to keep."""
+    if not config.get_bool("release", "destroy_on_demand"):
+        return frozenset()
+    recorded = [(node_id("mdev", u), r.on_demand) for u, r in state.vgpus.items()]
+    recorded += [(node_id("vf", a), r.on_demand) for a, r in state.vf_types.items()]
+    return frozenset(n for n, on_demand in recorded if on_demand and not occ.is_held(n))
+
+
 def check(ctx: Context, config: Config, dom: Domain) -> Answer:
     """Whether `dom` (as its source's libvirt would send it) could arrive here now,
     and which device each vGPU would get; nothing is written."""
@@ -673,7 +688,7 @@ def check(ctx: Context, config: Config, dom: Domain) -> Answer:
             return allocator
 
         planner = Planner(sysfs, state, occ, dry_allocator, vm, domain_uuid,
-                          _own(state, vm, domain_uuid))
+                          _own(state, vm, domain_uuid), _left_over(config, state, occ))
         for need in wanted:
             choices.append(planner.choose(need))
     except DeviceError as exc:

@@ -33,7 +33,8 @@ from gpulib.occupancy import Occupancy
 from gpulib.ownership import ADMIN, HOST, NOBODY, POOL, RUN
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, models
-from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, mdev_xml, run
+from gpulib.xmlns import GPULIB_NS
+from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, mdev_xml, pci_hostdev, run
 from tests.hosts import a10_host, empty_host
 from tests.test_ownership import pci_xml
 
@@ -488,6 +489,22 @@ def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
         # start of this boot libvirt has not prepared is a newer run's, dead
         # or not (the next hook's sweep ends a dead one)
         return ident in (U_PENDING, U_DEAD)
+    if path in ("migrate check", "migrate begin"):
+        # a whole GPU cannot migrate; a vGPU keeps the device its hostdev names
+        # when the start would be given it, else it is given an equivalent
+        if kind == "pci":
+            return None
+        return "kept" if expected("transformer", kind, ident, owner) else "other"
+    if path == "own onStop":
+        # onStop releases what is not pending: a pending start or arrival is
+        # a newer run's (one past its grace too: the VM's own hook never
+        # sweeps it, another VM's hook does); an earlier boot's is released
+        return ident in RUNS and RUNS[ident][1] == "pending"
+    if path == "reconnect":
+        # it records what the VM runs with; the administrator's, a pool's and
+        # another run's outlive its stop: only a run's that is over was
+        # gpulib's on-demand vGPU, now this VM's
+        return None if kind == "pci" else (True, ident not in LEFT_OVER)
     if path in ("onStop", "release end", "onStart", "started"):
         # another VM's stop keeps every run's hold; a run that is over is released
         return owner == RUN and ident in HELD
@@ -499,7 +516,11 @@ EXEC_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "reconcile": reconcile_keeps, "restore": restore_keeps, "onStart": other_onstart_keeps,
     "onStop": other_onstop_keeps, "started": other_started_keeps,
     "release end": other_release_keeps, "own late release": own_late_release_keeps,
-    "status": status_says, "doctor": doctor_leaves}
+    "status": status_says, "doctor": doctor_leaves,
+    "migrate check": lambda *a: migrate_check_keeps(*a),
+    "migrate begin": lambda *a: migrate_begin_keeps(*a),
+    "reconnect": lambda *a: reconnect_records(*a),
+    "own onStop": lambda *a: own_onstop_keeps(*a)}
 
 
 def walk_executables(root: str, made: dict[str, str], tmp: Path,
@@ -550,6 +571,9 @@ for i in range(len(names) - 1, 0, -1):
     ("reconcile", "gpulib.liveness.run_over", "'expired'"),
     ("own late release", "gpulib.hooks.vmstate._stop_ends", "True"),
     ("status", "gpulib.occupancy.Occupancy.hands_off", "None"),
+    ("migrate check", "gpulib.migration._left_over", "frozenset()"),
+    ("migrate begin", "gpulib.migration.Planner._taken", "None"),
+    ("own onStop", "gpulib.hooks.vmstate._stop_ends", "True"),
 ])
 def test_an_executable_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]],
                                                        tmp_path: Path,
@@ -671,6 +695,9 @@ def expected_vf(path: str, kind: str, vf: str, owner: str) -> Any:
         return owner in (POOL, NOBODY)  # may_give
     if path == "doctor":
         return True
+    if path in ("migrate check", "migrate begin"):
+        # kept when typed and offered or free to type, else an equivalent
+        return "kept" if owner == NOBODY or expected_vf("report", kind, vf, owner) else "other"
     raise AssertionError(path)
 
 
@@ -678,7 +705,9 @@ VF_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "owner": vf_owner_says, "report": vf_report_offers, "vf set-type": vf_set_type_types,
     "vf clear": vf_clear_clears, "pool apply": vf_pool_takes, "doctor": doctor_leaves,
     "transformer": lambda root, tmp, kind, vf: transformer_records(root, tmp, "pci", vf),
-    "qemu prepare": lambda root, tmp, kind, vf: qemu_prepare_records(root, tmp, "pci", vf)}
+    "qemu prepare": lambda root, tmp, kind, vf: qemu_prepare_records(root, tmp, "pci", vf),
+    "migrate check": lambda *a: migrate_check_keeps(*a),
+    "migrate begin": lambda *a: migrate_begin_keeps(*a)}
 
 
 def walk_vfs(root: str, tmp: Path, only: tuple[str, ...] = tuple(VF_PATHS)) -> list[str]:
@@ -701,6 +730,8 @@ def test_every_path_gives_the_one_answer_for_vfs(vf_built: str, tmp_path: Path) 
     ("vf clear", "gpulib.cli.vgpu._refuse_hands_off", "None"),
     ("pool apply", "gpulib.occupancy.Occupancy.owner",
      "__import__('gpulib.ownership').ownership.NOBODYS"),
+    ("migrate check", "gpulib.occupancy.Occupancy.hands_off", "None"),
+    ("migrate begin", "gpulib.migration.Planner._taken", "None"),
 ])
 def test_a_vf_path_that_skips_the_answer_is_caught(vf_built: str, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
@@ -714,3 +745,84 @@ def test_a_vf_path_that_skips_the_answer_is_caught(vf_built: str, tmp_path: Path
     cases.mkdir()
     wrong = walk_vfs(vf_built, cases, only=(path,))
     assert any(w.startswith(f"{path}:") for w in wrong), wrong
+
+
+# -- a live migration's destination: `gpulib migrate check` and `migrate begin` of
+# an incoming VM whose hostdev names each device, with gpulib's record of its type ---------
+
+MIG_VM, MIG_UUID = "i-9-9-VM", "9e9a2c51-3d4f-4b6a-9c0e-1f2a3b4c5d6e"
+T4_ID = "10de:1eb8"
+A10_4Q_ID = 593
+
+
+def incoming_xml(kind: str, ident: str) -> str:
+    """The live XML of a VM arriving with a vGPU the hostdev names as `ident`
+    (a GPU: given whole, no record)."""
+    if kind == "mdev":
+        dev = (f"<hostdev mode='subsystem' type='mdev' model='vfio-pci'><source>"
+               f"<address uuid='{ident}'/></source></hostdev>")
+        rec = f"<gpulib:device kind='mdev' id='{ident}' type='nvidia-222' gpu='{T4_ID}'/>"
+    else:
+        dev = pci_hostdev(ident)
+        rec = "" if kind == "pci" else (f"<gpulib:device kind='vf' id='{ident}' "
+                                        f"type='{A10_4Q_ID}' name='{A10_4Q}' gpu='10de:2236'/>")
+    meta = f"<metadata><gpulib:gpus xmlns:gpulib='{GPULIB_NS}'>{rec}</gpulib:gpus></metadata>"
+    return (f"<domain type='kvm'><name>{MIG_VM}</name><uuid>{MIG_UUID}</uuid>{meta}"
+            f"<devices>{dev}</devices></domain>")
+
+
+def migrate_check_keeps(root: str, tmp: Path, kind: str, ident: str) -> Any:
+    """`gpulib migrate check`: the arrival keeps the device its hostdev names
+    ('kept', 'readied'), is given another ('other') or is refused (None)."""
+    copy = _once("migrate check", root, tmp, ["true"])
+    res = run([GPULIB, "migrate", "check", "-", "--json"], copy,
+              stdin=incoming_xml(kind, ident).encode())
+    doc = json.loads(res.stdout)
+    assert (res.returncode == 0) == bool(doc["ok"]), (res.stdout, res.stderr)
+    if not doc["ok"]:
+        return None
+    (dev,) = doc["devices"]
+    return "kept" if dev["target"] == ident else "other"
+
+
+def migrate_begin_keeps(root: str, tmp: Path, kind: str, ident: str) -> Any:
+    """`migrate begin`: the arrival holds the device its hostdev names ('kept'),
+    another ('other') or nothing (refused: None)."""
+    copy = _copy(root, tmp)
+    res = run([QEMU_HOOK, MIG_VM, "migrate", "begin", "-"], copy,
+              stdin=incoming_xml(kind, ident).encode())
+    if res.returncode != 0:
+        return None
+    held = {d["id"] for d in _state(copy)["allocations"][MIG_VM]["devices"]}
+    return "kept" if ident in held else "other"
+
+
+# -- `reconnect begin`: a VM that runs with the device, re-learned after libvirtd restarts ---
+
+
+def reconnect_records(root: str, tmp: Path, kind: str, ident: str) -> Any:
+    """(the VM is recorded holding it, it outlives the VM's stop): a running VM
+    is re-learned with what its status file names; only gpulib's on-demand
+    vGPUs that no other run holds go with it."""
+    if kind == "pci":
+        return None
+    copy = _copy(root, tmp)
+    host = FakeHost(copy)
+    host.add_running_domain(MIG_VM, MIG_UUID, mdevs=(ident,), pid=5000, domain_id=9)
+    res = run([QEMU_HOOK, MIG_VM, "reconnect", "begin", "-"], copy,
+              stdin=mdev_xml(MIG_VM, MIG_UUID, ident).encode())
+    assert res.returncode == 0, res.stderr
+    alloc = _state(copy)["allocations"].get(MIG_VM)
+    recorded = alloc is not None and any(d["id"] == ident for d in alloc["devices"])
+    host.stop_domain(MIG_VM)
+    assert run([STATE_CHANGE, "onStop", MIG_VM], copy).returncode == 0
+    return recorded, _live(copy, ident)
+
+
+def own_onstop_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
+    """After the holder's own onStop (the CloudStack agent's) the run still holds it."""
+    if ident not in RUNS:
+        return False
+    copy = _copy(root, tmp)
+    res = run([STATE_CHANGE, "onStop", RUNS[ident][0]], copy)
+    return res.returncode == 0 and ident in _held(copy)
