@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +35,7 @@ from gpulib.ownership import ADMIN, HOST, NOBODY, POOL, RUN
 from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import add_model, models
 from gpulib.xmlns import GPULIB_NS
-from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, mdev_xml, pci_hostdev, run
+from tests.hookrun import BIN, QEMU_HOOK, STATE_CHANGE, hook_env, mdev_xml, pci_hostdev, run
 from tests.hosts import a10_host, empty_host
 from tests.test_ownership import pci_xml
 
@@ -826,3 +827,59 @@ def own_onstop_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:
     copy = _copy(root, tmp)
     res = run([STATE_CHANGE, "onStop", RUNS[ident][0]], copy)
     return res.returncode == 0 and ident in _held(copy)
+
+
+# -- attach and detach (plain libvirt): whole GPUs of every owner ---------------------------
+
+# Whole GPUs and whose each is: the console and a GPU beside a NIC the host uses
+# (the host's), an unmanaged GPU (the administrator's), a GPU carrying vGPUs
+# (its vGPUs' owners', never given whole) and a free one (nobody's).
+WHOLE = [(IGPU, HOST), (SHARED, HOST), (UNMANAGED, ADMIN), (MANAGED, RUN), (FREE, NOBODY)]
+
+
+def attach_gives(root: str, tmp: Path, address: str) -> bool:
+    """`gpulib attach test --gpu ADDR --dry-run` on libvirt's test driver (which
+    virsh serves itself) accepts the GPU."""
+    r = run([GPULIB, "attach", "test", "--gpu", address, "--dry-run", "-c", "test:///default"],
+            _copy(root, tmp))
+    return r.returncode == 0
+
+
+def whole_offered(root: str, address: str) -> bool:
+    """The one answer for a whole GPU, as the report gives it: `enabled`."""
+    return report_offers(root, Path("/nonexistent"), "pci", address)
+
+
+@pytest.mark.skipif(shutil.which("virsh") is None, reason="no virsh")
+def test_attach_gives_a_whole_gpu_exactly_when_the_report_offers_it(
+        built: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    root, _ = built
+    refresh(root)
+    wrong = []
+    for address, owner in WHOLE:
+        offered = whole_offered(root, address)
+        assert offered == (owner == NOBODY), (address, owner, offered)
+        got = attach_gives(root, tmp_path, address)
+        if got != offered:
+            wrong.append(f"attach: {address} ({owner}'s) given {got}, offered {offered}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.skipif(shutil.which("virsh") is None, reason="no virsh")
+def test_attach_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]],
+                                                 tmp_path: Path) -> None:
+    """attach asking nobody whether a GPU may go whole (every refusal answered
+    None) gives the console: the walk catches it."""
+    root, _ = built
+    refresh(root)
+    (tmp_path / "bypass").mkdir()
+    (tmp_path / "bypass" / "sitecustomize.py").write_text(
+        "import gpulib.ownership as o\n"
+        "o.whole_gpu_refusal = lambda *a, **k: None\n"
+        "o.host_endpoint_reason = lambda *a, **k: None\n")
+    env_root = _copy(root, tmp_path)
+    r = subprocess.run([GPULIB, "attach", "test", "--gpu", IGPU, "--dry-run", "-c",
+                        "test:///default"], capture_output=True, timeout=60,
+                       env={**hook_env(env_root), "PYTHONPATH": str(tmp_path / "bypass")})
+    assert r.returncode == 0, "the bypass did not take: the walk would not catch a skip"
+    assert not whole_offered(root, IGPU)
