@@ -38,6 +38,7 @@ from gpulib.errors import GpulibError
 from gpulib.nvidiasmi import ToolFailed
 from gpulib.occupancy import Occupancy
 from gpulib.outcome import Outcome
+from gpulib.ownership import GI_BOOT, made_by_gpulib
 from gpulib.pci import PciAddress, physical_function
 from gpulib.profiles import serves
 from gpulib.state import GpuInstanceRecord, Intent, State, VfRecord, placement_of
@@ -53,12 +54,6 @@ if TYPE_CHECKING:
 log = logger.get(__name__)
 
 
-# The boot whose GPU instance ids `gpu_instances` records (state.extra): after
-# a reboot every instance is gone, so one found at a recorded placement before
-# gpulib made it again was made by hand, the administrator's.
-GI_BOOT = "gpu_instances_boot"
-
-
 def _this_boot(sysfs: Sysfs) -> Optional[str]:
     from gpulib.liveness import boot_clock_of
 
@@ -68,15 +63,10 @@ def _this_boot(sysfs: Sysfs) -> Optional[str]:
 def is_ours(marker: Optional[str], rec: GpuInstanceRecord, found: Optional[mig.Instance],
             boot: Optional[str]) -> bool:
     """Whether the instance `found` at `rec`'s placement is the one gpulib made
-    (`ownership.gpu_instance_owner`: a pool's), not one made by hand beside or
-    in place of it (the administrator's: never counted, given or destroyed)."""
-    if found is None:
-        return False
-    if marker is not None and boot is not None and marker != boot:
-        return False
-    if rec.gi is None:
-        return marker is None  # a state from before the marker: as it was
-    return found.id == rec.gi
+    (a pool's, `ownership.made_by_gpulib`, the answer `gpu_instance_owner`
+    gives), not one made by hand beside or in place of it (the
+    administrator's: never counted, given or destroyed)."""
+    return found is not None and made_by_gpulib(marker, rec.gi, found.id, boot)
 
 
 def pool_tag(name: str) -> str:

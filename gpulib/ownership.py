@@ -155,13 +155,37 @@ def vf_owner(rec: Optional[VfRecord], address: str, current_type: Optional[int])
     return NOBODYS
 
 
-def gpu_instance_owner(state: State, gpu: str, profile: int, start: int) -> Owner:
-    """A MIG GPU instance is a pool's when gpulib recorded making it for one,
-    else the administrator's (made by hand, or before gpulib knew it)."""
+# The boot whose GPU instance ids `gpu_instances` records (state.extra): after
+# a reboot every instance is gone, so one found at a recorded placement before
+# gpulib made it again was made by hand, the administrator's.
+GI_BOOT = "gpu_instances_boot"
+
+
+def made_by_gpulib(marker: Optional[str], recorded_gi: Optional[int], found_gi: int,
+                   boot: Optional[str]) -> bool:
+    """Whether the instance found (id `found_gi`) at a recorded placement is the
+    one gpulib made: its id is the recorded one, recorded in this boot
+    (`marker`: the boot of the records' ids; a record from before the marker
+    counts as it was)."""
+    if marker is not None and boot is not None and marker != boot:
+        return False
+    if recorded_gi is None:
+        return marker is None
+    return found_gi == recorded_gi
+
+
+def gpu_instance_owner(state: State, gpu: str, profile: int, start: int,
+                       gi: Optional[int] = None, boot: Optional[str] = None) -> Owner:
+    """A MIG GPU instance is a pool's when gpulib recorded making it for one and
+    the instance there (`gi`, its id now, when known) is the one it made (in
+    this `boot`); else the administrator's (made by hand, beside the pool's or
+    in its place after a reboot, or before gpulib knew it)."""
     for r in state.gpu_instances:
         if r.gpu == gpu and r.profile == profile and r.start == start:
-            return Owner(POOL, f"GPU instance {profile}@{start} of {gpu} is pool {r.pool}'s",
-                         name=r.pool)
+            if gi is None or made_by_gpulib(state.extra.get(GI_BOOT), r.gi, gi, boot):
+                return Owner(POOL, f"GPU instance {profile}@{start} of {gpu} is pool "
+                                   f"{r.pool}'s", name=r.pool)
+            break
     return Owner(ADMIN, f"GPU instance {profile}@{start} of {gpu} was not made by gpulib",
                  name=f"{gpu}/{profile}@{start}")
 

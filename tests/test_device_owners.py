@@ -368,6 +368,7 @@ def test_an_arrival_is_given_nothing_of_an_unmanaged_gpu(tmp_path: Path) -> None
 
 def test_the_rules_kind_by_kind() -> None:
     from gpulib.ownership import (
+        GI_BOOT,
         NOBODY,
         gpu_instance_owner,
         unmanaged_reason,
@@ -396,3 +397,9 @@ def test_the_rules_kind_by_kind() -> None:
     state.gpu_instances.append(GpuInstanceRecord(A10, 19, 5, 1, 3, "mig"))
     assert gpu_instance_owner(state, A10, 19, 5).kind == POOL
     assert gpu_instance_owner(state, A10, 19, 6).kind == ADMIN
+    # ... and only the instance it made: its id, in the boot the ids are of
+    state.extra[GI_BOOT] = "boot-1"
+    assert gpu_instance_owner(state, A10, 19, 5, gi=3, boot="boot-1").kind == POOL
+    assert gpu_instance_owner(state, A10, 19, 5, gi=4, boot="boot-1").kind == ADMIN
+    # after a reboot, one at the recorded placement before gpulib made it again
+    assert gpu_instance_owner(state, A10, 19, 5, gi=3, boot="boot-2").kind == ADMIN
