@@ -883,3 +883,106 @@ def test_attach_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]
                        env={**hook_env(env_root), "PYTHONPATH": str(tmp_path / "bypass")})
     assert r.returncode == 0, "the bypass did not take: the walk would not catch a skip"
     assert not whole_offered(root, IGPU)
+
+
+# -- MIG pools: GPU instances of the pool's and made by hand --------------------------------
+
+
+def _mig_host(tmp: Path) -> FakeHost:
+    """An H100 in MIG mode with a pool of two instances made, and one more made by
+    hand beside them (the administrator's)."""
+    from gpulib.sim.hosts import MIG_GPU, build_mig
+
+    host = build_mig(str(tmp / "mig"))
+    host.write_file("proc/sys/kernel/random/boot_id", "boot-1\n", 0o444)
+    host.write_file("etc/gpulib/gpulib.conf",
+                    f"[pool mig]\nparents = {MIG_GPU}\nprofile = NVIDIA H100-1-10C\ncount = 2\n")
+    made = run([GPULIB, "pool", "apply"], host.root)
+    assert made.returncode == 0, made.stdout + made.stderr
+    hand = run([host.p("usr/bin/nvidia-smi"), "mig", "-i", "0", "-cgi", "19", "-C"],
+               host.root)
+    assert hand.returncode == 0, hand.stderr
+    return host
+
+
+def _instances(root: str) -> set[tuple[int, int, int]]:
+    from gpulib.sim.hosts import MIG_GPU
+    from gpulib.sim.migdriver import MigGpu
+
+    gpu = MigGpu.load(os.path.join(root, "sys/bus/pci/devices", MIG_GPU))
+    assert gpu is not None
+    return {(int(i["profile"]), int(i["start"]), int(i["id"])) for i in gpu.instances()}
+
+
+def _gi_owners(root: str) -> dict[tuple[int, int, int], str]:
+    """Each live GPU instance and whose the one answer says it is."""
+    from gpulib.ownership import gpu_instance_owner
+    from gpulib.sim.hosts import MIG_GPU
+
+    ctx = Context.for_root(root)
+    state = open_store(ctx).load()
+    boot = Path(root, "proc/sys/kernel/random/boot_id").read_text().strip()
+    return {i: gpu_instance_owner(state, MIG_GPU, i[0], i[1], gi=i[2], boot=boot).kind
+            for i in _instances(root)}
+
+
+def mig_walk(root: str, extra_env: dict[str, str]) -> list[str]:
+    """pool apply grown to three and shrunk to none: it makes new instances rather
+    than take the administrator's, and destroys exactly the pool's."""
+    env = {**hook_env(root), **extra_env}
+    owners = _gi_owners(root)
+    wrong = []
+    conf = Path(root, "etc/gpulib/gpulib.conf")
+    conf.write_text(conf.read_text().replace("count = 2", "count = 3"))
+    subprocess.run([GPULIB, "pool", "apply"], env=env, capture_output=True, timeout=120)
+    grown = _instances(root)
+    for i, owner in owners.items():
+        if i not in grown:
+            wrong.append(f"pool apply (grow) destroyed {i} ({owner}'s)")
+    want_new = 3 - sum(1 for owner in owners.values() if owner == POOL)
+    if len(grown - set(owners)) != want_new:
+        wrong.append(f"pool apply (grow) made {len(grown - set(owners))} instance(s), "
+                     f"not {want_new}")
+    conf.write_text(conf.read_text().replace("count = 3", "count = 0"))
+    subprocess.run([GPULIB, "pool", "apply"], env=env, capture_output=True, timeout=120)
+    left = _instances(root)
+    for i, owner in owners.items():
+        if (i in left) != (owner != POOL):
+            wrong.append(f"pool apply (shrink) {'kept' if i in left else 'destroyed'} {i} "
+                         f"({owner}'s)")
+    return wrong
+
+
+def test_mig_pools_give_and_change_only_the_pools_instances(tmp_path: Path) -> None:
+    host = _mig_host(tmp_path)
+    owners = _gi_owners(host.root)
+    assert sorted(owners.values()) == [ADMIN, POOL, POOL], owners
+    assert mig_walk(host.root, {}) == []
+
+
+def test_a_mig_pool_that_skips_the_answer_is_caught(tmp_path: Path) -> None:
+    """pool apply taking every instance at a recorded placement for its own
+    (`made_by_gpulib` always yes) is caught when the administrator's sits at one."""
+    host = _mig_host(tmp_path)
+    # After a reboot, the administrator makes an instance where the pool's was.
+    for i in list(_instances(host.root)):
+        run([host.p("usr/bin/nvidia-smi"), "mig", "-i", "0", "-dci", "-gi", str(i[2])],
+            host.root)
+        run([host.p("usr/bin/nvidia-smi"), "mig", "-i", "0", "-dgi", "-gi", str(i[2])],
+            host.root)
+    host.write_file("proc/sys/kernel/random/boot_id", "boot-2\n", 0o444)
+    run([host.p("usr/bin/nvidia-smi"), "mig", "-i", "0", "-cgi", "19", "-C"], host.root)
+    (tmp_path / "bypass").mkdir()
+    (tmp_path / "bypass" / "sitecustomize.py").write_text(
+        "import gpulib.ownership as o\n"
+        "o.made_by_gpulib = lambda *a, **k: True\n")
+    honest = mig_walk(_copy_tree(host.root, tmp_path / "honest"), {})
+    assert honest == [], honest
+    skipped = mig_walk(_copy_tree(host.root, tmp_path / "skipped"),
+                       {"PYTHONPATH": str(tmp_path / "bypass")})
+    assert skipped, "the bypass went unnoticed"
+
+
+def _copy_tree(root: str, dst: Path) -> str:
+    shutil.copytree(root, str(dst), symlinks=True)
+    return str(dst)
