@@ -501,6 +501,14 @@ def expected_exec(path: str, kind: str, ident: str, owner: str) -> Any:
         # a newer run's (one past its grace too: the VM's own hook never
         # sweeps it, another VM's hook does); an earlier boot's is released
         return ident in RUNS and RUNS[ident][1] == "pending"
+    if path == "own onStart":
+        # onStart activates only a run libvirt launched (none of these is): a
+        # pending start or arrival stays pending, held (one past its grace
+        # too: the VM's own hook leaves it to another hook's sweep, as its
+        # onStop does); an earlier boot's run is over and released
+        if ident not in RUNS:
+            return None
+        return (True, "pending") if RUNS[ident][1] == "pending" else (False, None)
     if path == "reconnect":
         # it records what the VM runs with; the administrator's, a pool's and
         # another run's outlive its stop: only a run's that is over was
@@ -521,7 +529,8 @@ EXEC_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "migrate check": lambda *a: migrate_check_keeps(*a),
     "migrate begin": lambda *a: migrate_begin_keeps(*a),
     "reconnect": lambda *a: reconnect_records(*a),
-    "own onStop": lambda *a: own_onstop_keeps(*a)}
+    "own onStop": lambda *a: own_onstop_keeps(*a),
+    "own onStart": lambda *a: own_onstart_keeps(*a)}
 
 
 def walk_executables(root: str, made: dict[str, str], tmp: Path,
@@ -575,6 +584,7 @@ for i in range(len(names) - 1, 0, -1):
     ("migrate check", "gpulib.migration._left_over", "frozenset()"),
     ("migrate begin", "gpulib.migration.Planner._taken", "None"),
     ("own onStop", "gpulib.hooks.vmstate._stop_ends", "True"),
+    ("own onStart", "gpulib.liveness.Liveness.launched", "True"),
 ])
 def test_an_executable_that_skips_the_answer_is_caught(built: tuple[str, dict[str, str]],
                                                        tmp_path: Path,
@@ -818,6 +828,19 @@ def reconnect_records(root: str, tmp: Path, kind: str, ident: str) -> Any:
     host.stop_domain(MIG_VM)
     assert run([STATE_CHANGE, "onStop", MIG_VM], copy).returncode == 0
     return recorded, _live(copy, ident)
+
+
+def own_onstart_keeps(root: str, tmp: Path, kind: str, ident: str) -> Any:
+    """After the holder's own onStart, while libvirt runs none of these VMs: (the
+    run still holds it, its allocation still pending or of an earlier boot)."""
+    if ident not in RUNS:
+        return None
+    vm = RUNS[ident][0]
+    copy = _copy(root, tmp)
+    res = run([STATE_CHANGE, "onStart", vm], copy)
+    alloc = _state(copy)["allocations"].get(vm)
+    return res.returncode == 0 and ident in _held(copy), \
+        alloc["status"] if alloc is not None else None
 
 
 def own_onstop_keeps(root: str, tmp: Path, kind: str, ident: str) -> bool:

@@ -10,7 +10,7 @@ from gpulib import logger
 from gpulib.config import Config
 from gpulib.context import Context
 from gpulib.lifecycle import boot_clock, open_store, release_stale
-from gpulib.liveness import ABANDONED_ARRIVAL, Liveness, run_over
+from gpulib.liveness import ABANDONED_ARRIVAL, EARLIER_BOOT, Liveness, run_over
 from gpulib.state import Allocation, State, utc_now
 
 log = logger.get(__name__)
@@ -41,7 +41,13 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
         # Names only (no file is parsed): onStart never needs lxml.
         liveness = Liveness(ctx.sysfs)
         settle_left(ctx, state, liveness)
-        release_stale(ctx, state, liveness, config, keep=vm, store=store)
+        # The VM's own start is kept from the sweep (it is what this onStart
+        # is about), but not an allocation of an earlier boot: nothing of that
+        # boot runs, its run is over whatever comes now.
+        own = state.allocations.get(vm)
+        keep = None if own is not None and run_over(own, liveness, boot_clock(ctx)) \
+            == EARLIER_BOOT else vm
+        release_stale(ctx, state, liveness, config, keep=keep, store=store)
         alloc = state.allocations.get(vm)
         if alloc is None:
             return False
@@ -79,7 +85,13 @@ def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> 
     def stop(state: State) -> list[str]:
         liveness = Liveness(ctx.sysfs)
         settle_left(ctx, state, liveness)
-        release_stale(ctx, state, liveness, config, keep=vm, store=store)
+        # The VM's own start is kept from the sweep (it is what this onStart
+        # is about), but not an allocation of an earlier boot: nothing of that
+        # boot runs, its run is over whatever comes now.
+        own = state.allocations.get(vm)
+        keep = None if own is not None and run_over(own, liveness, boot_clock(ctx)) \
+            == EARLIER_BOOT else vm
+        release_stale(ctx, state, liveness, config, keep=keep, store=store)
         alloc = state.allocations.get(vm)
         if alloc is not None and alloc.status == "pending" and not _stop_ends(
                 alloc, ends_run, liveness, ctx, config):
