@@ -13,6 +13,10 @@ from gpulib.lifecycle import boot_clock, open_store, release_stale
 from gpulib.liveness import ABANDONED_ARRIVAL, EARLIER_BOOT, Liveness, run_over
 from gpulib.state import Allocation, State, utc_now
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Optional
+
 log = logger.get(__name__)
 
 
@@ -41,13 +45,8 @@ def activate(ctx: Context, config: Config, vm: str) -> bool:
         # Names only (no file is parsed): onStart never needs lxml.
         liveness = Liveness(ctx.sysfs)
         settle_left(ctx, state, liveness)
-        # The VM's own start is kept from the sweep (it is what this onStart
-        # is about), but not an allocation of an earlier boot: nothing of that
-        # boot runs, its run is over whatever comes now.
-        own = state.allocations.get(vm)
-        keep = None if own is not None and run_over(own, liveness, boot_clock(ctx)) \
-            == EARLIER_BOOT else vm
-        release_stale(ctx, state, liveness, config, keep=keep, store=store)
+        release_stale(ctx, state, liveness, config, keep=_own_run(ctx, state, vm, liveness),
+                      store=store)
         alloc = state.allocations.get(vm)
         if alloc is None:
             return False
@@ -85,13 +84,8 @@ def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> 
     def stop(state: State) -> list[str]:
         liveness = Liveness(ctx.sysfs)
         settle_left(ctx, state, liveness)
-        # The VM's own start is kept from the sweep (it is what this onStart
-        # is about), but not an allocation of an earlier boot: nothing of that
-        # boot runs, its run is over whatever comes now.
-        own = state.allocations.get(vm)
-        keep = None if own is not None and run_over(own, liveness, boot_clock(ctx)) \
-            == EARLIER_BOOT else vm
-        release_stale(ctx, state, liveness, config, keep=keep, store=store)
+        release_stale(ctx, state, liveness, config, keep=_own_run(ctx, state, vm, liveness),
+                      store=store)
         alloc = state.allocations.get(vm)
         if alloc is not None and alloc.status == "pending" and not _stop_ends(
                 alloc, ends_run, liveness, ctx, config):
@@ -111,6 +105,16 @@ def deactivate(ctx: Context, config: Config, vm: str, ends_run: bool = True) -> 
     released = any(not a.startswith("kept") for a in actions)
     counters.note(ctx.root, "releases", times=1 if released else 0, by="stop")
     return actions
+
+
+def _own_run(ctx: Context, state: State, vm: str, liveness: Liveness) -> Optional[str]:
+    """What the sweep before a VM's own onStart or stop keeps: the VM's own
+    allocation (the run the hook is about, judged by the hook itself), but not
+    one of an earlier boot, whose run is over whatever comes now."""
+    own = state.allocations.get(vm)
+    if own is not None and run_over(own, liveness, boot_clock(ctx)) == EARLIER_BOOT:
+        return None
+    return vm
 
 
 def _stop_ends(alloc: Allocation, ends_run: bool, liveness: Liveness, ctx: Context,
