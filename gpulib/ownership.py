@@ -126,7 +126,7 @@ def vgpu_owner(rec: Optional[VgpuRecord], uuid: str, live: bool,
         return NOBODYS
     if is_handmade(rec):
         return Owner(ADMIN, f"mdev {uuid} was made by hand (gpulib mdev create)", name=uuid)
-    if getattr(rec, "remembered", False):
+    if rec.remembered:
         # A running VM's vGPU gpulib did not make, recorded only so that VM
         # can start again after a reboot: remembered, not owned.
         return Owner(ADMIN, f"mdev {uuid} was made outside gpulib (remembered for its VM)",

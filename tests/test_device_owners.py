@@ -64,19 +64,11 @@ _w, _ln = handmade.write, handmade.link
 
 def _function(root: str, port: str, bdf: str, vendor: int, device: int, klass: int,
               driver: Optional[str], group: int) -> str:
-    d = os.path.join(root, "sys/devices", f"pci{port[:7]}", port, bdf)
-    for name, value in (("vendor", f"0x{vendor:04x}"), ("device", f"0x{device:04x}"),
-                        ("class", f"0x{klass:06x}"), ("numa_node", "0")):
-        _w(os.path.join(d, name), value + "\n")
-    _ln(d, os.path.join(root, "sys/bus/pci/devices", bdf))
-    if driver:
-        drv = os.path.join(root, "sys/bus/pci/drivers", driver)
-        os.makedirs(drv, exist_ok=True)
-        _ln(drv, os.path.join(d, "driver"))
-    g = os.path.join(root, "sys/kernel/iommu_groups", str(group))
-    _ln(g, os.path.join(d, "iommu_group"))
-    _ln(d, os.path.join(g, "devices", bdf))
-    return d
+    """A function behind `port` (the port itself when `bdf` is it), laid by
+    tests.handmade."""
+    chain = [port] if bdf == port else [port, bdf]
+    return handmade.fn(root, chain, f"0x{vendor:04x}", f"0x{device:04x}", f"0x{klass:06x}",
+                       driver, group)
 
 
 SHARED = "000f:01:00.0"  # a GPU on vfio-pci, its audio, and an i40e NIC in one group
