@@ -285,16 +285,28 @@ PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
     "pools": pools_would_use, "metrics": metrics_count, "mdev create": vgpu_command_makes}
 
 
-def walk(root: str, made: dict[str, str], tmp: Path) -> list[str]:
+Ask = Callable[[str, Path, str, str], Any]
+
+
+def _compare(root: str, tmp: Path, paths: dict[str, Ask], only: Any,
+             owned: list[tuple[str, str, str]], want: Callable[[str, str, str, str], Any],
+             before: Callable[[], None] = lambda: None) -> list[str]:
+    """Each path (of `only`) asked of each device (kind, ident, owner): what it
+    answered where that differs from what the one answer makes of it."""
     wrong = []
-    for path, ask in PATHS.items():
-        refresh(root)  # the arrival's grace is seconds
-        for kind, ident, owner in devices(made):
-            got = ask(root, tmp, kind, ident)
-            want = expected(path, kind, ident, owner)
-            if got != want:
-                wrong.append(f"{path}: {ident} ({owner}'s) answered {got!r}, not {want!r}")
+    for path in only:
+        before()
+        for kind, ident, owner in owned:
+            got = paths[path](root, tmp, kind, ident)
+            expect = want(path, kind, ident, owner)
+            if got != expect:
+                wrong.append(f"{path}: {ident} ({owner}'s) answered {got!r}, not {expect!r}")
     return wrong
+
+
+def walk(root: str, made: dict[str, str], tmp: Path) -> list[str]:
+    # refresh: the arrival's grace is seconds
+    return _compare(root, tmp, PATHS, PATHS, devices(made), expected, lambda: refresh(root))
 
 
 def test_every_path_gives_the_one_answer(built: tuple[str, dict[str, str]],
@@ -538,15 +550,7 @@ def walk_executables(root: str, made: dict[str, str], tmp: Path,
     _ONCE.clear()
     _STATUS.clear()
     refresh(root)  # the arrival's grace is seconds
-    wrong = []
-    for path in only:
-        ask = EXEC_PATHS[path]
-        for kind, ident, owner in devices(made):
-            got = ask(root, tmp, kind, ident)
-            want = expected_exec(path, kind, ident, owner)
-            if got != want:
-                wrong.append(f"{path}: {ident} ({owner}'s) answered {got!r}, not {want!r}")
-    return wrong
+    return _compare(root, tmp, EXEC_PATHS, only, devices(made), expected_exec)
 
 
 def test_every_executable_gives_the_one_answer(built: tuple[str, dict[str, str]],
@@ -723,14 +727,7 @@ VF_PATHS: dict[str, Callable[[str, Path, str, str], Any]] = {
 
 def walk_vfs(root: str, tmp: Path, only: tuple[str, ...] = tuple(VF_PATHS)) -> list[str]:
     _ONCE.clear()
-    wrong = []
-    for path in only:
-        for kind, vf, owner in VF_DEVICES:
-            got = VF_PATHS[path](root, tmp, kind, vf)
-            want = expected_vf(path, kind, vf, owner)
-            if got != want:
-                wrong.append(f"{path}: {vf} ({owner}'s) answered {got!r}, not {want!r}")
-    return wrong
+    return _compare(root, tmp, VF_PATHS, only, VF_DEVICES, expected_vf)
 
 
 def test_every_path_gives_the_one_answer_for_vfs(vf_built: str, tmp_path: Path) -> None:
