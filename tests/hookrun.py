@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -79,3 +80,28 @@ def libvirt_start_fails(root: str, name: str, xml: bytes) -> None:
     res = run([QEMU_HOOK, name, "prepare", "begin", "-"], root, stdin=xml)
     assert res.returncode == 0, res.stderr
     assert run([QEMU_HOOK, name, "release", "end", "-"], root).returncode == 0
+
+
+def as_the_agent_runs(argv: list[str], root: str, stdin: Optional[bytes] = None,
+                      timeout: float = 30) -> tuple[int, float, bytes]:
+    """CloudStack's Script: argv, stderr merged, wait for the exit (its 30 s),
+    then read to the end: (exit code, -1 when killed; seconds; output)."""
+    began = time.monotonic()
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else None,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=hook_env(root))
+    if stdin is not None:
+        assert proc.stdin is not None
+        proc.stdin.write(stdin)
+        proc.stdin.close()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = -1
+    took = time.monotonic() - began
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.stdout.close()
+    return code, took, out

@@ -35,7 +35,7 @@ from gpulib.sim.fakehost import FakeHost
 from gpulib.sim.hosts import DEMO_POOL_MDEVS, DEMO_T4
 from gpulib.state import HOOK_LOCK_TIMEOUT_CAP, StateStore
 from tests.conftest import DATA, SharedHost, shared
-from tests.hookrun import BIN, QEMU_HOOK, TRANSFORMER, as_agent, hook_env
+from tests.hookrun import BIN, QEMU_HOOK, TRANSFORMER, as_agent, as_the_agent_runs, hook_env
 from tests.hosts import tree_contents
 
 VGPU_XML = DATA / "cloudstack-xml" / "vgpu-mdev.xml"
@@ -338,24 +338,6 @@ def _large(xml: str, size: int) -> str:
     return xml.replace("</devices>", one * n + "</devices>", 1)
 
 
-def _as_the_agent_runs_it(root: str, xml: str) -> tuple[int, float, bytes]:
-    """The agent's runner: argv, stderr merged, wait for the exit (30 s), then read."""
-    began = time.monotonic()
-    proc = subprocess.Popen([TRANSFORMER, "transform", xml], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=hook_env(root))
-    try:
-        code = proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        code = -1
-    took = time.monotonic() - began
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    proc.stdout.close()
-    return code, took, out
-
-
 @pytest.mark.parametrize("fixture", ["no-gpu.xml", "vgpu-mdev.xml"])
 def test_an_output_larger_than_the_pipe_never_delays_the_exit(demo: str, fixture: str) -> None:
     """Reproduction: a domain of 100 KiB (many devices) passed as argv to the
@@ -364,7 +346,7 @@ def test_an_output_larger_than_the_pipe_never_delays_the_exit(demo: str, fixture
     30 s timeout killed it, and the agent started the VM with its own XML."""
     xml = _large((DATA / "cloudstack-xml" / fixture).read_text(encoding="utf-8"), 100 * 1024)
     assert 64 * 1024 < len(xml.encode()) < 128 * 1024  # above the pipe, below argv's limit
-    code, took, out = _as_the_agent_runs_it(demo, xml)
+    code, took, out = as_the_agent_runs([TRANSFORMER, "transform", xml], demo)
     assert code == 0, out[-300:]
     assert took < 10, took
     if fixture == "no-gpu.xml":

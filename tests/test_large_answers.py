@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,15 +27,13 @@ from lxml import etree
 
 from gpulib.sim.hosts import build_large
 from tests.conftest import DATA, REPO
-from tests.hookrun import BIN, QEMU_HOOK, TRANSFORMER, hook_env
+from tests.hookrun import BIN, QEMU_HOOK, TRANSFORMER, as_the_agent_runs, hook_env
 from tests.test_discovery import check_agent_document
 
 pytestmark = pytest.mark.slow
 
 WRAPPER = REPO / "packaging" / "cloudstack" / "cloudstack-gpudiscovery"
 PIPE = 64 * 1024
-# The agent's limit; a run that waits on the pipe takes all of it.
-AGENT_TIMEOUT = 30
 # "Well inside": a loaded two-core machine, the 64-GPU report included.
 WELL_INSIDE = 10
 
@@ -52,30 +49,6 @@ def host64() -> Iterator[str]:
         yield build_large(os.path.join(top, "host"), gpus=64).root
     finally:
         shutil.rmtree(top, ignore_errors=True)
-
-
-def as_the_agent_runs(argv: list[str], root: str, stdin: bytes | None = None
-                      ) -> tuple[int, float, bytes]:
-    """CloudStack's Script: stderr merged, wait for the exit, then read to the end."""
-    began = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else None,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=hook_env(root))
-    if stdin is not None:
-        assert proc.stdin is not None
-        proc.stdin.write(stdin)
-        proc.stdin.close()
-    try:
-        code = proc.wait(timeout=AGENT_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        code = -1
-    took = time.monotonic() - began
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    proc.stdout.close()
-    return code, took, out
 
 
 def packaged_wrapper(tmp_path: Path) -> str:
